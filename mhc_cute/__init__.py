@@ -1,0 +1,8 @@
+"""mhc_cute: GPU kernels for DeepSeek-V4's mHC boundary op (hyper-connection post fused with pre)."""
+
+from .api import mhc_fused_hc
+from .problem import MhcFusedHcOutput
+from .backends import BACKENDS, available
+
+__version__ = "0.1.0"
+__all__ = ["mhc_fused_hc", "MhcFusedHcOutput", "BACKENDS", "available", "__version__"]

@@ -1,0 +1,116 @@
+"""The backend registry: what each backend is, where it lives, and whether it can run on a device.
+
+Backends are imported lazily so that ``import mhc_cute`` works on any machine (no GPU, no CuTe DSL, no Triton).
+Each backend module exposes ``run(problem: Problem, tactic=None) -> MhcFusedHcOutput`` on flattened operands.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    entry: str  # "module:function" implementing run(problem, tactic=None)
+    kind: str  # "reference" | "cute" | "triton"
+    summary: str
+    h_multiple: int = 1  # kernel backends tile H by 64
+
+    def load(self):
+        module, func = self.entry.split(":")
+        return getattr(importlib.import_module(module), func)
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("torch", "mhc_cute.backends:run_reference", "reference", "plain torch, fp32 compute, any device"),
+        Backend("triton", "mhc_cute.triton.fused_hc:run", "triton",
+                "Triton main + reduce kernels (ROCm gfx950 design; NVIDIA; CPU interpreter)", 64),
+        Backend("half_fma", "mhc_cute.kernels.fma:run_half_fma", "cute",
+                "path E: CuTe DSL, FFMA projection + big-fuse kernel (2 launches)", 64),
+        Backend("all_fma", "mhc_cute.kernels.fma:run_all_fma", "cute",
+                "path F: CuTe DSL, FFMA projection, last-CTA big fuse (1 launch)", 64),
+        Backend("half_mma", "mhc_cute.kernels.mma:run_half_mma", "cute",
+                "path B: CuTe DSL, TF32 wgmma projection + big-fuse kernel (2 launches)", 64),
+        Backend("all_mma", "mhc_cute.kernels.mma:run_all_mma", "cute",
+                "path D: CuTe DSL, TF32 wgmma projection, last-CTA big fuse (1 launch)", 64),
+    )
+}
+
+
+def run_reference(problem, tactic=None):
+    from .problem import MhcFusedHcOutput
+    from .reference import fused_hc
+
+    return MhcFusedHcOutput(*fused_hc(
+        problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, problem.hc_scale,
+        problem.hc_base, norm_weight=problem.norm_weight, compute_dtype=torch.float32,
+        **problem.scalars.as_kwargs(),
+    ))
+
+
+@functools.lru_cache(maxsize=None)
+def _module_missing(kind: str) -> str | None:
+    """Why a backend family cannot be imported here (None when it can)."""
+    try:
+        if kind == "cute":
+            importlib.import_module("cutlass.cute")
+            importlib.import_module("tvm_ffi")
+        elif kind == "triton":
+            importlib.import_module("triton")
+    except Exception as e:  # any import failure means unavailable, with the reason shown
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _implemented(backend: Backend) -> bool:
+    module = backend.entry.split(":")[0]
+    return importlib.util.find_spec(module) is not None
+
+
+def unavailable_reason(name: str, device: torch.device) -> str | None:
+    """None if backend ``name`` can run on ``device``, else a short reason."""
+    b = BACKENDS[name]
+    if b.kind == "reference":
+        return None
+    if not _implemented(b):
+        return "not built in this version"
+    if b.kind == "cute":
+        if device.type != "cuda" or torch.version.hip is not None:
+            return "needs an NVIDIA GPU"
+        if torch.cuda.get_device_capability(device) != (9, 0):
+            return "needs sm_90 (Hopper)"
+    if b.kind == "triton":
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        if device.type != "cuda" and not (device.type == "cpu" and interpret):
+            return "needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 for CPU tensors"
+    return _module_missing(b.kind)
+
+
+def available(device: torch.device) -> list[str]:
+    return [n for n in BACKENDS if unavailable_reason(n, device) is None]
+
+
+def _is_rocm() -> bool:
+    return torch.version.hip is not None
+
+
+def pick_auto(device: torch.device, m: int, hidden: int) -> str:
+    """The backend that ``backend="auto"`` uses when no tuned tactic applies."""
+    forced = os.environ.get("MHC_CUTE_BACKEND")
+    if forced:
+        return forced
+    if device.type == "cuda" and hidden % 64 == 0:
+        order = ("triton",) if _is_rocm() else ("all_fma", "half_mma", "triton")
+        for name in order:
+            if unavailable_reason(name, device) is None:
+                return name
+    return "torch"

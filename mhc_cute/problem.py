@@ -1,0 +1,169 @@
+"""The validated, flattened form of one ``mhc_fused_hc`` call that every backend receives."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .reference import HC_MULT, N_MIXES
+
+
+class MhcFusedHcOutput(NamedTuple):
+    residual_cur: torch.Tensor  # [..., 4, H] bf16
+    post_mix_cur: torch.Tensor  # [..., 4, 1] fp32
+    comb_mix_cur: torch.Tensor  # [..., 4, 4] fp32
+    layer_input: torch.Tensor  # [..., H] bf16
+
+
+@dataclass(frozen=True)
+class Scalars:
+    rms_eps: float = 1e-6
+    hc_pre_eps: float = 1e-6
+    hc_sinkhorn_eps: float = 1e-6
+    hc_post_mult_value: float = 2.0
+    sinkhorn_repeat: int = 20
+    norm_eps: float = 1e-6
+
+    def as_kwargs(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Contiguous flattened operands: ``x [M, H]``, ``residual [M, 4, H]``, ``post_mix [M, 4]``,
+    ``comb_mix [M, 4, 4]``, ``fn [24, 4H]``, ``hc_scale [3]``, ``hc_base [24]``, ``norm_weight [H] | None``."""
+
+    x: torch.Tensor
+    residual: torch.Tensor
+    post_mix: torch.Tensor
+    comb_mix: torch.Tensor
+    fn: torch.Tensor
+    hc_scale: torch.Tensor
+    hc_base: torch.Tensor
+    norm_weight: torch.Tensor | None
+    scalars: Scalars
+    precision: str
+
+    @property
+    def m(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.x.shape[1]
+
+    def empty_outputs(self) -> MhcFusedHcOutput:
+        """Fresh output buffers (never aliasing an input)."""
+        m, h, dev = self.m, self.hidden, self.x.device
+        return MhcFusedHcOutput(
+            torch.empty(m, HC_MULT, h, dtype=torch.bfloat16, device=dev),
+            torch.empty(m, HC_MULT, 1, dtype=torch.float32, device=dev),
+            torch.empty(m, HC_MULT, HC_MULT, dtype=torch.float32, device=dev),
+            torch.empty(m, h, dtype=torch.bfloat16, device=dev),
+        )
+
+
+PRECISIONS = ("fp32", "tf32")
+
+
+def _fail(name: str, expected: str, got) -> None:
+    raise ValueError(f"mhc_fused_hc: `{name}` must be {expected}; got {got}")
+
+
+def _check_tensor(name, t, dtypes, shape_tail, device):
+    if not isinstance(t, torch.Tensor):
+        _fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dtype not in dtypes:
+        _fail(name, " or ".join(str(d) for d in dtypes), t.dtype)
+    if t.device != device:
+        _fail(name, f"on the same device as x_prev ({device})", t.device)
+    if shape_tail is not None:
+        n = len(shape_tail)
+        if t.dim() < n or tuple(t.shape[t.dim() - n :]) != tuple(shape_tail):
+            _fail(name, f"of shape [..., {', '.join(map(str, shape_tail))}]", list(t.shape))
+
+
+def _check_exact(name, t, dtypes, shape, device):
+    _check_tensor(name, t, dtypes, None, device)
+    if tuple(t.shape) != tuple(shape):
+        _fail(name, f"of shape {list(shape)}", list(t.shape))
+
+
+def validate(
+    x_prev,
+    residual_prev,
+    post_mix_prev,
+    comb_mix_prev,
+    fn,
+    hc_scale,
+    hc_base,
+    norm_weight,
+    scalars: Scalars,
+    precision: str,
+) -> tuple[Problem, tuple[int, ...]]:
+    """Check every argument and return the flattened problem plus the leading dims of the outputs.
+
+    Non-contiguous inputs are made contiguous (a copy); inputs are never modified.
+    """
+    if not isinstance(x_prev, torch.Tensor):
+        _fail("x_prev", "a torch.Tensor", type(x_prev).__name__)
+    if x_prev.dim() < 1:
+        _fail("x_prev", "of shape [..., H]", list(x_prev.shape))
+    dev = x_prev.device
+    bf16, f32 = (torch.bfloat16,), (torch.float32,)
+    h = x_prev.shape[-1]
+    lead = tuple(x_prev.shape[:-1])
+    _check_tensor("x_prev", x_prev, bf16, None, dev)
+    if h <= 0:
+        _fail("x_prev", "of shape [..., H] with H > 0", list(x_prev.shape))
+    _check_tensor("residual_prev", residual_prev, bf16, (HC_MULT, h), dev)
+    if tuple(residual_prev.shape[:-2]) != lead:
+        _fail("residual_prev", f"of shape {list(lead) + [HC_MULT, h]} (leading dims of x_prev, hc_mult 4, H)",
+              list(residual_prev.shape))
+    _check_tensor("post_mix_prev", post_mix_prev, f32, None, dev)
+    if tuple(post_mix_prev.shape) not in (lead + (HC_MULT,), lead + (HC_MULT, 1)):
+        _fail("post_mix_prev", f"of shape {list(lead) + [4]} or {list(lead) + [4, 1]}", list(post_mix_prev.shape))
+    _check_tensor("comb_mix_prev", comb_mix_prev, f32, None, dev)
+    if tuple(comb_mix_prev.shape) not in (lead + (HC_MULT, HC_MULT), lead + (HC_MULT * HC_MULT,)):
+        _fail("comb_mix_prev", f"of shape {list(lead) + [4, 4]} or {list(lead) + [16]}", list(comb_mix_prev.shape))
+    _check_exact("fn", fn, f32, (N_MIXES, HC_MULT * h), dev)
+    _check_exact("hc_scale", hc_scale, f32, (3,), dev)
+    _check_exact("hc_base", hc_base, f32, (N_MIXES,), dev)
+    if norm_weight is not None:
+        _check_exact("norm_weight", norm_weight, (torch.bfloat16, torch.float32), (h,), dev)
+    for name in ("rms_eps", "hc_pre_eps", "hc_sinkhorn_eps", "hc_post_mult_value", "norm_eps"):
+        v = getattr(scalars, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            _fail(name, "a finite float", repr(v))
+    for name in ("rms_eps", "norm_eps"):
+        if getattr(scalars, name) <= 0:
+            _fail(name, "> 0", getattr(scalars, name))
+    for name in ("hc_pre_eps", "hc_sinkhorn_eps"):
+        if getattr(scalars, name) < 0:
+            _fail(name, ">= 0", getattr(scalars, name))
+    rep = scalars.sinkhorn_repeat
+    if isinstance(rep, bool) or not isinstance(rep, int) or rep < 1:
+        _fail("sinkhorn_repeat", "an int >= 1", repr(rep))
+    if precision not in PRECISIONS:
+        _fail("precision", f"one of {PRECISIONS}", repr(precision))
+
+    m = math.prod(lead)
+    problem = Problem(
+        x=x_prev.reshape(m, h).contiguous(),
+        residual=residual_prev.reshape(m, HC_MULT, h).contiguous(),
+        post_mix=post_mix_prev.reshape(m, HC_MULT).contiguous(),
+        comb_mix=comb_mix_prev.reshape(m, HC_MULT, HC_MULT).contiguous(),
+        fn=fn.contiguous(),
+        hc_scale=hc_scale.contiguous(),
+        hc_base=hc_base.contiguous(),
+        norm_weight=None if norm_weight is None else norm_weight.contiguous(),
+        scalars=Scalars(
+            float(scalars.rms_eps), float(scalars.hc_pre_eps), float(scalars.hc_sinkhorn_eps),
+            float(scalars.hc_post_mult_value), int(rep), float(scalars.norm_eps),
+        ),
+        precision=precision,
+    )
+    return problem, lead

@@ -1,0 +1,122 @@
+"""The numerical contract of ``../shared/SPEC.md`` in plain torch.
+
+Every backend is tested against these functions. They run on any device and compute either in float32 (the
+``"torch"`` backend) or in float64 (the test reference). Rounding points are explicit:
+
+* step 1 (post) is always evaluated as the SPEC's fp32 FMA chain, bit-exactly, whatever ``compute_dtype`` is,
+  because ``residual_cur`` is an output that every backend must reproduce bit-for-bit;
+* steps 2-7 run in ``compute_dtype`` on the bf16-rounded ``residual_cur``;
+* ``layer_input`` is rounded to bf16 after the collapse (step 6) and, with a norm weight, again after step 7.
+
+Shapes here are the flattened ones: ``x [M, H]``, ``residual [M, 4, H]``, ``post_mix [M, 4]``,
+``comb_mix [M, 4, 4]``, ``fn [24, 4H]``, ``hc_scale [3]``, ``hc_base [24]``, ``norm_weight [H]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+HC_MULT = 4
+N_MIXES = 2 * HC_MULT + HC_MULT * HC_MULT  # 24: pre(4), post(4), comb(16)
+
+
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 ``a * b + c`` (one rounding), as the GPU's FFMA computes it.
+
+    torch has no fused multiply-add, so it is emulated: the product of two fp32 values is exact in float64, the
+    sum is formed in float64 with its exact error (TwoSum), and the float64 result is made round-to-odd before
+    the final rounding to fp32. Round-to-odd at 53 bits followed by round-to-nearest at 24 bits equals a single
+    round-to-nearest (Boldo and Melquiond), so there is no double-rounding error.
+    """
+    p = a.double() * b.double()
+    c64 = c.double()
+    s = p + c64
+    bv = s - p
+    err = (p - (s - bv)) + (c64 - bv)
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.full_like(s, float("inf")), torch.full_like(s, float("-inf")))
+    s = torch.where((err != 0) & even, torch.nextafter(s, toward), s)
+    return s.float()
+
+
+def post(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.Tensor, comb_mix: torch.Tensor) -> torch.Tensor:
+    """SPEC step 1: ``residual_cur[j][h] = bf16(fma-chain(post[j] * x[h], comb[k][j] * res[k][h], k = 0..3))``."""
+    xf = x.float()[:, None, :]
+    acc = post_mix.float()[:, :, None] * xf  # [M, 4 (j), H], one fp32 rounding
+    for k in range(HC_MULT):
+        # row k of comb is the *source* stream: comb[k][j] weights res[k] into stream j
+        acc = fma_f32(comb_mix.float()[:, k, :, None], residual[:, k, None, :].float(), acc)
+    return acc.to(torch.bfloat16)
+
+
+def _mixes(residual_cur, fn, hc_scale, hc_base, rms_eps, cd):
+    m, n, h = residual_cur.shape
+    xf = residual_cur.reshape(m, n * h).to(cd)
+    rstd = torch.rsqrt((xf * xf).sum(-1) / (n * h) + rms_eps)  # divisor 4H, not H
+    dots = xf @ fn.to(cd).t()
+    scale = torch.cat([hc_scale[0:1].expand(4), hc_scale[1:2].expand(4), hc_scale[2:3].expand(16)]).to(cd)
+    return dots * rstd[:, None] * scale + hc_base.to(cd)
+
+
+def sinkhorn(c: torch.Tensor, eps: float, repeat: int) -> torch.Tensor:
+    """SPEC step 5 on ``c [M, 4, 4]``: row softmax + eps, column step, then (row, column) ``repeat - 1`` times."""
+    c = torch.softmax(c, dim=-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(repeat - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+def pre(
+    residual_cur: torch.Tensor,
+    fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    *,
+    rms_eps: float = 1e-6,
+    hc_pre_eps: float = 1e-6,
+    hc_sinkhorn_eps: float = 1e-6,
+    hc_post_mult_value: float = 2.0,
+    sinkhorn_repeat: int = 20,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    compute_dtype: torch.dtype = torch.float32,
+):
+    """SPEC steps 2-7 on the bf16 ``residual_cur [M, 4, H]``.
+
+    Returns ``(post_mix_cur [M, 4, 1], comb_mix_cur [M, 4, 4], layer_input [M, H] bf16)``; the mixes are in
+    ``compute_dtype``.
+    """
+    cd = compute_dtype
+    mixes = _mixes(residual_cur, fn, hc_scale, hc_base, rms_eps, cd)
+    pre_gate = torch.sigmoid(mixes[:, 0:4]) + hc_pre_eps
+    post_mix = torch.sigmoid(mixes[:, 4:8]) * hc_post_mult_value
+    comb_mix = sinkhorn(mixes[:, 8:24].reshape(-1, 4, 4), hc_sinkhorn_eps, sinkhorn_repeat)
+    res = residual_cur.to(cd)
+    acc = pre_gate[:, 0:1] * res[:, 0]
+    for j in range(1, HC_MULT):  # fixed order j = 0..3
+        acc = acc + pre_gate[:, j : j + 1] * res[:, j]
+    layer_input = acc.to(torch.bfloat16)
+    if norm_weight is not None:
+        li = layer_input.to(cd)
+        r = torch.rsqrt((li * li).mean(-1, keepdim=True) + norm_eps)
+        layer_input = (li * r * norm_weight.to(cd)).to(torch.bfloat16)
+    return post_mix[:, :, None], comb_mix, layer_input
+
+
+def fused_hc(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    post_mix: torch.Tensor,
+    comb_mix: torch.Tensor,
+    fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    **scalars,
+):
+    """The whole boundary op on flattened inputs: ``(residual_cur, post_mix_cur, comb_mix_cur, layer_input)``."""
+    residual_cur = post(x, residual, post_mix, comb_mix)
+    return (residual_cur, *pre(residual_cur, fn, hc_scale, hc_base, compute_dtype=compute_dtype, **scalars))
