@@ -9,9 +9,12 @@ from .problem import MhcFusedHcOutput, Problem, Scalars, validate
 from .reference import HC_MULT
 
 
-def _dispatch(problem: Problem, backend: str, tactic=None) -> MhcFusedHcOutput:
+def _dispatch(problem: Problem, backend: str, tactic=None, out: MhcFusedHcOutput | None = None) -> MhcFusedHcOutput:
+    """Run ``backend`` on the flattened problem, writing into ``out`` (fresh buffers when None)."""
+    if out is None:
+        out = problem.empty_outputs()
     if problem.m == 0:
-        return problem.empty_outputs()
+        return out
     dev = problem.x.device
     if backend == "auto":
         backend = backends.pick_auto(dev, problem.m, problem.hidden)
@@ -28,7 +31,8 @@ def _dispatch(problem: Problem, backend: str, tactic=None) -> MhcFusedHcOutput:
     mult = backends.BACKENDS[backend].h_multiple
     if problem.hidden % mult:
         raise ValueError(f"mhc_fused_hc: backend {backend!r} needs H % {mult} == 0; got H = {problem.hidden}")
-    return backends.BACKENDS[backend].load()(problem, tactic)
+    backends.BACKENDS[backend].load()(problem, tactic, out)
+    return out
 
 
 def mhc_fused_hc(

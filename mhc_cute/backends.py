@@ -1,7 +1,9 @@
 """The backend registry: what each backend is, where it lives, and whether it can run on a device.
 
 Backends are imported lazily so that ``import mhc_cute`` works on any machine (no GPU, no CuTe DSL, no Triton).
-Each backend module exposes ``run(problem: Problem, tactic=None) -> MhcFusedHcOutput`` on flattened operands.
+Each backend exposes ``run(problem: Problem, tactic, out: MhcFusedHcOutput) -> None``: it reads the flattened
+operands of ``problem`` and writes every element of the flattened output buffers ``out`` (which the dispatcher
+allocates, and which never alias an input). ``tactic`` is None (the backend chooses) or a backend-specific tactic.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 @dataclass(frozen=True)
 class Backend:
     name: str
-    entry: str  # "module:function" implementing run(problem, tactic=None)
+    entry: str  # "module:function" implementing run(problem, tactic, out)
     kind: str  # "reference" | "cute" | "triton"
     summary: str
     h_multiple: int = 1  # kernel backends tile H by 64
@@ -46,15 +48,16 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
-def run_reference(problem, tactic=None):
-    from .problem import MhcFusedHcOutput
+def run_reference(problem, tactic, out) -> None:
     from .reference import fused_hc
 
-    return MhcFusedHcOutput(*fused_hc(
+    result = fused_hc(
         problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, problem.hc_scale,
         problem.hc_base, norm_weight=problem.norm_weight, compute_dtype=torch.float32,
         **problem.scalars.as_kwargs(),
-    ))
+    )
+    for dst, src in zip(out, result):
+        dst.copy_(src)
 
 
 @functools.lru_cache(maxsize=None)

@@ -49,7 +49,8 @@ def post(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.Tensor, comb_m
     return acc.to(torch.bfloat16)
 
 
-def _mixes(residual_cur, fn, hc_scale, hc_base, rms_eps, cd):
+def mixes(residual_cur, fn, hc_scale, hc_base, rms_eps, cd):
+    """SPEC steps 2-3: the 24 mixes ``[M, 24]`` in ``cd`` from the bf16 ``residual_cur``."""
     m, n, h = residual_cur.shape
     xf = residual_cur.reshape(m, n * h).to(cd)
     rstd = torch.rsqrt((xf * xf).sum(-1) / (n * h) + rms_eps)  # divisor 4H, not H
@@ -89,10 +90,10 @@ def pre(
     ``compute_dtype``.
     """
     cd = compute_dtype
-    mixes = _mixes(residual_cur, fn, hc_scale, hc_base, rms_eps, cd)
-    pre_gate = torch.sigmoid(mixes[:, 0:4]) + hc_pre_eps
-    post_mix = torch.sigmoid(mixes[:, 4:8]) * hc_post_mult_value
-    comb_mix = sinkhorn(mixes[:, 8:24].reshape(-1, 4, 4), hc_sinkhorn_eps, sinkhorn_repeat)
+    mix = mixes(residual_cur, fn, hc_scale, hc_base, rms_eps, cd)
+    pre_gate = torch.sigmoid(mix[:, 0:4]) + hc_pre_eps
+    post_mix = torch.sigmoid(mix[:, 4:8]) * hc_post_mult_value
+    comb_mix = sinkhorn(mix[:, 8:24].reshape(-1, 4, 4), hc_sinkhorn_eps, sinkhorn_repeat)
     res = residual_cur.to(cd)
     acc = pre_gate[:, 0:1] * res[:, 0]
     for j in range(1, HC_MULT):  # fixed order j = 0..3

@@ -1,0 +1,60 @@
+"""The correctness suite every backend runs: float64 reference, poisoned outputs, determinism."""
+
+import pytest
+import torch
+
+from common import check_outputs, make_inputs, problem_of, run_backend
+from mhc_cute import backends
+
+KERNEL_BACKENDS = ["triton", "half_fma", "all_fma", "half_mma", "all_mma"]
+GPU_MS = [1, 2, 3, 16, 17, 64, 100, 256, 1000, 4096, 8192]
+GPU_HS = [512, 4096, 5120, 7168]
+
+
+def tolerances(backend: str, precision: str) -> dict:
+    if backend in ("half_mma", "all_mma"):
+        return dict(mix_tol=2e-5) if precision == "fp32" else dict(mix_tol=1e-3, li_normwise=1e-2)
+    return dict(mix_tol=1e-5)
+
+
+def _run_and_check(backend, m, h, norm, device, precision="fp32", seed=0):
+    why = backends.unavailable_reason(backend, torch.device(device))
+    if why is not None:
+        pytest.skip(f"{backend} unavailable: {why}")
+    problem = problem_of(make_inputs(m, h, seed=seed + m + h, device=device, norm=norm), precision)
+    out = run_backend(problem, backend)
+    check_outputs(out, problem, **tolerances(backend, precision))
+    again = run_backend(problem, backend)
+    for name, a, b in zip(out._fields, out, again):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a, b.view(torch.uint8) if b.dtype == torch.bfloat16 else b), f"{name} differs between two runs"
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("h", [256, 4096, 5120, 7168])
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+def test_torch_backend_cpu(m, h, norm):
+    _run_and_check("torch", m, h, norm, "cpu")
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("h", [64, 256])
+@pytest.mark.parametrize("m", [1, 3, 5])
+def test_triton_interpreter_cpu(m, h, norm):
+    _run_and_check("triton", m, h, norm, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("h", GPU_HS)
+@pytest.mark.parametrize("m", GPU_MS)
+@pytest.mark.parametrize("backend", ["torch"] + KERNEL_BACKENDS)
+def test_gpu_backend(backend, m, h, norm):
+    _run_and_check(backend, m, h, norm, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [4096, 7168])
+@pytest.mark.parametrize("m", [1, 17, 1000, 8192])
+@pytest.mark.parametrize("backend", ["half_mma", "all_mma"])
+def test_gpu_tf32(backend, m, h):
+    _run_and_check(backend, m, h, True, "cuda", precision="tf32")
