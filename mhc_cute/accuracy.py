@@ -1,0 +1,150 @@
+"""The accuracy contract: inputs with DeepSeek-V4-like statistics and the float64 checks every backend passes.
+
+Used by the tests and by ``mhc-cute check``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import reference
+from .api import _dispatch
+from .problem import MhcFusedHcOutput, Problem, Scalars
+
+BF16_MANTISSA_BITS = 7
+FP32_SUM_ULPS = 8
+
+
+def make_inputs(m: int, h: int, *, seed: int = 0, device="cpu", norm: bool = False, lead=None) -> dict:
+    """Random inputs with DeepSeek-V4-like statistics (mixes O(1), comb doubly stochastic), never zeros."""
+    g = torch.Generator().manual_seed(seed)
+    lead = (m,) if lead is None else tuple(lead)
+    m = math.prod(lead)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    comb = reference.sinkhorn(randn(m, 4, 4), 1e-6, 20)
+    inputs = dict(
+        x_prev=randn(*lead, h).bfloat16(),
+        residual_prev=randn(*lead, 4, h).bfloat16(),
+        post_mix_prev=(torch.sigmoid(randn(m, 4)) * 2).reshape(*lead, 4, 1),
+        comb_mix_prev=comb.reshape(*lead, 4, 4),
+        fn=randn(24, 4 * h) / math.sqrt(4 * h),
+        hc_scale=torch.rand(3, generator=g) + 0.5,
+        hc_base=randn(24) * 0.5,
+        norm_weight=(1 + 0.1 * randn(h)).bfloat16() if norm else None,
+    )
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+
+
+def problem_of(inputs: dict, precision: str = "fp32", **scalars) -> Problem:
+    m = inputs["x_prev"].numel() // inputs["x_prev"].shape[-1]
+    h = inputs["x_prev"].shape[-1]
+    return Problem(
+        inputs["x_prev"].reshape(m, h).contiguous(),
+        inputs["residual_prev"].reshape(m, 4, h).contiguous(),
+        inputs["post_mix_prev"].reshape(m, 4).contiguous(),
+        inputs["comb_mix_prev"].reshape(m, 4, 4).contiguous(),
+        inputs["fn"], inputs["hc_scale"], inputs["hc_base"], inputs["norm_weight"],
+        Scalars(**scalars), precision,
+    )
+
+
+def poisoned_outputs(problem: Problem) -> MhcFusedHcOutput:
+    """Output buffers filled with NaN, so that an element a kernel fails to write fails the check."""
+    out = problem.empty_outputs()
+    for t in out:
+        t.fill_(float("nan"))
+    return out
+
+
+def run_backend(problem: Problem, backend: str, tactic=None) -> MhcFusedHcOutput:
+    return _dispatch(problem, backend, tactic, poisoned_outputs(problem))
+
+
+def normwise(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
+
+
+def bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 numbers at |v| (float64)."""
+    mag = v.double().abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    return torch.exp2(torch.floor(torch.log2(mag)) - BF16_MANTISSA_BITS)
+
+
+def near_bf16_midpoint(v: torch.Tensor, slack=0.0, frac: float = 0.02) -> torch.Tensor:
+    """Elements whose float64 value lies within ``frac`` ulp + ``slack`` of a bf16 rounding boundary."""
+    v = v.double()
+    ulp = bf16_ulp(v)
+    pos = (v.abs() / ulp) % 1.0
+    return (pos - 0.5).abs() * ulp < frac * ulp + slack
+
+
+def check_outputs(
+    out: MhcFusedHcOutput,
+    problem: Problem,
+    *,
+    mix_tol: float = 1e-5,
+    li_ulps: float = 1.0,
+    li_normwise: float | None = None,
+) -> dict:
+    """Compare a backend's flattened outputs with the contract; raise AssertionError with the numbers if off.
+
+    * residual_cur: bit-identical to the fp32 FMA chain of SPEC step 1;
+    * post_mix_cur, comb_mix_cur: normwise relative error vs float64 <= ``mix_tol``;
+    * layer_input: within ``li_ulps`` bf16 ulp of the float64 result rounded to bf16, elementwise, except
+      where a float64 value sits on a bf16 rounding boundary (one more ulp there) and plus the fp32 error bound
+      of the 4-term collapse where its terms cancel; or, when ``li_normwise``
+      is given (tf32 precision), normwise relative error <= ``li_normwise``.
+    Every output must be finite (outputs are poisoned with NaN before the run).
+    """
+    for name, t in zip(out._fields, out):
+        assert torch.isfinite(t.float()).all(), f"{name}: non-finite values (unwritten or broken)"
+    res_ref = reference.post(problem.x, problem.residual, problem.post_mix, problem.comb_mix)
+    mism = (out.residual_cur.view(torch.int16) != res_ref.view(torch.int16)).sum().item()
+    assert mism == 0, f"residual_cur: {mism} elements differ bitwise from the fp32 FMA chain"
+
+    s = problem.scalars
+    post64, comb64, li64 = reference.pre(
+        out.residual_cur, problem.fn, problem.hc_scale, problem.hc_base, norm_weight=problem.norm_weight,
+        compute_dtype=torch.float64, **s.as_kwargs(),
+    )
+    errs = {
+        "post_mix": normwise(out.post_mix_cur, post64),
+        "comb_mix": normwise(out.comb_mix_cur, comb64),
+        "layer_input_normwise": normwise(out.layer_input, li64),
+    }
+    assert errs["post_mix"] <= mix_tol, f"post_mix_cur normwise error {errs['post_mix']:.3e} > {mix_tol:.0e}"
+    assert errs["comb_mix"] <= mix_tol, f"comb_mix_cur normwise error {errs['comb_mix']:.3e} > {mix_tol:.0e}"
+    if li_normwise is not None:
+        assert errs["layer_input_normwise"] <= li_normwise, f"layer_input normwise error {errs}"
+        return errs
+    # the unrounded float64 values at the two bf16 rounding points (after the collapse, after the norm)
+    pre64 = torch.sigmoid(_mixes64(out.residual_cur, problem)[:, :4]) + s.hc_pre_eps
+    terms = pre64[:, :, None] * out.residual_cur.double()
+    collapse64 = terms.sum(1)
+    # an fp32 evaluation of a 4-term sum is exact to a few fp32 ulps of sum |terms|, which exceeds a bf16 ulp
+    # of the result only where the terms cancel; that much slack is allowed on top of the bf16 ulps
+    slack = FP32_SUM_ULPS * 2.0**-24 * terms.abs().sum(1)
+    boundary = near_bf16_midpoint(collapse64, slack)
+    if problem.norm_weight is not None:
+        li_pre = collapse64.bfloat16().double()
+        r = torch.rsqrt((li_pre * li_pre).mean(-1, keepdim=True) + s.norm_eps)
+        w = problem.norm_weight.double()
+        boundary |= near_bf16_midpoint(li_pre * r * w)
+        slack = slack * r * w.abs()
+    err = (out.layer_input.double() - li64.double()).abs()
+    ulp = bf16_ulp(li64)
+    allowed = torch.where(boundary, li_ulps + 1.0, li_ulps) * ulp + slack
+    errs["layer_input_max_ulps"] = (err / ulp).max().item() if err.numel() else 0.0
+    bad = (err > allowed).sum().item()
+    assert bad == 0, f"layer_input: {bad} elements beyond {li_ulps} bf16 ulp (max {errs['layer_input_max_ulps']})"
+    return errs
+
+
+def _mixes64(residual_cur, problem):
+    return reference.mixes(residual_cur, problem.fn, problem.hc_scale, problem.hc_base,
+                            problem.scalars.rms_eps, torch.float64)

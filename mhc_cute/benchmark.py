@@ -1,0 +1,265 @@
+"""Side-by-side timing of mhc_cute's backends and its peers (``mhc-cute bench``, ``bench/``).
+
+Method (see the README): each timed call rotates among enough distinct input and weight sets that nothing sits
+in L2 between calls, as consecutive layers behave in a real model. "graph" times are CUDA-graph replays of one
+call per set (device time per call, launch gaps hidden); "eager" times are wall time per call of a plain Python
+loop (what an engine without graphs pays, host overhead included). Each is the median of several repeats. The
+floor is SPEC's cost model, ``((20H + 160) M + 96H) / B``, with B the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from .problem import MhcFusedHcOutput
+
+L2_FLUSH_BYTES = 256 << 20  # rotate through at least this much data (several times a Hopper L2)
+MAX_SETS = 64
+
+
+@dataclass
+class Result:
+    name: str
+    m: int
+    hidden: int
+    graph_us: float | None = None
+    eager_us: float | None = None
+    floor_frac: float | None = None  # floor time / graph time
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def floor_bytes(m: int, hidden: int) -> int:
+    return (20 * hidden + 160) * m + 96 * hidden
+
+
+def measure_copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Bytes read + written per second of a large device-to-device copy (median)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return nbytes / statistics.median(times)
+
+
+def n_rotation_sets(m: int, hidden: int) -> int:
+    return max(2, min(MAX_SETS, math.ceil(L2_FLUSH_BYTES / floor_bytes(m, hidden))))
+
+
+def make_sets(m: int, hidden: int, n: int, device, norm: bool, seed: int = 0) -> list[dict]:
+    """``n`` independent input + weight sets (random, never zeros)."""
+    from .reference import sinkhorn
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    sets = []
+    for _ in range(n):
+        def randn(*s):
+            return torch.randn(*s, generator=g, device=device)
+        sets.append(dict(
+            x_prev=randn(m, hidden).bfloat16(),
+            residual_prev=randn(m, 4, hidden).bfloat16(),
+            post_mix_prev=torch.sigmoid(randn(m, 4, 1)) * 2,
+            comb_mix_prev=sinkhorn(randn(m, 4, 4), 1e-6, 20),
+            fn=randn(24, 4 * hidden) / math.sqrt(4 * hidden),
+            hc_scale=torch.rand(3, generator=g, device=device) + 0.5,
+            hc_base=randn(24) * 0.5,
+            norm_weight=(1 + 0.1 * randn(hidden)).bfloat16() if norm else None,
+        ))
+    return sets
+
+
+def time_graph(call: Callable[[dict], object], sets: list[dict], reps: int = 20) -> float:
+    """Median µs per call of a CUDA graph that makes one call per set."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in sets[:2]:  # warm: compile, tune, allocate outside the capture
+            call(s)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for s in sets:
+            call(s)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(sets))
+    del graph
+    return statistics.median(times)
+
+
+def time_eager(call: Callable[[dict], object], sets: list[dict], reps: int = 7) -> float:
+    """Median wall µs per call of a loop of plain calls over the sets (host overhead included)."""
+    for s in sets[:2]:
+        call(s)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for s in sets:
+            call(s)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6 / len(sets))
+    return statistics.median(times)
+
+
+def host_us_per_call(call: Callable[[dict], object], s: dict, n: int = 200) -> float:
+    """Median host time to issue one call on the same inputs (no synchronisation inside the loop)."""
+    call(s)
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call(s)
+        samples.append((time.perf_counter() - t0) * 1e6 / n)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+# --- what gets timed ------------------------------------------------------------------------------------------
+
+def mhc_cute_call(backend: str, precision: str = "fp32", tactic=None) -> Callable[[dict], MhcFusedHcOutput]:
+    from .api import mhc_fused_hc
+
+    def call(s):
+        return mhc_fused_hc(**s, backend=backend, precision=precision, tactic=tactic)
+    return call
+
+
+def torch_fp32_boundary(x, res, post, comb, fn, scale, base, norm_weight=None, eps=1e-6, post_mult=2.0, repeat=20):
+    """The boundary op as a user would write it in plain fp32 torch (the "torch" peers)."""
+    h = x.shape[-1]
+    rc = (post * x.float()[:, None, :] + torch.einsum("mkj,mkh->mjh", comb, res.float())).bfloat16()
+    xf = rc.float().flatten(1)
+    rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    mixes = (xf @ fn.t()) * rstd * torch.repeat_interleave(scale, torch.tensor([4, 4, 16], device=x.device)) + base
+    pre = torch.sigmoid(mixes[:, :4]) + eps
+    post_cur = torch.sigmoid(mixes[:, 4:8]) * post_mult
+    c = torch.softmax(mixes[:, 8:].view(-1, 4, 4), -1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(repeat - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    li = (pre[:, :, None] * rc.float()).sum(1).bfloat16()
+    if norm_weight is not None:
+        lf = li.float()
+        li = (lf * torch.rsqrt(lf.square().mean(-1, keepdim=True) + eps) * norm_weight.float()).bfloat16()
+    return rc, post_cur[:, :, None], c, li
+
+
+def _torch_args(s):
+    return (s["x_prev"], s["residual_prev"], s["post_mix_prev"], s["comb_mix_prev"], s["fn"], s["hc_scale"],
+            s["hc_base"], s["norm_weight"])
+
+
+def peer_calls(norm: bool) -> dict[str, Callable[[dict], object]]:
+    """Peers importable here: torch eager, torch.compile, and DeepSeek's TileKernels (tile-kernels 1.0.0)."""
+    peers = {"torch-eager": lambda s: torch_fp32_boundary(*_torch_args(s))}
+    compiled = torch.compile(torch_fp32_boundary, dynamic=True)
+    peers["torch-compile"] = lambda s: compiled(*_torch_args(s))
+    try:
+        from tile_kernels.modeling.mhc.ops.post import mhc_post
+        from tile_kernels.modeling.mhc.ops.pre_big_fuse import mhc_pre_big_fuse
+    except Exception:  # not installed (or its TileLang cannot load): the table says the peer is missing
+        return peers
+    if norm:  # TileKernels has no fused RMSNorm; it would need an extra launch, so it is compared without norm
+        return peers
+
+    def tilekernels(s):
+        m, h = s["x_prev"].shape
+        rc = mhc_post(s["x_prev"][None], s["residual_prev"][None], s["post_mix_prev"][None],
+                      s["comb_mix_prev"][None])
+        return mhc_pre_big_fuse(rc[0], s["fn"], s["hc_scale"], s["hc_base"], 1e-6, 1e-6, 1e-6, 2.0, 20)
+    peers["tilekernels"] = tilekernels
+    return peers
+
+
+def bench_one(name, call, m, hidden, device, norm, bandwidth, sets=None, eager=True) -> Result:
+    r = Result(name, m, hidden)
+    try:
+        sets = sets or make_sets(m, hidden, n_rotation_sets(m, hidden), device, norm)
+        r.graph_us = time_graph(call, sets)
+        if eager:
+            r.eager_us = time_eager(call, sets)
+        r.floor_frac = floor_bytes(m, hidden) / bandwidth * 1e6 / r.graph_us
+    except Exception as e:  # a failing backend or peer is reported in the table, not fatal to the run
+        r.error = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    return r
+
+
+def format_table(results: list[Result], bandwidth: float, gpu: str) -> str:
+    lines = [f"GPU: {gpu}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
+             "graph = CUDA-graph replay µs/call, eager = wall µs/call, floor = SPEC floor / graph time"]
+    names = list(dict.fromkeys(r.name for r in results))
+    head = f"{'H':>5} {'M':>6} | " + " | ".join(f"{n[:22]:>22}" for n in names)
+    lines += [head, "-" * len(head)]
+    by = {(r.hidden, r.m, r.name): r for r in results}
+    for h, m in dict.fromkeys((r.hidden, r.m) for r in results):
+        cells = []
+        for n in names:
+            r = by.get((h, m, n))
+            if r is None or r.graph_us is None:
+                cells.append(f"{'-' if r is None else 'error':>22}")
+            else:
+                eager = f"{r.eager_us:7.1f}" if r.eager_us is not None else "    n/a"
+                cells.append(f"{r.graph_us:7.2f} {eager} {100 * r.floor_frac:4.0f}%")
+        lines.append(f"{h:>5} {m:>6} | " + " | ".join(cells))
+    lines.append("cells: graph µs, eager µs, % of floor")
+    errors = [r for r in results if r.error]
+    for r in errors:
+        lines.append(f"error H={r.hidden} M={r.m} {r.name}: {r.error}")
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: str, gpu: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hs = sorted({r.hidden for r in results})
+    fig, axes = plt.subplots(1, len(hs), figsize=(7 * len(hs), 5), squeeze=False)
+    for ax, h in zip(axes[0], hs):
+        for name in dict.fromkeys(r.name for r in results):
+            pts = sorted((r.m, r.graph_us) for r in results if r.hidden == h and r.name == name and r.graph_us)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("M (tokens)")
+        ax.set_ylabel("µs per call (CUDA-graph replay)")
+        ax.set_title(f"mhc_fused_hc, H = {h}, {gpu}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_json(results: list[Result], path: str, bandwidth: float, gpu: str, meta: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(dict(gpu=gpu, copy_bandwidth=bandwidth, meta=meta, results=[asdict(r) for r in results]), f,
+                  indent=1)

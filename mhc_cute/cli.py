@@ -1,0 +1,136 @@
+"""The ``mhc-cute`` command: ``info``, ``check``, ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+# CuTe DSL must target Hopper even when it cannot see a GPU; read at `import cutlass`.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+DEEPSEEK_SHAPES = [(1, 7168), (17, 7168), (256, 4096), (1000, 5120)]
+
+
+def _version(module: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:
+        return "not installed"
+
+
+def cmd_info(args) -> int:
+    import torch
+
+    from . import __version__, backends
+
+    print(f"mhc_cute {__version__}; python {platform.python_version()}; torch {torch.__version__}")
+    for dist in ("nvidia-cutlass-dsl", "cuda-python", "apache-tvm-ffi", "triton"):
+        print(f"  {dist}: {_version(dist)}")
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        p = torch.cuda.get_device_properties(dev)
+        print(f"GPU: {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
+              f"{p.total_memory / 2**30:.0f} GiB ({'ROCm' if torch.version.hip else 'CUDA'})")
+    else:
+        dev = torch.device("cpu")
+        print("GPU: none")
+    for name, b in backends.BACKENDS.items():
+        why = backends.unavailable_reason(name, dev)
+        print(f"  {name:9s} {'available' if why is None else 'unavailable: ' + why:40s} {b.summary}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    import torch
+
+    from . import backends
+    from .accuracy import check_outputs, make_inputs, problem_of, run_backend
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    names = args.backends or backends.available(dev)
+    shapes = DEEPSEEK_SHAPES if dev.type == "cuda" else [(1, 256), (5, 512)]
+    print(f"device: {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}; "
+          "errors vs float64 (residual_cur bitwise vs the fp32 FMA chain)")
+    print(f"{'backend':9s} {'M':>5} {'H':>5} {'norm':>4}  {'post_mix':>9} {'comb_mix':>9} {'li ulps':>7}  result")
+    failures = 0
+    for name in names:
+        for m, h in shapes:
+            for norm in (False, True):
+                problem = problem_of(make_inputs(m, h, device=dev, norm=norm, seed=m + h))
+                try:
+                    tol = dict(mix_tol=2e-5) if name in ("half_mma", "all_mma") else {}
+                    errs = check_outputs(run_backend(problem, name), problem, **tol)
+                    row = f"{errs['post_mix']:9.1e} {errs['comb_mix']:9.1e} {errs['layer_input_max_ulps']:7.2f}  PASS"
+                except Exception as e:  # a failing backend is a row in the table
+                    failures += 1
+                    row = f"{'':9s} {'':9s} {'':7s}  FAIL: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+                print(f"{name:9s} {m:5d} {h:5d} {str(norm):>4}  {row}", flush=True)
+    print(f"{'all passed' if failures == 0 else f'{failures} failed'}")
+    return 1 if failures else 0
+
+
+def cmd_bench(args) -> int:
+    import torch
+
+    from . import backends, benchmark as bm
+
+    if not torch.cuda.is_available():
+        print("mhc-cute bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(dev)
+    bandwidth = bm.measure_copy_bandwidth(dev)
+    names = args.backends or [n for n in backends.available(dev) if n != "torch"]
+    calls = {"auto": bm.mhc_cute_call("auto", args.precision)} if "auto" not in names else {}
+    calls.update({n: bm.mhc_cute_call(n, args.precision) for n in names})
+    if not args.no_peers:
+        calls.update(bm.peer_calls(args.norm))
+    results = []
+    for h in args.hidden:
+        for m in args.m:
+            sets = bm.make_sets(m, h, bm.n_rotation_sets(m, h), dev, args.norm)
+            for name, call in calls.items():
+                eager = not (name == "torch-compile" and m > 4096)
+                results.append(bm.bench_one(name, call, m, h, dev, args.norm, bandwidth, sets=sets, eager=eager))
+                r = results[-1]
+                print(f"  H={h} M={m} {name}: {r.graph_us if r.error is None else r.error}", file=sys.stderr,
+                      flush=True)
+            del sets
+            torch.cuda.empty_cache()
+    print(bm.format_table(results, bandwidth, gpu))
+    meta = dict(norm=args.norm, precision=args.precision)
+    if args.json:
+        bm.write_json(results, args.json, bandwidth, gpu, meta)
+    if args.plot:
+        bm.plot(results, args.plot, gpu)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="mhc-cute", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="versions, GPU, available backends").set_defaults(fn=cmd_info)
+    c = sub.add_parser("check", help="every available backend vs the float64 reference on DeepSeek-V4 shapes")
+    c.add_argument("--backends", nargs="*")
+    c.set_defaults(fn=cmd_check)
+    b = sub.add_parser("bench", help="time the auto choice, every backend and the peers")
+    b.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
+    b.add_argument("--m", type=int, nargs="+",
+                   default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+    b.add_argument("--backends", nargs="*", help="default: every available kernel backend")
+    b.add_argument("--precision", default="fp32", choices=["fp32", "tf32"])
+    b.add_argument("--norm", action="store_true", help="fuse the next sublayer's RMSNorm (peers without it drop out)")
+    b.add_argument("--no-peers", action="store_true")
+    b.add_argument("--json", help="write the results here")
+    b.add_argument("--plot", help="write a PNG plot (time vs M) here")
+    b.set_defaults(fn=cmd_bench)
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

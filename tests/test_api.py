@@ -1,0 +1,240 @@
+"""The public API on the CPU: hand-checked cases, the reference's properties, validation, torch.compile."""
+
+import math
+
+import pytest
+import torch
+
+from common import check_outputs, make_inputs, problem_of, run_backend
+from mhc_cute import MhcFusedHcOutput, mhc_fused_hc, reference
+
+
+def call(inputs, **kw):
+    return mhc_fused_hc(**inputs, **kw)
+
+
+def test_import_and_output_shapes():
+    inp = make_inputs(3, 64)
+    out = call(inp)
+    assert isinstance(out, MhcFusedHcOutput)
+    assert out.residual_cur.shape == (3, 4, 64) and out.residual_cur.dtype == torch.bfloat16
+    assert out.post_mix_cur.shape == (3, 4, 1) and out.post_mix_cur.dtype == torch.float32
+    assert out.comb_mix_cur.shape == (3, 4, 4) and out.comb_mix_cur.dtype == torch.float32
+    assert out.layer_input.shape == (3, 64) and out.layer_input.dtype == torch.bfloat16
+
+
+def test_post_hand_checked():
+    # one token, H = 2: residual_cur[j][h] = post[j]*x[h] + sum_k comb[k][j]*res[k][h]
+    x = torch.tensor([[1.0, -2.0]]).bfloat16()
+    res = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [0.5, -0.5]]]).bfloat16()
+    post = torch.tensor([[1.0, 0.5, 0.0, 2.0]])
+    comb = torch.arange(16.0).reshape(1, 4, 4) / 16
+    got = reference.post(x, res, post, comb).float()
+    want = torch.zeros(1, 4, 2)
+    for j in range(4):
+        for h in range(2):
+            want[0, j, h] = post[0, j] * x[0, h].float() + sum(comb[0, k, j] * res[0, k, h].float() for k in range(4))
+    torch.testing.assert_close(got, want.bfloat16().float(), rtol=0, atol=0)
+
+
+def test_fma_emulation_is_single_rounding():
+    # (1 + 2^-12)^2 - 1 = 2^-11 + 2^-24 is exact in fp32, but the fp32 product 1 + 2^-11 + 2^-24 is not
+    a = torch.tensor([1 + 2.0**-12])
+    c = torch.tensor([-1.0])
+    assert reference.fma_f32(a, a, c).item() == 2.0**-11 + 2.0**-24
+    assert (a * a + c).item() == 2.0**-11  # two roundings
+
+
+def test_mixes_hand_checked():
+    # H = 1, one token, residual_cur all ones: rstd = 1/sqrt(1 + eps), dots = row sums of fn
+    res = torch.ones(1, 4, 1).bfloat16()
+    fn = torch.arange(96.0).reshape(24, 4) / 100
+    scale = torch.tensor([1.0, 2.0, 3.0])
+    base = torch.linspace(-1, 1, 24)
+    got = reference.mixes(res, fn, scale, base, 1e-6, torch.float64)
+    rstd = 1 / math.sqrt(1 + 1e-6)
+    g = torch.tensor([1.0] * 4 + [2.0] * 4 + [3.0] * 16, dtype=torch.float64)
+    want = fn.double().sum(1) * rstd * g + base.double()
+    torch.testing.assert_close(got[0], want, rtol=1e-15, atol=0)
+
+
+def test_sinkhorn_properties():
+    c = reference.sinkhorn(torch.randn(64, 4, 4, dtype=torch.float64), 1e-6, 20)
+    assert torch.allclose(c.sum(-2), torch.ones(64, 4, dtype=torch.float64), atol=1e-5)  # ends on a column step
+    assert torch.allclose(c.sum(-1), torch.ones(64, 4, dtype=torch.float64), atol=1e-3)
+    assert (c > 0).all()
+
+
+def test_sinkhorn_one_repeat_is_softmax_then_columns():
+    logits = torch.randn(2, 4, 4, dtype=torch.float64)
+    s = torch.softmax(logits, -1) + 1e-6
+    want = s / (s.sum(-2, keepdim=True) + 1e-6)
+    torch.testing.assert_close(reference.sinkhorn(logits, 1e-6, 1), want)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_auto_on_cpu_matches_float64(norm):
+    inp = make_inputs(9, 256, norm=norm, seed=3)
+    out = call(inp)
+    problem = problem_of(inp)
+    flat = MhcFusedHcOutput(out.residual_cur, out.post_mix_cur, out.comb_mix_cur, out.layer_input)
+    check_outputs(flat, problem)
+
+
+def test_norm_changes_only_layer_input():
+    inp = make_inputs(4, 128, norm=True)
+    a = call(inp)
+    b = call({**inp, "norm_weight": None})
+    assert torch.equal(a.residual_cur, b.residual_cur) and torch.equal(a.comb_mix_cur, b.comb_mix_cur)
+    li = b.layer_input.float()
+    want = (li * torch.rsqrt((li * li).mean(-1, keepdim=True) + 1e-6) * inp["norm_weight"].float()).bfloat16()
+    assert torch.equal(a.layer_input, want)
+
+
+def test_fp32_norm_weight_accepted():
+    inp = make_inputs(2, 64, norm=True)
+    a = call(inp)
+    b = call({**inp, "norm_weight": inp["norm_weight"].float()})
+    assert torch.equal(a.layer_input, b.layer_input)
+
+
+def test_leading_dims_and_alt_shapes():
+    inp = make_inputs(6, 64, lead=(2, 3))
+    out = call(inp)
+    assert out.residual_cur.shape == (2, 3, 4, 64) and out.layer_input.shape == (2, 3, 64)
+    flat = make_inputs(6, 64, lead=(2, 3))
+    flat["post_mix_prev"] = flat["post_mix_prev"].reshape(2, 3, 4)
+    flat["comb_mix_prev"] = flat["comb_mix_prev"].reshape(2, 3, 16)
+    alt = call(flat)
+    for a, b in zip(out, alt):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("lead", [(0,), (2, 0)])
+def test_zero_tokens(lead):
+    inp = make_inputs(1, 64, lead=lead)
+    out = call(inp)
+    assert out.residual_cur.shape == (*lead, 4, 64) and out.post_mix_cur.shape == (*lead, 4, 1)
+    assert out.comb_mix_cur.shape == (*lead, 4, 4) and out.layer_input.shape == (*lead, 64)
+
+
+def test_inputs_not_mutated_and_outputs_fresh():
+    inp = make_inputs(5, 64, norm=True)
+    before = {k: v.clone() for k, v in inp.items() if isinstance(v, torch.Tensor)}
+    out = call(inp)
+    for k, v in before.items():
+        assert torch.equal(inp[k], v), f"{k} was modified"
+    in_ptrs = {v.untyped_storage().data_ptr() for v in inp.values() if isinstance(v, torch.Tensor)}
+    for name, t in zip(out._fields, out):
+        assert t.untyped_storage().data_ptr() not in in_ptrs, f"{name} aliases an input"
+
+
+def test_non_contiguous_inputs():
+    inp = make_inputs(4, 64)
+    want = call(inp)
+    nc = dict(inp)
+    nc["x_prev"] = torch.cat([inp["x_prev"], inp["x_prev"]], -1)[:, :64]
+    nc["residual_prev"] = inp["residual_prev"].transpose(0, 1).contiguous().transpose(0, 1)
+    nc["fn"] = inp["fn"].t().contiguous().t()
+    assert not nc["x_prev"].is_contiguous() and not nc["residual_prev"].is_contiguous()
+    got = call(nc)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
+def test_torch_compile_fullgraph():
+    inp = make_inputs(3, 64, norm=True)
+    compiled = torch.compile(mhc_fused_hc, fullgraph=True, backend="eager")
+    got = compiled(**inp)
+    want = call(inp)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+
+
+def test_torch_compile_inductor():
+    inp = make_inputs(2, 64)
+    got = torch.compile(lambda **kw: mhc_fused_hc(**kw).layer_input, fullgraph=True)(**inp)
+    assert torch.equal(got, call(inp).layer_input)
+
+
+def test_run_backend_writes_every_element():
+    problem = problem_of(make_inputs(3, 64))
+    out = run_backend(problem, "torch")
+    check_outputs(out, problem)
+
+
+# --- validation: each bad input gets a ValueError naming the argument -------------------------------------
+
+def _bad(inp, **changes):
+    return {**inp, **changes}
+
+
+BAD_CASES = {
+    "x_prev dtype": (lambda i: _bad(i, x_prev=i["x_prev"].float()), "x_prev"),
+    "x_prev not tensor": (lambda i: _bad(i, x_prev=[1.0]), "x_prev"),
+    "residual dtype": (lambda i: _bad(i, residual_prev=i["residual_prev"].half()), "residual_prev"),
+    "residual hc_mult": (lambda i: _bad(i, residual_prev=i["residual_prev"][:, :3]), "residual_prev"),
+    "residual H": (lambda i: _bad(i, residual_prev=i["residual_prev"][..., :32]), "residual_prev"),
+    "residual M": (lambda i: _bad(i, residual_prev=i["residual_prev"][:2]), "residual_prev"),
+    "post dtype": (lambda i: _bad(i, post_mix_prev=i["post_mix_prev"].double()), "post_mix_prev"),
+    "post shape": (lambda i: _bad(i, post_mix_prev=i["post_mix_prev"][:, :3]), "post_mix_prev"),
+    "comb shape": (lambda i: _bad(i, comb_mix_prev=i["comb_mix_prev"][:, :, :3]), "comb_mix_prev"),
+    "comb dtype": (lambda i: _bad(i, comb_mix_prev=i["comb_mix_prev"].bfloat16()), "comb_mix_prev"),
+    "fn shape": (lambda i: _bad(i, fn=i["fn"][:, :-64]), "fn"),
+    "fn rows": (lambda i: _bad(i, fn=i["fn"][:23]), "fn"),
+    "fn dtype": (lambda i: _bad(i, fn=i["fn"].bfloat16()), "fn"),
+    "scale shape": (lambda i: _bad(i, hc_scale=torch.ones(4)), "hc_scale"),
+    "base shape": (lambda i: _bad(i, hc_base=torch.ones(23)), "hc_base"),
+    "base dtype": (lambda i: _bad(i, hc_base=torch.ones(24, dtype=torch.float64)), "hc_base"),
+    "norm shape": (lambda i: _bad(i, norm_weight=torch.ones(63).bfloat16()), "norm_weight"),
+    "norm dtype": (lambda i: _bad(i, norm_weight=torch.ones(64).half()), "norm_weight"),
+    "device": (lambda i: _bad(i, hc_base=torch.ones(24, device="meta")), "hc_base"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_input_names_the_argument(case):
+    make_bad, name = BAD_CASES[case]
+    inp = make_inputs(3, 64, norm=True)
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        call(make_bad(inp))
+
+
+@pytest.mark.parametrize(
+    "kw,name",
+    [
+        (dict(rms_eps=float("nan")), "rms_eps"),
+        (dict(rms_eps=0.0), "rms_eps"),
+        (dict(hc_pre_eps=float("inf")), "hc_pre_eps"),
+        (dict(hc_sinkhorn_eps=-1.0), "hc_sinkhorn_eps"),
+        (dict(hc_post_mult_value=float("nan")), "hc_post_mult_value"),
+        (dict(norm_eps=float("-inf")), "norm_eps"),
+        (dict(sinkhorn_repeat=0), "sinkhorn_repeat"),
+        (dict(sinkhorn_repeat=2.5), "sinkhorn_repeat"),
+        (dict(precision="bf16"), "precision"),
+    ],
+)
+def test_bad_scalars(kw, name):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        call(make_inputs(2, 64), **kw)
+
+
+def test_unknown_backend_lists_available():
+    with pytest.raises(ValueError, match=r"unknown backend 'nope'.*available here: \['auto', 'torch'"):
+        call(make_inputs(2, 64), backend="nope")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+@pytest.mark.parametrize("backend", ["half_fma", "all_fma", "half_mma", "all_mma"])
+def test_cute_backend_on_cpu_is_unavailable(backend):
+    with pytest.raises(RuntimeError, match=f"backend '{backend}' is unavailable.*available here"):
+        call(make_inputs(2, 64), backend=backend)
+
+
+def test_kernel_backend_needs_h_multiple_of_64():
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton backend runs on CPU tensors only under TRITON_INTERPRET=1")
+    with pytest.raises(ValueError, match="H % 64"):
+        call(make_inputs(2, 96), backend="triton")
