@@ -75,8 +75,10 @@ def _module_missing(kind: str) -> str | None:
 
 
 def _implemented(backend: Backend) -> bool:
-    module = backend.entry.split(":")[0]
-    return importlib.util.find_spec(module) is not None
+    try:
+        return importlib.util.find_spec(backend.entry.split(":")[0]) is not None
+    except ModuleNotFoundError:  # its parent package is not there either
+        return False
 
 
 def unavailable_reason(name: str, device: torch.device) -> str | None:
