@@ -1,0 +1,323 @@
+"""The ``"triton"`` backend: ``mhc_fused_hc`` as a main kernel and a reduce kernel (the gfx950 design of
+``shared/seeds/003``), computing exactly ``shared/SPEC.md``.
+
+Main kernel, grid (K splits, token blocks): SPEC step 1 (fp32 FMA chain, one bf16 rounding) for its tokens and
+its H range of all 4 streams, the ``residual_cur`` store, and the split's share of steps 2-3 on the rounded
+values: 24 IEEE fp32 dot products and the sum of squares, written to partials ``[split_k, M, 32]`` (columns
+0-23 the dots, column 24 the sum of squares).
+
+Reduce kernel, one program per token block: sums the partials over the splits in a fixed order, then RMS,
+mixes, gates, Sinkhorn (steps 2-5), the collapse re-reading ``residual_cur`` (step 6) and the optional RMSNorm
+(step 7).
+
+Nothing is accumulated with atomics, so repeated runs are bit-identical for a given tactic.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..problem import MhcFusedHcOutput, Problem
+from .configs import PARTIAL_COLS, TritonTactic, arch_of, fit, select_tactic
+
+# Triton's CPU interpreter truncates on fp32 -> bf16 casts (and its explicit RTNE mode rounds ties up), so there
+# the rounding is done on the bits; GPUs use their native round-to-nearest-even conversion.
+_BITWISE_BF16_RN = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _bf16_rn(x):
+    """Round fp32 to the nearest bf16, ties to even (inputs here are finite)."""
+    if _BITWISE_BF16_RN:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _token_col(ptr, rows, mask, stride: tl.constexpr, idx: tl.constexpr):
+    """``ptr[rows, idx]`` of a row-major ``[M, stride]`` fp32 array, as a ``[BLOCK_M, 1]`` column."""
+    return tl.load(ptr + rows * stride + idx, mask=mask, other=0.0)[:, None]
+
+
+@triton.jit
+def _post_stream(xf, r0, r1, r2, r3, p, c0, c1, c2, c3):
+    """SPEC step 1 for one output stream: ``post * x``, then one FMA per source stream k = 0..3, in order."""
+    acc = p * xf
+    acc = tl.fma(c0, r0, acc)
+    acc = tl.fma(c1, r1, acc)
+    acc = tl.fma(c2, r2, acc)
+    acc = tl.fma(c3, r3, acc)
+    return _bf16_rn(acc)
+
+
+@triton.jit
+def _emit_stream(res_out_ptr, out_offs, mask, out, fn_ptr, fn_offs, fn_mask, acc, sq, USE_DOT: tl.constexpr):
+    """Store one rounded stream tile and add its projection and squares (of the rounded values) to the sums."""
+    tl.store(res_out_ptr + out_offs, out, mask=mask)
+    rf = out.to(tl.float32)
+    w = tl.load(fn_ptr + fn_offs, mask=fn_mask, other=0.0)  # [BLOCK_H, 32]: fn rows 24..31 are zero
+    if USE_DOT:
+        acc = tl.dot(rf, w, acc, input_precision="ieee")
+    else:
+        # small token blocks: elementwise products, reduced over H once after the K loop
+        acc += rf[:, :, None] * w[None, :, :]
+    return acc, sq + rf * rf
+
+
+@triton.jit
+def _main_kernel(
+    x_ptr, res_ptr, post_ptr, comb_ptr, fn_ptr, res_out_ptr, part_ptr,
+    M, H, blocks_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr,
+):
+    pid_k = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    tok = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok_mask = tok < M
+    rows = tok.to(tl.int64)  # M * 4H can pass 2**31
+    offs_h = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, 32)
+
+    p0 = _token_col(post_ptr, rows, tok_mask, 4, 0)
+    p1 = _token_col(post_ptr, rows, tok_mask, 4, 1)
+    p2 = _token_col(post_ptr, rows, tok_mask, 4, 2)
+    p3 = _token_col(post_ptr, rows, tok_mask, 4, 3)
+    # comb[k][j] weighs source stream k into output stream j
+    c00 = _token_col(comb_ptr, rows, tok_mask, 16, 0)
+    c01 = _token_col(comb_ptr, rows, tok_mask, 16, 1)
+    c02 = _token_col(comb_ptr, rows, tok_mask, 16, 2)
+    c03 = _token_col(comb_ptr, rows, tok_mask, 16, 3)
+    c10 = _token_col(comb_ptr, rows, tok_mask, 16, 4)
+    c11 = _token_col(comb_ptr, rows, tok_mask, 16, 5)
+    c12 = _token_col(comb_ptr, rows, tok_mask, 16, 6)
+    c13 = _token_col(comb_ptr, rows, tok_mask, 16, 7)
+    c20 = _token_col(comb_ptr, rows, tok_mask, 16, 8)
+    c21 = _token_col(comb_ptr, rows, tok_mask, 16, 9)
+    c22 = _token_col(comb_ptr, rows, tok_mask, 16, 10)
+    c23 = _token_col(comb_ptr, rows, tok_mask, 16, 11)
+    c30 = _token_col(comb_ptr, rows, tok_mask, 16, 12)
+    c31 = _token_col(comb_ptr, rows, tok_mask, 16, 13)
+    c32 = _token_col(comb_ptr, rows, tok_mask, 16, 14)
+    c33 = _token_col(comb_ptr, rows, tok_mask, 16, 15)
+
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, 32], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_H, 32], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    mask = tok_mask[:, None]
+    fn_mask = cols[None, :] < 24
+    x_row = rows[:, None] * H
+    res_row = rows[:, None] * (4 * H)
+    # fn[c, j*H + h] as a [BLOCK_H, 32] tile (K-major for the dot)
+    fn_base = cols[None, :].to(tl.int64) * (4 * H) + offs_h[:, None]
+
+    block_begin = pid_k * blocks_per_split
+    block_end = tl.minimum(block_begin + blocks_per_split, H // BLOCK_H)
+    for hb in range(block_begin, block_end):
+        h = hb * BLOCK_H + offs_h[None, :]
+        xf = tl.load(x_ptr + x_row + h, mask=mask, other=0.0).to(tl.float32)
+        r0 = tl.load(res_ptr + res_row + h, mask=mask, other=0.0).to(tl.float32)
+        r1 = tl.load(res_ptr + res_row + H + h, mask=mask, other=0.0).to(tl.float32)
+        r2 = tl.load(res_ptr + res_row + 2 * H + h, mask=mask, other=0.0).to(tl.float32)
+        r3 = tl.load(res_ptr + res_row + 3 * H + h, mask=mask, other=0.0).to(tl.float32)
+        fn_h = fn_base + hb * BLOCK_H
+
+        out = _post_stream(xf, r0, r1, r2, r3, p0, c00, c10, c20, c30)
+        acc, sq = _emit_stream(res_out_ptr, res_row + h, mask, out, fn_ptr, fn_h, fn_mask, acc, sq, USE_DOT)
+        out = _post_stream(xf, r0, r1, r2, r3, p1, c01, c11, c21, c31)
+        acc, sq = _emit_stream(res_out_ptr, res_row + H + h, mask, out, fn_ptr, fn_h + H, fn_mask, acc, sq,
+                               USE_DOT)
+        out = _post_stream(xf, r0, r1, r2, r3, p2, c02, c12, c22, c32)
+        acc, sq = _emit_stream(res_out_ptr, res_row + 2 * H + h, mask, out, fn_ptr, fn_h + 2 * H, fn_mask, acc,
+                               sq, USE_DOT)
+        out = _post_stream(xf, r0, r1, r2, r3, p3, c03, c13, c23, c33)
+        acc, sq = _emit_stream(res_out_ptr, res_row + 3 * H + h, mask, out, fn_ptr, fn_h + 3 * H, fn_mask, acc,
+                               sq, USE_DOT)
+
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=1)
+    acc = tl.where(cols[None, :] == 24, tl.sum(sq, axis=1)[:, None], acc)
+    part_offs = (pid_k * M + rows[:, None]) * 32 + cols[None, :]
+    tl.store(part_ptr + part_offs, acc, mask=mask)
+
+
+@triton.jit
+def _gate(values, q, c, row: tl.constexpr, j: tl.constexpr):
+    """``values[:, row, j]`` of a ``[BLOCK_T, 8, 4]`` tile, as a ``[BLOCK_T, 1]`` column."""
+    picked = tl.where((q == row) & (c == j), values, 0.0)
+    return tl.sum(tl.sum(picked, axis=2), axis=1)[:, None]
+
+
+@triton.jit
+def _reduce_kernel(
+    part_ptr, scale_ptr, base_ptr, res_cur_ptr, norm_ptr, post_out_ptr, comb_out_ptr, li_ptr,
+    M, H, split_k, sinkhorn_repeat,
+    rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps,
+    S_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    SINGLE_TILE: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    # The main kernel writes token blocks in increasing order, so the last ones are the likeliest still in L2:
+    # visit them first.
+    tb = tl.num_programs(0) - 1 - tl.program_id(0)
+    tok = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_mask = tok < M
+    rows = tok.to(tl.int64)
+
+    # partials viewed as [split, token, 8, 4]: row q of a token holds columns 4q..4q+3, i.e. pre (q = 0),
+    # post (q = 1), comb rows 0..3 (q = 2..5), the sum of squares (q = 6, column 0)
+    s = tl.arange(0, S_POW2)[:, None, None, None]
+    q = tl.arange(0, 8)[None, :, None]
+    c = tl.arange(0, 4)[None, None, :]
+    t3 = rows[:, None, None]
+    m3 = tok_mask[:, None, None]
+    part_offs = (s * M + t3[None]) * 32 + q[None] * 4 + c[None]
+    parts = tl.load(part_ptr + part_offs, mask=(s < split_k) & m3[None], other=0.0)
+    tot = tl.sum(parts, axis=0)  # fixed tree order over the splits
+
+    sumsq = tl.sum(tl.sum(tl.where((q == 6) & (c == 0), tot, 0.0), axis=2), axis=1)
+    rstd = tl.rsqrt(sumsq / (4 * H) + rms_eps)  # divisor 4H: RMS over all 4 streams
+    is_mix = q < 6
+    scale = tl.load(scale_ptr + tl.minimum(q, 2))
+    base = tl.load(base_ptr + q * 4 + c, mask=is_mix, other=0.0)
+    mixes = tot * rstd[:, None, None] * scale + base
+
+    sig = tl.sigmoid(mixes)
+    tl.store(post_out_ptr + t3 * 4 + q * 0 + c, sig * post_mult, mask=m3 & (q == 1))
+    pre = sig + pre_eps
+
+    # Sinkhorn on the comb rows (q = 2..5); the other rows are kept at zero so that column sums see only comb
+    is_comb = (q >= 2) & is_mix
+    logits = tl.where(is_comb, mixes, 0.0)
+    e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+    cm = tl.where(is_comb, e / tl.sum(e, axis=2)[:, :, None] + sinkhorn_eps, 0.0)
+    cm = cm / (tl.sum(cm, axis=1)[:, None, :] + sinkhorn_eps)
+    for _ in range(sinkhorn_repeat - 1):
+        cm = tl.where(is_comb, cm / (tl.sum(cm, axis=2)[:, :, None] + sinkhorn_eps), 0.0)
+        cm = cm / (tl.sum(cm, axis=1)[:, None, :] + sinkhorn_eps)
+    tl.store(comb_out_ptr + t3 * 16 + (q - 2) * 4 + c, cm, mask=m3 & is_comb)
+
+    g0 = _gate(pre, q, c, 0, 0)
+    g1 = _gate(pre, q, c, 0, 1)
+    g2 = _gate(pre, q, c, 0, 2)
+    g3 = _gate(pre, q, c, 0, 3)
+    offs_h = tl.arange(0, BLOCK_H)[None, :]
+    res_row = rows[:, None] * (4 * H)
+    li_row = rows[:, None] * H
+    if SINGLE_TILE:
+        # the whole row fits one tile: keep it in registers for the norm
+        mask = tok_mask[:, None] & (offs_h < H)
+        li = _collapse_tile(res_cur_ptr, res_row, offs_h, H, mask, g0, g1, g2, g3)
+        if HAS_NORM:
+            li = _rms_norm(li, tl.sum(li * li, axis=1)[:, None], norm_ptr, offs_h, mask, H, norm_eps)
+        tl.store(li_ptr + li_row + offs_h, _bf16_rn(li), mask=mask)
+    else:
+        li_sq = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + offs_h
+            mask = tok_mask[:, None] & (h < H)
+            li = _collapse_tile(res_cur_ptr, res_row, h, H, mask, g0, g1, g2, g3)
+            li_sq += li * li
+            tl.store(li_ptr + li_row + h, _bf16_rn(li), mask=mask)
+        if HAS_NORM:
+            # second pass over the rounded values just stored (L1/L2 hot); the barrier orders them for the block
+            tl.debug_barrier()
+            sumsq_li = tl.sum(li_sq, axis=1)[:, None]
+            for h0 in range(0, H, BLOCK_H):
+                h = h0 + offs_h
+                mask = tok_mask[:, None] & (h < H)
+                li = tl.load(li_ptr + li_row + h, mask=mask, other=0.0).to(tl.float32)
+                li = _rms_norm(li, sumsq_li, norm_ptr, h, mask, H, norm_eps)
+                tl.store(li_ptr + li_row + h, _bf16_rn(li), mask=mask)
+
+
+@triton.jit
+def _collapse_tile(res_cur_ptr, res_row, h, H, mask, g0, g1, g2, g3):
+    """SPEC step 6 on one tile: ``sum_j pre[j] * residual_cur[j]`` in order j = 0..3, rounded to bf16 (returned
+    as the fp32 value of that bf16)."""
+    acc = g0 * tl.load(res_cur_ptr + res_row + h, mask=mask, other=0.0).to(tl.float32)
+    acc += g1 * tl.load(res_cur_ptr + res_row + H + h, mask=mask, other=0.0).to(tl.float32)
+    acc += g2 * tl.load(res_cur_ptr + res_row + 2 * H + h, mask=mask, other=0.0).to(tl.float32)
+    acc += g3 * tl.load(res_cur_ptr + res_row + 3 * H + h, mask=mask, other=0.0).to(tl.float32)
+    return _bf16_rn(acc).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm(li, sumsq, norm_ptr, h, mask, H, norm_eps):
+    """SPEC step 7 on the bf16-rounded collapse: ``li * rsqrt(mean(li^2) + eps) * w``."""
+    r = tl.rsqrt(sumsq / H + norm_eps)
+    w = tl.load(norm_ptr + h, mask=mask, other=0.0).to(tl.float32)
+    return li * r * w
+
+
+@functools.lru_cache(maxsize=None)
+def _device_key(device: torch.device) -> tuple[str, int]:
+    """(architecture, compute units) of ``device``; the CPU interpreter counts as an unknown 4-CU device."""
+    if device.type != "cuda":
+        return "interpreter", 4
+    props = torch.cuda.get_device_properties(device)
+    return arch_of(props), props.multi_processor_count
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_tactic(device: torch.device, m: int, hidden: int) -> TritonTactic:
+    arch, cus = _device_key(device)
+    return select_tactic(arch, cus, m, hidden)
+
+
+class _Workspace:
+    """Partials buffers, one per (device, stream), grown on demand and reused call after call (stream order
+    makes reuse safe). A buffer that must grow during CUDA-graph capture belongs to that graph, so it is
+    not cached."""
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, device: torch.device, numel: int) -> torch.Tensor:
+        if device.type != "cuda":
+            return torch.empty(numel, dtype=torch.float32, device=device)
+        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=torch.float32, device=device)
+            if not torch.cuda.is_current_stream_capturing():
+                self._buffers[key] = buf
+        return buf
+
+
+_workspace = _Workspace()
+
+
+def run(problem: Problem, tactic: TritonTactic | None, out: MhcFusedHcOutput) -> None:
+    """Backend entry (see ``mhc_cute.backends``): the main kernel, then the reduce kernel."""
+    m, h = problem.m, problem.hidden
+    dev = problem.x.device
+    t = _default_tactic(dev, m, h) if tactic is None else fit(tactic, h)
+    n_blocks = h // t.block_h
+    blocks_per_split = -(-n_blocks // t.split_k)
+    part = _workspace.get(dev, t.split_k * m * PARTIAL_COLS)
+    _main_kernel[(t.split_k, triton.cdiv(m, t.block_m))](
+        problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, out.residual_cur, part,
+        m, h, blocks_per_split,
+        BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.block_m >= 16,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    s = problem.scalars
+    norm = problem.norm_weight
+    _reduce_kernel[(triton.cdiv(m, t.reduce_block_t),)](
+        part, problem.hc_scale, problem.hc_base, out.residual_cur, problem.x if norm is None else norm,
+        out.post_mix_cur, out.comb_mix_cur, out.layer_input,
+        m, h, t.split_k, s.sinkhorn_repeat,
+        s.rms_eps, s.hc_pre_eps, s.hc_sinkhorn_eps, s.hc_post_mult_value, s.norm_eps,
+        S_POW2=triton.next_power_of_2(t.split_k), BLOCK_T=t.reduce_block_t, BLOCK_H=t.reduce_block_h,
+        SINGLE_TILE=t.reduce_block_h >= h, HAS_NORM=norm is not None,
+        num_warps=t.reduce_warps,
+    )
