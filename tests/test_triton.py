@@ -1,0 +1,212 @@
+"""Triton backend: configuration table, device selection (AMD mocked), and interpreter runs with explicit tactics.
+
+The shared grid in test_correctness.py runs the default tactics; here explicit tactics reach the paths the
+defaults do not at small H: several K blocks per split, uneven splits, the dot projection, token blocks with a
+tail, multi-tile reduce (two-pass norm).
+"""
+
+import types
+
+import pytest
+import torch
+
+from common import check_outputs, make_inputs, problem_of, run_backend
+from mhc_cute import backends
+from mhc_cute.api import mhc_fused_hc
+from mhc_cute.triton import configs
+from mhc_cute.triton.configs import TritonTactic
+
+HS = [64, 512, 4096, 5120, 7168, 8192, 14336]
+MS = [1, 2, 3, 8, 16, 17, 64, 100, 256, 1000, 2048, 4096, 8192, 100000]
+
+
+def _props(arch: str, cus: int):
+    if arch.startswith("gfx"):
+        return types.SimpleNamespace(gcnArchName=f"{arch}:sramecc+:xnack-", major=9, minor=5,
+                                     multi_processor_count=cus)
+    return types.SimpleNamespace(gcnArchName="", major=int(arch[2]), minor=int(arch[3:]), multi_processor_count=cus)
+
+
+# --- the table ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("table", configs.TABLES + (configs.FALLBACK,), ids=lambda t: t.arch)
+def test_table_is_well_formed(table):
+    limits = [max_m for max_m, _ in table.buckets]
+    assert limits == sorted(limits) and len(set(limits)) == len(limits)
+    assert limits[-1] >= 1 << 40, "the last bucket must cover every M"
+    for _, t in table.buckets:
+        assert isinstance(t, TritonTactic)
+
+
+def test_tables_cover_the_issue_architectures():
+    keys = {(t.arch, t.compute_units) for t in configs.TABLES}
+    assert {("gfx950", 256), ("gfx942", 304), ("sm90", 132)} <= keys
+
+
+@pytest.mark.parametrize("arch,cus", [("sm90", 132), ("sm90", 114), ("gfx950", 256), ("gfx942", 304),
+                                      ("gfx942", 228), ("sm80", 108), ("gfx1100", 48), ("interpreter", 4)])
+@pytest.mark.parametrize("h", HS)
+def test_selected_tactic_fits_h(arch, cus, h):
+    for m in MS:
+        t = configs.select_tactic(arch, cus, m, h)
+        n_blocks = h // t.block_h
+        assert h % t.block_h == 0 and 1 <= t.split_k <= n_blocks
+        per_split = -(-n_blocks // t.split_k)
+        assert (t.split_k - 1) * per_split < n_blocks, "a K split would own no H block"
+        assert t.reduce_block_h <= max(h, 1 << (h - 1).bit_length())
+
+
+def test_m_buckets_pick_the_first_that_fits():
+    table = configs.table_for("sm90")
+    for max_m, tactic in table.buckets[:-1]:
+        assert configs.select_tactic("sm90", 132, max_m, 7168) == configs.fit(tactic, 7168)
+    assert configs.select_tactic("sm90", 132, 1 << 30, 7168) == configs.fit(table.buckets[-1][1], 7168)
+
+
+def test_splits_rescale_with_the_cu_count():
+    full = configs.select_tactic("gfx950", 256, 1, 7168)
+    half = configs.select_tactic("gfx950", 128, 1, 7168)
+    assert half.block_m == full.block_m and half.split_k < full.split_k
+    assert configs.select_tactic("gfx950", 256, 1, 7168).split_k >= 100  # small M spreads H over the CUs
+
+
+def test_unknown_gpu_uses_the_fallback():
+    assert configs.table_for("gfx1201") is configs.FALLBACK
+    assert configs.table_for("sm120") is configs.FALLBACK
+    t = configs.select_tactic("sm120", 188, 4096, 7168)
+    assert t.block_m == configs.FALLBACK.buckets[-1][1].block_m
+
+
+def test_fit_clamps_to_h():
+    t = configs.fit(TritonTactic(4, 256, 1000, 4, reduce_block_h=8192), 192)
+    assert (t.block_h, t.split_k, t.reduce_block_h) == (64, 3, 256)
+    assert configs.fit(TritonTactic(4, 64, 5, 4), 512).split_k == 4  # 8 blocks: 2 per split, so 4 splits
+
+
+@pytest.mark.parametrize("bad", [dict(block_m=3), dict(block_h=8), dict(split_k=0), dict(reduce_block_h=1000)])
+def test_tactic_validation(bad):
+    kw = dict(block_m=4, block_h=64, split_k=2, num_warps=4) | bad
+    with pytest.raises(ValueError):
+        TritonTactic(**kw)
+
+
+# --- device detection and ROCm selection (AMD properties mocked; nothing here runs on AMD) ---------------------
+
+@pytest.mark.parametrize("arch,cus", [("gfx950", 256), ("gfx942", 304), ("sm90", 132)])
+def test_arch_of_device_properties(arch, cus):
+    assert configs.arch_of(_props(arch, cus)) == arch
+
+
+def test_default_tactic_from_mocked_device(monkeypatch):
+    from mhc_cute.triton import fused_hc
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: _props("gfx950", 256))
+    fused_hc._device_key.cache_clear()
+    fused_hc._default_tactic.cache_clear()
+    try:
+        dev = torch.device("cuda", 0)
+        assert fused_hc._device_key(dev) == ("gfx950", 256)
+        assert fused_hc._default_tactic(dev, 32, 7168) == configs.select_tactic("gfx950", 256, 32, 7168)
+    finally:
+        fused_hc._device_key.cache_clear()
+        fused_hc._default_tactic.cache_clear()
+
+
+@pytest.fixture
+def rocm(monkeypatch):
+    """A ROCm build of torch with one AMD GPU (as torch reports it: device type "cuda", version.hip set)."""
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 5))
+    monkeypatch.delenv("MHC_CUTE_BACKEND", raising=False)
+    return torch.device("cuda", 0)
+
+
+def test_rocm_cute_backends_unavailable(rocm):
+    for name in ("half_fma", "all_fma", "half_mma", "all_mma"):
+        if backends.unavailable_reason(name, torch.device("cpu")) == "not built in this version":
+            continue
+        assert backends.unavailable_reason(name, rocm) == "needs an NVIDIA GPU"
+    assert backends.unavailable_reason("triton", rocm) is None
+
+
+def test_rocm_auto_picks_triton(rocm):
+    for m in (1, 64, 8192):
+        assert backends.pick_auto(rocm, m, 7168) == "triton"
+    assert backends.pick_auto(rocm, 4, 96) == "torch"  # H % 64 != 0: no kernel backend
+
+
+def test_nvidia_auto_prefers_cute_but_triton_is_selectable(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv("MHC_CUTE_BACKEND", raising=False)
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, d: None)
+    assert backends.pick_auto(dev, 16, 7168) != "triton"
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, d: None if name == "triton" else "no")
+    assert backends.pick_auto(dev, 16, 7168) == "triton"
+
+
+def test_forced_backend(rocm, monkeypatch):
+    monkeypatch.setenv("MHC_CUTE_BACKEND", "torch")
+    assert backends.pick_auto(rocm, 16, 7168) == "torch"
+
+
+# --- interpreter runs (CPU) -----------------------------------------------------------------------------------
+
+interpreter = pytest.mark.skipif(backends.unavailable_reason("triton", torch.device("cpu")) is not None,
+                                 reason="needs TRITON_INTERPRET=1 and triton")
+
+TACTICS = {
+    # 2 token blocks with a tail (M=5), 8 K blocks in 3 uneven splits, reduce: 2 tokens x 4 tiles (two-pass norm)
+    "uneven-splits": TritonTactic(4, 32, 3, 4, reduce_block_t=2, reduce_block_h=64),
+    # one split walks all of H; tokens one per program
+    "one-split": TritonTactic(2, 64, 1, 4, reduce_block_h=128),
+    # the dot projection (block_m >= 16)
+    "dot": TritonTactic(16, 64, 2, 4, reduce_block_t=4, reduce_block_h=256),
+}
+
+
+@interpreter
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("name", list(TACTICS))
+def test_interpreter_tactics(name, norm):
+    m, h = (5, 256) if name != "dot" else (17, 128)
+    problem = problem_of(make_inputs(m, h, seed=7 + m, norm=norm))
+    out = run_backend(problem, "triton", TACTICS[name])
+    check_outputs(out, problem)
+
+
+@interpreter
+def test_interpreter_tactics_agree():
+    problem = problem_of(make_inputs(5, 256, seed=3, norm=True))
+    outs = [run_backend(problem, "triton", t) for t in TACTICS.values()]
+    for o in outs[1:]:
+        assert torch.equal(o.residual_cur.view(torch.int16), outs[0].residual_cur.view(torch.int16))
+        torch.testing.assert_close(o.comb_mix_cur, outs[0].comb_mix_cur, rtol=1e-5, atol=1e-6)
+
+
+@interpreter
+@pytest.mark.parametrize("m", [2, 7])
+def test_interpreter_fp32_norm_weight_and_odd_m(m):
+    inputs = make_inputs(m, 128, seed=11, norm=True)
+    inputs["norm_weight"] = inputs["norm_weight"].float() * 1.01
+    problem = problem_of(inputs)
+    check_outputs(run_backend(problem, "triton"), problem)
+
+
+@interpreter
+def test_interpreter_other_scalars():
+    scalars = dict(rms_eps=1e-5, hc_pre_eps=1e-3, hc_sinkhorn_eps=0.0, hc_post_mult_value=1.0, sinkhorn_repeat=1,
+                   norm_eps=1e-5)
+    problem = problem_of(make_inputs(3, 64, seed=5, norm=True), **scalars)
+    check_outputs(run_backend(problem, "triton"), problem)
+
+
+@interpreter
+@pytest.mark.parametrize("lead", [(0,), (2, 0), (2, 3)])
+def test_interpreter_through_the_api(lead):
+    inputs = make_inputs(0, 64, seed=1, lead=lead)
+    out = mhc_fused_hc(**inputs, backend="triton")
+    ref = mhc_fused_hc(**inputs, backend="torch")
+    assert out.residual_cur.shape == (*lead, 4, 64) and out.layer_input.shape == (*lead, 64)
+    assert torch.equal(out.residual_cur.view(torch.int16), ref.residual_cur.view(torch.int16))
+    torch.testing.assert_close(out.comb_mix_cur, ref.comb_mix_cur, rtol=1e-5, atol=1e-6)
