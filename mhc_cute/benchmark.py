@@ -156,7 +156,8 @@ def torch_fp32_boundary(x, res, post, comb, fn, scale, base, norm_weight=None, e
     rc = (post * x.float()[:, None, :] + torch.einsum("mkj,mkh->mjh", comb, res.float())).bfloat16()
     xf = rc.float().flatten(1)
     rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    mixes = (xf @ fn.t()) * rstd * torch.repeat_interleave(scale, torch.tensor([4, 4, 16], device=x.device)) + base
+    col_scale = torch.cat([scale[0:1].expand(4), scale[1:2].expand(4), scale[2:3].expand(16)])
+    mixes = (xf @ fn.t()) * rstd * col_scale + base
     pre = torch.sigmoid(mixes[:, :4]) + eps
     post_cur = torch.sigmoid(mixes[:, 4:8]) * post_mult
     c = torch.softmax(mixes[:, 8:].view(-1, 4, 4), -1) + eps
