@@ -1,0 +1,180 @@
+"""Tactic selection for ``backend="auto"``: M buckets, tuned tables (user cache, shipped defaults), the tuner.
+
+M buckets (``bucket_of``): M <= 128 maps to the next power of two (1, 2, 4, ..., 128); 128 < M <= 8192 to the
+next multiple of 128 (256, 384, ..., 8192); M > 8192 to the next power of two (16384, 32768, ...). A table holds
+winners for some buckets; a bucket it lacks takes the winner of the nearest tuned bucket (log distance, the
+larger on ties), so a table tuned on a coarse grid still covers every M.
+
+Tables are keyed by ``TuneKey`` (GPU name, SM count, H, precision, norm on/off, package version). Lookup order:
+the user's cache (``$MHC_CUTE_CACHE_DIR`` or ``$XDG_CACHE_HOME/mhc_cute`` or ``~/.cache/mhc_cute``,
+``tuned.json``), then the tables shipped in ``mhc_cute/tuned/``, then the heuristic of ``backends.pick_auto``.
+A corrupt or stale cache file is ignored with a warning. ``MHC_CUTE_BACKEND`` forces a backend and
+``MHC_CUTE_TACTIC`` a tactic name for it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass
+from importlib import resources
+
+import torch
+
+CACHE_FORMAT = 1
+
+
+def bucket_of(m: int) -> int:
+    """The M bucket that tokens count ``m`` (>= 1) is tuned and dispatched under."""
+    if m <= 128:
+        return 1 << (m - 1).bit_length()
+    if m <= 8192:
+        return -(-m // 128) * 128
+    return 1 << (m - 1).bit_length()
+
+
+def all_buckets(max_m: int = 16384) -> list[int]:
+    out, m = [], 1
+    while m <= max_m:
+        b = bucket_of(m)
+        out.append(b)
+        m = b + 1
+    return out
+
+
+DEFAULT_TUNE_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+@dataclass(frozen=True)
+class TuneKey:
+    gpu: str
+    sm_count: int
+    hidden: int
+    precision: str
+    norm: bool
+    version: str
+
+    def as_str(self) -> str:
+        return f"{self.gpu}|{self.sm_count}|H{self.hidden}|{self.precision}|norm{int(self.norm)}|v{self.version}"
+
+    @staticmethod
+    def for_device(device: torch.device, hidden: int, precision: str, norm: bool) -> "TuneKey":
+        from . import __version__
+
+        p = torch.cuda.get_device_properties(device)
+        return TuneKey(p.name, p.multi_processor_count, hidden, precision, norm, __version__)
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: str
+    tactic: str | None  # the tactic's name, or None for the backend's own default
+    us: float | None = None  # measured graph-replay µs when tuned
+
+
+def cache_path() -> str:
+    root = os.environ.get("MHC_CUTE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mhc_cute")
+    return os.path.join(root, "tuned.json")
+
+
+def _read_tables(text: str, origin: str) -> dict[str, dict[int, Choice]]:
+    data = json.loads(text)
+    if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT:
+        raise ValueError(f"unknown format in {origin}")
+    tables = {}
+    for key, rows in data["tables"].items():
+        tables[key] = {int(b): Choice(c["backend"], c.get("tactic"), c.get("us")) for b, c in rows.items()}
+    return tables
+
+
+def load_user_tables(path: str | None = None) -> dict[str, dict[int, Choice]]:
+    path = path or cache_path()
+    try:
+        with open(path) as f:
+            return _read_tables(f.read(), path)
+    except FileNotFoundError:
+        return {}
+    except Exception as e:  # corrupt or stale: tuning again fixes it; never fatal
+        warnings.warn(f"mhc_cute: ignoring the tuning cache {path} ({type(e).__name__}: {e})", stacklevel=2)
+        return {}
+
+
+def load_shipped_tables() -> dict[str, dict[int, Choice]]:
+    tables = {}
+    try:
+        files = [f for f in resources.files("mhc_cute").joinpath("tuned").iterdir() if f.name.endswith(".json")]
+    except (FileNotFoundError, NotADirectoryError):
+        return tables
+    for f in sorted(files, key=lambda f: f.name):
+        try:
+            tables.update(_read_tables(f.read_text(), f.name))
+        except Exception as e:
+            warnings.warn(f"mhc_cute: ignoring the shipped table {f.name} ({e})", stacklevel=2)
+    return tables
+
+
+def save_user_tables(tables: dict[str, dict[int, Choice]], path: str | None = None) -> str:
+    """Merge ``tables`` into the user's cache file, atomically (write a temporary file, then rename)."""
+    path = path or cache_path()
+    merged = load_user_tables(path)
+    for key, rows in tables.items():
+        merged.setdefault(key, {}).update(rows)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    payload = {"format": CACHE_FORMAT, "tables": {
+        k: {str(b): asdict(c) for b, c in sorted(rows.items())} for k, rows in merged.items()}}
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tuned-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def nearest(rows: dict[int, Choice], bucket: int) -> Choice | None:
+    if not rows:
+        return None
+    if bucket in rows:
+        return rows[bucket]
+    best = min(rows, key=lambda b: (abs(math.log2(b) - math.log2(bucket)), -b))
+    return rows[best]
+
+
+class Selector:
+    """Resolves (device, M, H, precision, norm) to a Choice; tables are read once per process."""
+
+    def __init__(self):
+        self._tables: dict[str, dict[int, Choice]] | None = None
+        self._keys: dict[tuple, str] = {}
+
+    def tables(self) -> dict[str, dict[int, Choice]]:
+        if self._tables is None:
+            tables = load_shipped_tables()
+            tables.update(load_user_tables())  # the user's own tuning wins over shipped defaults
+            self._tables = tables
+        return self._tables
+
+    def reload(self) -> None:
+        self._tables = None
+
+    def choose(self, device: torch.device, m: int, hidden: int, precision: str, norm: bool) -> Choice | None:
+        kk = (device.index, hidden, precision, norm)
+        key = self._keys.get(kk)
+        if key is None:
+            key = self._keys[kk] = TuneKey.for_device(device, hidden, precision, norm).as_str()
+        return nearest(self.tables().get(key, {}), bucket_of(m))
+
+
+SELECTOR = Selector()
+
+
+def progress(i: int, n: int, label: str) -> None:
+    width = 30
+    done = int(width * i / max(n, 1))
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {label[:60]:60s}")
+    if i == n:
+        sys.stderr.write("\n")
+    sys.stderr.flush()

@@ -1,0 +1,63 @@
+"""Tactic selection on the CPU: M buckets, the tuning cache (atomic, corrupt files survived), nearest bucket."""
+
+import json
+import os
+
+import pytest
+
+from mhc_cute import autotune
+from mhc_cute.autotune import Choice, bucket_of
+
+
+@pytest.mark.parametrize("m,bucket", [
+    (1, 1), (2, 2), (3, 4), (5, 8), (64, 64), (65, 128), (128, 128), (129, 256), (256, 256), (257, 384),
+    (1000, 1024), (8191, 8192), (8192, 8192), (8193, 16384), (20000, 32768),
+])
+def test_bucket_of(m, bucket):
+    assert bucket_of(m) == bucket
+
+
+def test_buckets_cover_and_are_fixed_points():
+    buckets = autotune.all_buckets(16384)
+    assert buckets[:8] == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert buckets[8:11] == [256, 384, 512] and buckets[-2:] == [8192, 16384]
+    assert all(bucket_of(b) == b for b in buckets)
+    for m in range(1, 9000, 7):
+        assert bucket_of(m) >= m and bucket_of(m) in buckets
+
+
+def test_nearest_bucket():
+    rows = {1: Choice("a", None), 64: Choice("b", None), 4096: Choice("c", None)}
+    assert autotune.nearest(rows, 1).backend == "a"
+    assert autotune.nearest(rows, 8).backend == "b"  # log2 distance 3 to both: ties go to the larger bucket
+    assert autotune.nearest(rows, 512).backend in ("b", "c")
+    assert autotune.nearest(rows, 16384).backend == "c"
+    assert autotune.nearest({}, 4) is None
+
+
+def test_cache_roundtrip_and_merge(tmp_path):
+    path = str(tmp_path / "sub" / "tuned.json")
+    autotune.save_user_tables({"k1": {1: Choice("all_fma", "t1", 3.5)}}, path)
+    autotune.save_user_tables({"k1": {2: Choice("half_fma", None)}, "k2": {8: Choice("triton", "x")}}, path)
+    tables = autotune.load_user_tables(path)
+    assert tables["k1"][1] == Choice("all_fma", "t1", 3.5)
+    assert tables["k1"][2] == Choice("half_fma", None)
+    assert tables["k2"][8].tactic == "x"
+    assert [f for f in os.listdir(tmp_path / "sub") if f.startswith(".tuned-")] == []  # no temp files left
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": 999, "tables": {}}), json.dumps([1, 2]),
+                                     json.dumps({"format": 1, "tables": {"k": {"x": {}}}})])
+def test_corrupt_cache_is_ignored_with_a_warning(tmp_path, content):
+    path = tmp_path / "tuned.json"
+    path.write_text(content)
+    with pytest.warns(UserWarning, match="ignoring the tuning cache"):
+        assert autotune.load_user_tables(str(path)) == {}
+    # and tuning again replaces it
+    autotune.save_user_tables({"k": {1: Choice("torch", None)}}, str(path))
+    assert autotune.load_user_tables(str(path))["k"][1].backend == "torch"
+
+
+def test_cache_dir_from_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("MHC_CUTE_CACHE_DIR", str(tmp_path))
+    assert autotune.cache_path() == str(tmp_path / "tuned.json")
