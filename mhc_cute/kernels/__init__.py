@@ -1,0 +1,140 @@
+"""CuTe DSL kernels (sm_90a) and the host-side helpers their wrappers share.
+
+Modules: ``device_utils`` (device helpers), ``big_fuse`` (SPEC steps 2-7, standalone kernel and device
+phase), ``fma`` (paths E and F). The helpers below build the fake tensors a kernel is compiled against,
+compile it for the TVM-FFI launch path and cache the result (``CompiledKernels``). CuTe DSL is imported
+lazily so that importing this package (as the backend registry does to find a backend) works on a machine
+without it.
+
+Compiling a variant takes seconds. With ``MHC_CUTE_KERNEL_CACHE=<dir>`` compiled kernels are also kept as
+object files in that directory and loaded from there (about a millisecond) by later processes; the file
+names include a hash of this package's kernel sources and the CuTe DSL version.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the first `import cutlass` anywhere
+
+KERNEL_CACHE_ENV = "MHC_CUTE_KERNEL_CACHE"
+
+
+def cute_dtype(torch_dtype):
+    """The CuTe numeric type of a torch dtype (the dtypes of this package's operands)."""
+    import cutlass
+    import torch
+
+    return {torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32, torch.int32: cutlass.Int32}[torch_dtype]
+
+
+def norm_dtype_of(norm_weight):
+    """The compile-time norm flag: None, or the CuTe dtype of ``norm_weight``."""
+    return None if norm_weight is None else cute_dtype(norm_weight.dtype)
+
+
+def scalar_args(scalars) -> tuple:
+    """The runtime scalar arguments, in the order every compiled kernel of this package takes them."""
+    return (scalars.rms_eps, scalars.hc_pre_eps, scalars.hc_sinkhorn_eps, scalars.hc_post_mult_value,
+            scalars.sinkhorn_repeat, scalars.norm_eps)
+
+
+def fake_tensors(*tensors, tokens=None, align: int = 16) -> list:
+    """Fake CuTe tensors for ``cute.compile`` shaped like the torch ``tensors`` (None stays None).
+
+    Shapes and strides are static, except with ``tokens`` (a ``cute.sym_int()``): then the first dimension
+    of every tensor is that symbolic size (the token count M) with a symbolic stride (a size-1 token
+    dimension may carry any stride). Base pointers are assumed ``align``-byte aligned (16 lets the kernels use
+    16-byte vector accesses; torch allocations are 16-byte aligned).
+    """
+    import cutlass.cute as cute
+
+    fakes = []
+    for t in tensors:
+        if t is None:
+            fakes.append(None)
+            continue
+        dtype = cute_dtype(t.dtype)
+        shape, stride = tuple(t.shape), tuple(t.stride())
+        if tokens is not None:
+            row = 1
+            for d in t.shape[1:]:
+                row *= d
+            shape = (tokens,) + shape[1:]
+            stride = (cute.sym_int64(divisibility=min(row, 128 // dtype.width)),) + stride[1:]
+        fakes.append(cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=align))
+    return fakes
+
+
+def fake_buffer(dtype):
+    """A fake flat buffer (1-D, symbolic length) of CuTe ``dtype``: a workspace."""
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(dtype, (cute.sym_int(),), (1,), assumed_align=16)
+
+
+def compile_kernel(kernel, *fake_args):
+    """``cute.compile`` for the TVM-FFI launch path: tensors, then the six runtime scalars, then the stream
+    (taken from torch's current stream at call time). Not thread-safe (CuTe DSL compilation is not)."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    scalars = (Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0), Int32(0), Float32(0.0))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kernel, *fake_args, *scalars, stream, options="--enable-tvm-ffi")
+
+
+@functools.lru_cache(maxsize=None)
+def _sources_digest() -> str:
+    """A digest of every kernel source file and the CuTe DSL version: persisted kernels are only reused by
+    the code that built them."""
+    import cutlass
+
+    h = hashlib.sha256(getattr(cutlass, "__version__", "?").encode())
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+_compile_lock = threading.Lock()  # cute.compile is not thread-safe
+
+
+class CompiledKernels:
+    """Compiled kernels of one family (``prefix``), keyed by a tuple of static parameters (hashable, with a
+    stable ``repr``): in memory, and as object files under ``$MHC_CUTE_KERNEL_CACHE`` when it is set."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self._fns: dict = {}
+
+    def get(self, key: tuple, build):
+        """The compiled kernel for ``key``; ``build()`` compiles it (``compile_kernel``) on a miss."""
+        fn = self._fns.get(key)
+        if fn is None:
+            with _compile_lock:
+                fn = self._fns.get(key)
+                if fn is None:
+                    fn = self._load_or_build(key, build)
+                    self._fns[key] = fn
+        return fn
+
+    def _load_or_build(self, key: tuple, build):
+        folder = os.environ.get(KERNEL_CACHE_ENV)
+        if not folder:
+            return build()
+        import cutlass.cute as cute
+
+        name = f"{self.prefix}_{hashlib.sha256((repr(key) + _sources_digest()).encode()).hexdigest()[:24]}"
+        path = Path(folder) / f"{name}.o"
+        if not path.exists():
+            compiled = build()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp.o")
+            compiled.export_to_c(str(tmp), function_name=name)
+            os.replace(tmp, path)  # atomic: concurrent builders of the same kernel are harmless
+        return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), name)

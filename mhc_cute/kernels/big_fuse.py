@@ -1,0 +1,305 @@
+"""The "big fuse": everything after the projection, for a block of tokens (SPEC steps 2-7).
+
+From the split-K partials ``[split_k, M, 32]`` (columns 0..23: unscaled dots over the split's K indices,
+column 24: sum of squares) and the bf16 ``residual_cur`` it computes, per token: rstd, the 24 mixes, the
+gates (``post_mix_cur``), the 4x4 Sinkhorn (``comb_mix_cur``), the collapse into ``layer_input`` and the
+optional fused RMSNorm.
+
+Two ways in:
+
+* ``BigFusePhase``: the phase as device code for one block of tokens, run by all threads of a CTA. The
+  one-launch paths (F here, D in ``mma.py``) call it from the CTA that finishes a token block last.
+  Use: ``phase = BigFusePhase(hidden, split_k, tokens, threads, norm)``; in the kernel, before any other
+  code that depends on it, ``storage = phase.allocate(smem_allocator)``; later
+  ``phase(storage, m0, partials, scale, base, norm_weight, residual_cur, post_out, comb_out, layer_input,
+  scalars)`` with the flattened tensors of ``flat_outputs`` and ``BigFuseScalars``.
+* ``BigFuseKernel`` (standalone, one CTA per token block) and its host entry ``launch_big_fuse(problem,
+  partials, split_k, out)``, used by the two-launch paths (E here, B in ``mma.py``).
+
+Partials are summed in a fixed order (split s round-robin over warps, then warps in order): deterministic.
+"""
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+from typing import NamedTuple  # noqa: E402
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import torch  # noqa: E402
+from cutlass import BFloat16, Float32, Int32  # noqa: E402
+
+from ..tactics import HC_MULT, N_MIXES, PARTIAL_COLS  # noqa: E402
+from . import CompiledKernels, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, scalar_args  # noqa: E402
+from . import device_utils as du  # noqa: E402
+
+SUMSQ_COL = N_MIXES  # column of the sum of squares in a partial row
+
+
+class BigFuseScalars(NamedTuple):
+    rms_eps: Float32
+    hc_pre_eps: Float32
+    hc_sinkhorn_eps: Float32
+    hc_post_mult_value: Float32
+    sinkhorn_repeat: Int32
+    norm_eps: Float32
+
+
+class BigFuseStorage(NamedTuple):
+    partial_sums: cute.Tensor  # [warps, tokens, 32] per-warp sums of the partials
+    mixes: cute.Tensor  # [tokens, 32] summed partial rows
+    pre: cute.Tensor  # [tokens, 4] pre gates
+    scratch: cute.Tensor  # [warps] block reduction
+
+
+class BigFusePhase:
+    """SPEC steps 2-7 for ``tokens`` consecutive tokens by one CTA of ``threads`` threads."""
+
+    def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype):
+        assert hidden % du.VEC_BF16 == 0 and threads % du.WARP == 0
+        self.hidden = hidden
+        self.split_k = split_k
+        self.tokens = tokens
+        self.threads = threads
+        self.warps = threads // du.WARP
+        self.norm_dtype = norm_dtype  # None, BFloat16 or Float32 (compile-time)
+        self.octets = hidden // du.VEC_BF16
+        self.octet_slots = -(-self.octets // threads)
+
+    def smem_bytes(self) -> int:
+        return 4 * (self.warps * self.tokens * PARTIAL_COLS + self.tokens * (PARTIAL_COLS + HC_MULT) + self.warps) + 64
+
+    def allocate(self, smem) -> BigFuseStorage:
+        return BigFuseStorage(
+            smem.allocate_tensor(Float32, du.row_major(self.warps, self.tokens, PARTIAL_COLS), 16),
+            smem.allocate_tensor(Float32, du.row_major(self.tokens, PARTIAL_COLS), 16),
+            smem.allocate_tensor(Float32, du.row_major(self.tokens, HC_MULT), 16),
+            smem.allocate_tensor(Float32, du.row_major(self.warps), 16),
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        storage: BigFuseStorage,
+        m0: Int32,
+        mPartials: cute.Tensor,
+        mScale: cute.Tensor,
+        mBase: cute.Tensor,
+        mNormW,
+        mResCur: cute.Tensor,
+        mPostOut: cute.Tensor,
+        mCombOut: cute.Tensor,
+        mLayerIn: cute.Tensor,
+        scalars: BigFuseScalars,
+    ):
+        self.sum_partials(storage, m0, mPartials)
+        self.gates_and_sinkhorn(storage, m0, mScale, mBase, mPostOut, mCombOut, scalars)
+        self.collapse(storage, m0, mNormW, mResCur, mLayerIn, scalars.norm_eps)
+
+    @cute.jit
+    def sum_partials(self, storage: BigFuseStorage, m0: Int32, mPartials: cute.Tensor):
+        """mixes[t][c] = sum over s of partials[s, m0 + t, c], s round-robin over warps, then warps in order."""
+        tidx, _, _ = cute.arch.thread_idx()
+        lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+        m_total = mPartials.shape[1]
+        rounds = -(-self.split_k // self.warps)
+        for t in cutlass.range_constexpr(self.tokens):
+            # clamped indices keep every load in bounds and unconditional (all in flight at once); the
+            # out-of-range terms are replaced by an exact zero
+            m = cutlass.min(m0 + t, m_total - 1)
+            acc = Float32(0.0)
+            for r in cutlass.range_constexpr(rounds):
+                s = warp + r * self.warps
+                if cutlass.const_expr(self.split_k % self.warps == 0):
+                    acc = acc + mPartials[s, m, lane]
+                else:
+                    v = mPartials[cutlass.min(s, self.split_k - 1), m, lane]
+                    acc = acc + (v if s < self.split_k else Float32(0.0))
+            storage.partial_sums[warp, t, lane] = acc
+        cute.arch.sync_threads()
+        for base in cutlass.range_constexpr(0, self.tokens * PARTIAL_COLS, self.threads):
+            i = base + tidx
+            if i < self.tokens * PARTIAL_COLS:
+                t, c = i // PARTIAL_COLS, i % PARTIAL_COLS
+                total = Float32(0.0)
+                for w in cutlass.range_constexpr(self.warps):
+                    total = total + storage.partial_sums[w, t, c]
+                storage.mixes[t, c] = total
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def gates_and_sinkhorn(
+        self,
+        storage: BigFuseStorage,
+        m0: Int32,
+        mScale: cute.Tensor,
+        mBase: cute.Tensor,
+        mPostOut: cute.Tensor,
+        mCombOut: cute.Tensor,
+        scalars: BigFuseScalars,
+    ):
+        """One thread per token: rstd, mixes, pre/post gates, Sinkhorn; pre goes to shared memory."""
+        tidx, _, _ = cute.arch.thread_idx()
+        m_total = mPostOut.shape[0]
+        if tidx < self.tokens and m0 + tidx < m_total:
+            t, m = tidx, m0 + tidx
+            rstd = cute.math.rsqrt(storage.mixes[t, SUMSQ_COL] / (HC_MULT * self.hidden) + scalars.rms_eps)
+            scale_pre, scale_post, scale_comb = mScale[0], mScale[1], mScale[2]
+            for j in cutlass.range_constexpr(HC_MULT):
+                mix = storage.mixes[t, j] * rstd * scale_pre + mBase[j]
+                storage.pre[t, j] = du.sigmoid(mix) + scalars.hc_pre_eps
+            for j in cutlass.range_constexpr(HC_MULT):
+                mix = storage.mixes[t, HC_MULT + j] * rstd * scale_post + mBase[HC_MULT + j]
+                mPostOut[m, j] = du.sigmoid(mix) * scalars.hc_post_mult_value
+            comb = cute.make_rmem_tensor((HC_MULT * HC_MULT,), Float32)
+            for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
+                comb[i] = storage.mixes[t, 2 * HC_MULT + i] * rstd * scale_comb + mBase[2 * HC_MULT + i]
+            du.sinkhorn_4x4(comb, scalars.hc_sinkhorn_eps, scalars.sinkhorn_repeat)
+            for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
+                mCombOut[m, i] = comb[i]
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def collapse(
+        self,
+        storage: BigFuseStorage,
+        m0: Int32,
+        mNormW,
+        mResCur: cute.Tensor,
+        mLayerIn: cute.Tensor,
+        norm_eps: Float32,
+    ):
+        """layer_input = bf16(sum_j pre[j] * residual_cur[j]) (j in order), then the optional RMSNorm over
+        the rounded values, kept in registers. The whole CTA works on one token at a time."""
+        tidx, _, _ = cute.arch.thread_idx()
+        octets_h = self.octets
+        n_valid = cutlass.min(mLayerIn.shape[0] - m0, self.tokens)
+        for t in cutlass.range(n_valid, unroll=1):
+            m = m0 + t
+            pre = [storage.pre[t, j] for j in range(HC_MULT)]
+            row_res = mResCur[m, None]
+            row_out = mLayerIn[m, None]
+            rounded = cute.make_rmem_tensor((self.octet_slots, du.VEC_BF16), Float32)
+            sumsq = Float32(0.0)
+            for u in cutlass.range_constexpr(self.octet_slots):
+                o = tidx + u * self.threads
+                if o < octets_h:
+                    li = du.load_bf16x8(cute.local_tile(row_res, (du.VEC_BF16,), (o,))) * pre[0]
+                    for j in cutlass.range_constexpr(1, HC_MULT):
+                        res_j = du.load_bf16x8(cute.local_tile(row_res, (du.VEC_BF16,), (j * octets_h + o,)))
+                        li = li + res_j * pre[j]
+                    if cutlass.const_expr(self.norm_dtype is None):
+                        du.store_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (o,)), li)
+                    else:
+                        li_rounded = li.to(BFloat16).to(Float32)
+                        rounded[u, None].store(li_rounded)
+                        for i in cutlass.range_constexpr(du.VEC_BF16):
+                            sumsq = sumsq + li_rounded[i] * li_rounded[i]
+            if cutlass.const_expr(self.norm_dtype is not None):
+                total = du.block_sum(sumsq, storage.scratch, self.warps)
+                r = cute.math.rsqrt(total / self.hidden + norm_eps)
+                for u in cutlass.range_constexpr(self.octet_slots):
+                    o = tidx + u * self.threads
+                    if o < octets_h:
+                        w = cute.local_tile(mNormW, (du.VEC_BF16,), (o,))
+                        if cutlass.const_expr(self.norm_dtype is BFloat16):
+                            wv = du.load_bf16x8(w)
+                        else:
+                            wv = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
+                            cute.autovec_copy(w, wv)
+                            wv = wv.load()
+                        du.store_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (o,)), rounded[u, None].load() * r * wv)
+
+
+def flat_outputs(hidden: int, m, residual_cur, post_mix_cur, comb_mix_cur, layer_input):
+    """Row-per-token views of the outputs: ``[M, 4H]``, ``[M, 4]``, ``[M, 16]``, ``[M, H]`` (host side of a jit)."""
+    return (
+        cute.make_tensor(residual_cur.iterator, cute.make_layout((m, HC_MULT * hidden), stride=(HC_MULT * hidden, 1))),
+        cute.make_tensor(post_mix_cur.iterator, cute.make_layout((m, HC_MULT), stride=(HC_MULT, 1))),
+        cute.make_tensor(comb_mix_cur.iterator, cute.make_layout((m, HC_MULT * HC_MULT), stride=(HC_MULT * HC_MULT, 1))),
+        cute.make_tensor(layer_input.iterator, cute.make_layout((m, hidden), stride=(hidden, 1))),
+    )
+
+
+def partials_view(workspace, split_k: int, m):
+    """``[split_k, M, 32]`` fp32 over the start of the flat workspace buffer (host side of a jit)."""
+    return cute.make_tensor(
+        workspace.iterator, cute.make_layout((split_k, m, PARTIAL_COLS), stride=(m * PARTIAL_COLS, PARTIAL_COLS, 1))
+    )
+
+
+class BigFuseKernel:
+    """Standalone big fuse: one CTA of ``threads`` threads per block of ``tokens`` tokens."""
+
+    def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype):
+        self.phase = BigFusePhase(hidden, split_k, tokens, threads, norm_dtype)
+
+    @cute.jit
+    def launch(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, stream):
+        """Launch on flattened tensors (see ``flat_outputs``, ``partials_view``); callable from another jit."""
+        m = mResCur.shape[0]
+        phase = self.phase
+        self.kernel(mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars).launch(
+            grid=[cute.ceil_div(m, phase.tokens), 1, 1], block=[phase.threads, 1, 1], stream=stream
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        workspace: cute.Tensor,
+        hc_scale: cute.Tensor,
+        hc_base: cute.Tensor,
+        norm_weight,
+        residual_cur: cute.Tensor,
+        post_mix_cur: cute.Tensor,
+        comb_mix_cur: cute.Tensor,
+        layer_input: cute.Tensor,
+        rms_eps: Float32,
+        hc_pre_eps: Float32,
+        hc_sinkhorn_eps: Float32,
+        hc_post_mult_value: Float32,
+        sinkhorn_repeat: Int32,
+        norm_eps: Float32,
+        stream,
+    ):
+        m = residual_cur.shape[0]
+        outs = flat_outputs(self.phase.hidden, m, residual_cur, post_mix_cur, comb_mix_cur, layer_input)
+        scalars = BigFuseScalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
+        self.launch(partials_view(workspace, self.phase.split_k, m), hc_scale, hc_base, norm_weight, *outs, scalars, stream)
+
+    @cute.kernel
+    def kernel(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars: BigFuseScalars):
+        bidx, _, _ = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        storage = self.phase.allocate(smem)
+        self.phase(storage, bidx * self.phase.tokens, mPartials, mScale, mBase, mNormW, mResCur, mPostOut,
+                   mCombOut, mLayerIn, scalars)
+
+
+def big_fuse_threads(hidden: int) -> int:
+    """Threads of a standalone big-fuse CTA: enough for a few 16-byte vectors per thread per stream."""
+    return 128 if hidden >= 2048 else 64
+
+
+_compiled_big_fuse = CompiledKernels("mhc_big_fuse")
+
+
+def compiled_big_fuse(problem, split_k: int, out):
+    """The compiled standalone big fuse for (H, split_k, norm dtype), compiled (or loaded) on first use."""
+    h = problem.hidden
+
+    def build():
+        kernel = BigFuseKernel(h, split_k, 1, big_fuse_threads(h), norm_dtype_of(problem.norm_weight))
+        return compile_kernel(kernel, fake_buffer(Float32), *fake_tensors(problem.hc_scale, problem.hc_base, align=4),
+                              *fake_tensors(problem.norm_weight), *fake_tensors(*out, tokens=cute.sym_int()))
+
+    norm = None if problem.norm_weight is None else str(problem.norm_weight.dtype)
+    return _compiled_big_fuse.get((h, split_k, norm), build)
+
+
+def launch_big_fuse(problem, partials: torch.Tensor, split_k: int, out) -> None:
+    """Run the standalone big fuse on ``partials`` (a flat fp32 buffer holding ``[split_k, M, 32]`` at its
+    start) and ``out.residual_cur``, writing the other three outputs of ``out``."""
+    fn = compiled_big_fuse(problem, split_k, out)
+    fn(partials, problem.hc_scale, problem.hc_base, problem.norm_weight, *out, *scalar_args(problem.scalars))

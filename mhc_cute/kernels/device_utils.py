@@ -1,0 +1,117 @@
+"""Device helpers shared by every CuTe kernel path: reductions, gates, the 4x4 Sinkhorn, bf16 vectors.
+
+All are ``@cute.jit`` functions, inlined into the calling kernel.
+"""
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import BFloat16, Float32, Int32  # noqa: E402
+
+WARP = 32
+VEC_BF16 = 8  # bf16 elements in one 16-byte access
+
+
+def row_major(*shape: int):
+    """A compact row-major layout (CuTe's default is column-major): the last mode is contiguous."""
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return cute.make_layout(shape, stride=tuple(reversed(strides)))
+
+
+@cute.jit
+def warp_sum(val: Float32) -> Float32:
+    """Butterfly sum over the 32 lanes of a warp; every lane gets the result (fixed order: deterministic)."""
+    for i in cutlass.range_constexpr(5):
+        val = val + cute.arch.shuffle_sync_bfly(val, offset=1 << i)
+    return val
+
+
+@cute.jit
+def block_sum(val: Float32, scratch: cute.Tensor, n_warps: cutlass.Constexpr[int]) -> Float32:
+    """Sum over all threads of the CTA; every thread gets the result.
+
+    ``scratch``: ``n_warps`` fp32 in shared memory. Two barriers: the scratch is free again on return.
+    """
+    val = warp_sum(val)
+    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+    if lane == 0:
+        scratch[warp] = val
+    cute.arch.sync_threads()
+    total = Float32(0.0)
+    for w in cutlass.range_constexpr(n_warps):  # the same order in every thread
+        total = total + scratch[w]
+    cute.arch.sync_threads()
+    return total
+
+
+@cute.jit
+def sigmoid(x: Float32) -> Float32:
+    return cute.arch.rcp_approx(Float32(1.0) + cute.math.exp(-x, fastmath=True))
+
+
+@cute.jit
+def sinkhorn_4x4(c: cute.Tensor, eps: Float32, repeat: Int32):
+    """SPEC step 5 in place on ``c``, 16 fp32 registers in row-major order (one thread per token).
+
+    Row softmax (max-subtracted) + eps, a column step, then ``repeat - 1`` (row, column) steps; each step
+    divides by (sum + eps) through one reciprocal per row or column.
+    """
+    for r in cutlass.range_constexpr(4):
+        row_max = cute.arch.fmax(cute.arch.fmax(c[4 * r], c[4 * r + 1]), cute.arch.fmax(c[4 * r + 2], c[4 * r + 3]))
+        for k in cutlass.range_constexpr(4):
+            c[4 * r + k] = cute.math.exp(c[4 * r + k] - row_max, fastmath=True)
+        inv = cute.arch.rcp_approx((c[4 * r] + c[4 * r + 1]) + (c[4 * r + 2] + c[4 * r + 3]))
+        for k in cutlass.range_constexpr(4):
+            c[4 * r + k] = c[4 * r + k] * inv + eps
+    _normalise_columns(c, eps)
+    for _ in cutlass.range(repeat - 1, unroll=1):
+        _normalise_rows(c, eps)
+        _normalise_columns(c, eps)
+
+
+@cute.jit
+def _normalise_rows(c: cute.Tensor, eps: Float32):
+    for r in cutlass.range_constexpr(4):
+        inv = cute.arch.rcp_approx(((c[4 * r] + c[4 * r + 1]) + (c[4 * r + 2] + c[4 * r + 3])) + eps)
+        for k in cutlass.range_constexpr(4):
+            c[4 * r + k] = c[4 * r + k] * inv
+
+
+@cute.jit
+def _normalise_columns(c: cute.Tensor, eps: Float32):
+    for k in cutlass.range_constexpr(4):
+        inv = cute.arch.rcp_approx(((c[k] + c[4 + k]) + (c[8 + k] + c[12 + k])) + eps)
+        for r in cutlass.range_constexpr(4):
+            c[4 * r + k] = c[4 * r + k] * inv
+
+
+@cute.jit
+def load_bf16x8(src: cute.Tensor):
+    """Eight contiguous bf16 (one 16-byte load; ``src`` must be 16-byte aligned) as an fp32 vector."""
+    frag = cute.make_rmem_tensor((VEC_BF16,), BFloat16)
+    cute.autovec_copy(src, frag)
+    return frag.load().to(Float32)
+
+
+@cute.jit
+def store_bf16x8(dst: cute.Tensor, vals):
+    """Round eight fp32 to bf16 (nearest even) and store them with one 16-byte store; returns the rounded
+    values widened back to fp32."""
+    frag = cute.make_rmem_tensor((VEC_BF16,), BFloat16)
+    frag.store(vals.to(BFloat16))
+    cute.autovec_copy(frag, dst)
+    return frag.load().to(Float32)
+
+
+@cute.jit
+def load_f32x4(src: cute.Tensor):
+    """Four contiguous fp32 (one 16-byte load; ``src`` must be 16-byte aligned)."""
+    frag = cute.make_rmem_tensor((4,), Float32)
+    cute.autovec_copy(src, frag)
+    return frag.load()

@@ -1,0 +1,67 @@
+"""Scratch buffers of the kernel paths: split-K partials and last-CTA election counters.
+
+One ``Workspace`` per (device, stream): calls on one stream run in order and may share it, calls on two
+streams may run concurrently and never do. Buffers only grow. A buffer that a larger one replaces is kept
+alive (``retired``), because a CUDA graph captured earlier may still point at it. Buffers never alias
+outputs (they are allocated here, outputs by the dispatcher).
+
+* ``partials(n)``: at least ``n`` fp32, a flat buffer; a kernel views its start as ``[split_k, M, 32]``.
+  Contents are scratch: every element a kernel reads was written earlier in the same call.
+* ``counters(n)``: at least ``n`` int32, all zero between calls. Zeroed once when allocated (on the stream
+  that uses them); the kernels that count on them reset each counter they use to zero before exiting, so no
+  zeroing launch is needed per call.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+def _current_stream_handle(device: torch.device) -> int:
+    try:
+        return torch._C._cuda_getCurrentRawStream(device.index)  # cheap: no Stream object
+    except (AttributeError, TypeError):  # pragma: no cover - other torch builds
+        return torch.cuda.current_stream(device).cuda_stream
+
+
+class Workspace:
+    """The scratch buffers of one (device, stream)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._partials = torch.empty(0, dtype=torch.float32, device=device)
+        self._counters = torch.zeros(0, dtype=torch.int32, device=device)
+        self.retired: list[torch.Tensor] = []
+
+    def partials(self, n: int) -> torch.Tensor:
+        if self._partials.numel() < n:
+            self.retired.append(self._partials)
+            self._partials = torch.empty(_grown(n), dtype=torch.float32, device=self.device)
+        return self._partials
+
+    def counters(self, n: int) -> torch.Tensor:
+        if self._counters.numel() < n:
+            self.retired.append(self._counters)
+            self._counters = torch.zeros(_grown(n), dtype=torch.int32, device=self.device)
+        return self._counters
+
+
+def _grown(n: int) -> int:
+    """Round up to a power of two (at least 1024 elements) so that a growing M reallocates rarely."""
+    return max(1024, 1 << (n - 1).bit_length())
+
+
+_workspaces: dict[tuple[int, int], Workspace] = {}
+_lock = threading.Lock()
+
+
+def get_workspace(device: torch.device) -> Workspace:
+    """The workspace of ``device``'s current stream."""
+    key = (device.index, _current_stream_handle(device))
+    ws = _workspaces.get(key)
+    if ws is None:
+        with _lock:
+            ws = _workspaces.setdefault(key, Workspace(device))
+    return ws

@@ -1,0 +1,67 @@
+"""CI (no GPU): every supported variant of the FMA paths compiles for sm_90a.
+
+Variants cover each compile-time branch: both paths, no norm / bf16 / fp32 norm weight, the default tactic of
+every M bucket, token tiles 1..16, tile_n 3..24, 128/256/512 threads, one or two pipeline stages, splits that
+do and do not divide evenly among the big fuse's warps, and a small and a large H. Compiles run in worker
+processes (CuTe DSL compilation is not thread-safe and is CPU-bound).
+"""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+pytest.importorskip("cutlass.cute")
+pytest.importorskip("tvm_ffi")
+
+from mhc_cute import tactics as tac  # noqa: E402
+from mhc_cute.tactics import FmaTactic  # noqa: E402
+
+NORMS = (None, "torch.bfloat16", "torch.float32")
+
+
+def variants() -> list:
+    specs = []
+    for path in tac.FMA_PATHS:
+        for bucket_m, _ in tac.FMA_BUCKETS:
+            specs.append((tac.default_fma_tactic(path, bucket_m, 512).name, 512, None))
+            for norm in NORMS:
+                specs.append((tac.default_fma_tactic(path, bucket_m, 7168).name, 7168, norm))
+        extra = [
+            (FmaTactic(path, 7, 16, 3, 256, 2), 7168),  # 16 tokens, tile_n 3, pipelined, split 7 (uneven warps)
+            (FmaTactic(path, 28, 1, 12, 256), 7168),  # tile_n 12: chunk 128
+            (FmaTactic(path, 5, 2, 6, 128, 2), 5120),  # 128 threads: chunk 32
+            (FmaTactic(path, 4, 2, 24, 512), 4096),  # tile_n 24: one column group
+            (FmaTactic(path, 1, 8, 6, 256, 2), 256),  # split 1
+        ]
+        specs += [(t.name, h, norm) for t, h in extra for norm in (None, "torch.bfloat16")]
+    return specs
+
+
+@pytest.mark.slow
+def test_every_fma_variant_compiles(tmp_path, monkeypatch):
+    from mhc_cute.kernels import KERNEL_CACHE_ENV, fma
+
+    specs = variants()
+    for name, h, _ in specs:
+        assert tac.parse_tactic(name).invalid_reason(h) is None, (name, h)
+    monkeypatch.setenv(KERNEL_CACHE_ENV, str(tmp_path))  # workers persist: proves export works too
+    done = fma.precompile(specs, processes=os.cpu_count())
+    assert sorted(done) == sorted(n for n, _, _ in dict.fromkeys(specs))
+    assert len(list(tmp_path.glob("*.o"))) == len(set(specs))
+
+
+@pytest.mark.parametrize("norm", [None, torch.float32])
+def test_standalone_big_fuse_compiles(norm):
+    from mhc_cute.kernels import big_fuse
+    from mhc_cute.problem import Problem, Scalars
+
+    h, m = 1024, 3
+    problem = Problem(
+        torch.empty(m, h, dtype=torch.bfloat16), torch.empty(m, 4, h, dtype=torch.bfloat16), torch.empty(m, 4),
+        torch.empty(m, 4, 4), torch.empty(24, 4 * h), torch.empty(3), torch.empty(24),
+        None if norm is None else torch.empty(h, dtype=norm), Scalars(), "fp32",
+    )
+    assert big_fuse.compiled_big_fuse(problem, 5, problem.empty_outputs()) is not None  # running needs a GPU

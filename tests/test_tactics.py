@@ -1,0 +1,70 @@
+"""Tactics as data: validity rules, names, defaults (CPU only)."""
+
+import pytest
+
+from mhc_cute import tactics as tac
+from mhc_cute.tactics import FmaTactic
+
+HS = [64, 256, 512, 1024, 4096, 5120, 7168, 64 * 97]
+MS = [1, 2, 3, 4, 5, 16, 17, 32, 33, 64, 100, 256, 257, 1000, 1024, 4096, 8192, 65536]
+
+
+@pytest.mark.parametrize("h", HS)
+@pytest.mark.parametrize("path", tac.FMA_PATHS)
+def test_default_is_valid_for_every_m(path, h):
+    for m in MS:
+        t = tac.default_fma_tactic(path, m, h)
+        assert t.path == path
+        assert t.invalid_reason(h) is None, (m, t)
+
+
+def test_default_buckets_limit_variants():
+    # one tactic per M bucket: few compiled variants per (path, H)
+    names = {tac.default_fma_tactic("all_fma", m, 7168).name for m in MS}
+    assert len(names) <= len(tac.FMA_BUCKETS)
+
+
+def test_small_m_spreads_the_weight_read():
+    t = tac.default_fma_tactic("all_fma", 1, 7168, sm_count=132)
+    assert t.split_k * -(-1 // t.tokens_per_cta) >= 100  # about a wave of CTAs at decode
+    assert 7168 // t.split_k == t.chunk_h  # one chunk each
+
+
+@pytest.mark.parametrize("t", [FmaTactic("all_fma", 112, 4, 6, 256), FmaTactic("half_fma", 7, 8, 3, 128, 2)])
+def test_name_round_trip(t):
+    assert tac.parse_tactic(t.name) == t
+    assert hash(t) == hash(tac.parse_tactic(t.name))
+
+
+def test_parse_rejects_garbage():
+    with pytest.raises(ValueError):
+        tac.parse_tactic("all_fma:k1")
+
+
+@pytest.mark.parametrize(
+    "t, h, why",
+    [
+        (FmaTactic("bad", 1, 1, 6, 256), 512, "path"),
+        (FmaTactic("all_fma", 1, 1, 5, 256), 512, "tile_n"),
+        (FmaTactic("all_fma", 1, 1, 6, 100), 512, "threads"),
+        (FmaTactic("all_fma", 1, 1, 3, 64), 512, "whole warps"),
+        (FmaTactic("all_fma", 3, 1, 6, 256), 512, "divide"),
+        (FmaTactic("all_fma", 16, 1, 6, 256), 512, "chunk_h"),
+        (FmaTactic("all_fma", 1, 16, 6, 256), 512, "tokens_per_cta"),
+        (FmaTactic("all_fma", 1, 1, 6, 256, 3), 512, "stages"),
+        (FmaTactic("all_fma", 8, 1, 6, 256, 2), 512, "two chunks"),
+        (FmaTactic("all_fma", 1, 8, 24, 1024), 4096, "tokens_per_cta"),
+    ],
+)
+def test_invalid(t, h, why):
+    reason = t.invalid_reason(h)
+    assert reason is not None and why in reason
+    with pytest.raises(ValueError):
+        t.check(h)
+
+
+def test_chunk_and_smem():
+    t = FmaTactic("half_fma", 8, 8, 6, 256)
+    assert t.chunk_h == 64
+    assert t.smem_bytes() == 8 * 4 * 64 * 4 + 8 * 8 * 7 * 4
+    assert t.invalid_reason(4096) is None
