@@ -16,7 +16,9 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # common.check_outputs: the correctness contract
 
 import torch  # noqa: E402
 
@@ -50,6 +52,24 @@ def sweep_tactics(path: str, m: int, hidden: int, sm_count: int) -> list:
     return ranked[:8]
 
 
+def check_tactic(path: str, tactic, inputs: dict) -> str | None:
+    """None if ``tactic`` meets the correctness contract on ``inputs`` (twice, bit-identically), else why not."""
+    from common import check_outputs, problem_of, run_backend
+
+    problem = problem_of(inputs)
+    try:
+        first = run_backend(problem, path, tactic)
+        check_outputs(first, problem)
+        again = run_backend(problem, path, tactic)
+        for name, a, b in zip(first._fields, first, again):
+            if not torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b):
+                return f"{name} differs between two runs"
+    except AssertionError as e:
+        return str(e).splitlines()[0][:200]
+    return None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
@@ -57,6 +77,7 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="time a small tactic sweep, not only the default")
     ap.add_argument("--norm", action="store_true", help="with the fused RMSNorm (norm_weight)")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--check", action="store_true", help="check every timed tactic against the contract once")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -83,10 +104,14 @@ def main(argv=None):
             for p in PATHS:
                 default = tac.default_fma_tactic(p, m, h, sms)
                 for t in plan[(h, m, p)]:
+                    why = check_tactic(p, t, sets[0]) if args.check else None
+                    if why:
+                        print(f"H={h} M={m} {t.name}: WRONG: {why}", flush=True)
                     r = mb.bench_one(t.name, mb.mhc_cute_call(p, tactic=t), m, h, dev, args.norm, bandwidth, sets,
                                      eager=(t == default))
+                    r.extra["wrong"] = why
                     results.append(r)
-                    if r.graph_us is not None and (p not in best or r.graph_us < best[p].graph_us):
+                    if r.graph_us is not None and not why and (p not in best or r.graph_us < best[p].graph_us):
                         best[p] = r
                     if r.error:
                         print(f"H={h} M={m} {t.name}: {r.error}", flush=True)
