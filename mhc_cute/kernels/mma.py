@@ -1,0 +1,599 @@
+"""Paths B (``half_mma``) and D (``all_mma``): the mHC projection on tensor cores (TF32 wgmma), sm_90a.
+
+Kernel 1 (``MmaProjectionKernel``) streams one M tile x one K split per CTA through a TMA + mbarrier pipeline:
+
+* a producer warp loads, per stage, the ``residual_prev [tile_m, 4, 32]`` and ``x_prev [tile_m, 32]`` tiles of
+  one 32-wide block of H and the matching ``[n, 4 x 32]`` tile of the prepared weight (below);
+* each MMA warpgroup owns 64 rows. Its threads compute ``residual_cur`` for the four streams straight into the
+  register layout of the wgmma A operand (post-map), store it to global memory with 16-byte stores, add the
+  squares of the bf16-rounded values, and issue TF32 wgmma with A from registers (exact: bf16 is a subset of
+  TF32) and B (the weight) from shared memory.
+
+Register A lets each thread own 8 *contiguous* H positions per row and stream: the K order inside every 32-wide
+block is permuted so that wgmma's fragment (rows g/g+8, columns t/t+4 of each k8 step) lands on them, and the
+weight is permuted the same way when it is prepared (``prepare_weight``). A dot product does not depend on the
+order of K, only the rounding of the tensor core's sums does.
+
+``precision="fp32"``: the weight is split into TF32 hi + lo (``hi = tf32_rn(fn)``, ``lo = tf32_rn(fn - hi)``)
+and stacked along N, so one ``m64n48k8`` wgmma per K step computes both products; hi and lo columns are added
+in the epilogue. ``precision="tf32"``: hi only, ``m64n24k8``.
+
+Output of kernel 1: the split-K partials ``[split_k, M, 32]`` (columns 0..23 the unscaled dots of the split,
+column 24 the sum of squares) consumed by the big fuse.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import functools  # noqa: E402
+import re  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import torch  # noqa: E402
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.pipeline as pipeline  # noqa: E402
+from cutlass import BFloat16, Float32, Int32, const_expr  # noqa: E402
+from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
+
+from ..tactics import HC_MULT, N_MIXES, PARTIAL_COLS  # noqa: E402
+from ..workspace import get_workspace  # noqa: E402
+from . import norm_dtype_of  # noqa: E402
+from .big_fuse import (  # noqa: E402
+    BigFuseKernel, BigFusePhase, BigFuseScalars, big_fuse_threads, flat_outputs, partials_view,
+)
+from .wgmma_tf32 import make_tf32_tiled_mma  # noqa: E402
+
+BLOCK_H = 32  # H positions per pipeline stage (per stream): one 128-byte swizzle row of fp32 weight
+VEC = 8  # contiguous H positions per thread and row: one 16-byte bf16 vector
+SUMSQ_COL = N_MIXES  # partials column of the sum of squares
+WG_THREADS = 128
+
+
+MMA_PATHS = ("half_mma", "all_mma")
+SMEM_LIMIT = 227 * 1024  # opt-in shared memory per CTA on sm_90
+
+
+@dataclass(frozen=True)
+class MmaTactic:
+    """One configuration of the tensor-core paths.
+
+    The grid is ``ceil(M / tile_m) * split_k`` CTAs, the splits of one M tile adjacent in launch order (they
+    run together, so the tile's partials complete together). A CTA owns ``tile_m`` tokens (64 per MMA
+    warpgroup) and a contiguous range of the ``H / 32`` blocks of 32 hidden positions (all 4 streams), and
+    streams it through a ``stages``-deep TMA pipeline.
+    """
+
+    path: str  # "half_mma" (kernel 1 + big-fuse kernel) | "all_mma" (one launch, last CTA runs the big fuse)
+    split_k: int
+    tile_m: int = 128
+    stages: int = 3
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}:k{self.split_k}:m{self.tile_m}:s{self.stages}"
+
+    @property
+    def threads(self) -> int:
+        return self.tile_m // 64 * WG_THREADS + 32  # MMA warpgroups + the TMA producer warp
+
+    def smem_bytes(self, hidden: int, n_parts: int = 2) -> int:
+        """Shared memory at ``n_parts`` weight parts (2: fp32, the larger; 1: tf32)."""
+        total = self.stages * stage_bytes(self.tile_m, n_parts) + 1024
+        if self.path == "all_mma":
+            total += finish_phase(self, hidden, None).smem_bytes()
+        return total
+
+    def invalid_reason(self, hidden: int) -> str | None:
+        """None if this tactic can run at hidden size ``hidden`` (in both precisions), else why not."""
+        if self.path not in MMA_PATHS:
+            return f"path must be one of {MMA_PATHS}"
+        if hidden % 64:
+            return "H must be a multiple of 64"
+        if self.tile_m not in (64, 128):
+            return "tile_m must be 64 or 128"
+        if not 1 <= self.split_k <= hidden // BLOCK_H:
+            return f"split_k must be in [1, H / 32 = {hidden // BLOCK_H}]"
+        if not 2 <= self.stages <= 8:
+            return "stages must be in [2, 8]"
+        if self.smem_bytes(hidden) > SMEM_LIMIT:
+            return f"shared memory {self.smem_bytes(hidden)} B > {SMEM_LIMIT} B"
+        return None
+
+    def check(self, hidden: int) -> "MmaTactic":
+        why = self.invalid_reason(hidden)
+        if why is not None:
+            raise ValueError(f"invalid tactic {self.name} for H = {hidden}: {why}")
+        return self
+
+
+_MMA_NAME = re.compile(r"^(half_mma|all_mma):k(\d+):m(\d+):s(\d+)$")
+
+
+def parse_mma_tactic(name: str) -> MmaTactic:
+    match = _MMA_NAME.match(name)
+    if not match:
+        raise ValueError(f"not an MMA tactic name: {name!r}")
+    path, *nums = match.groups()
+    return MmaTactic(path, *map(int, nums))
+
+
+def default_mma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> MmaTactic:
+    """About one wave of CTAs (one CTA per SM: the pipeline takes most of the shared memory), the deepest
+    pipeline that fits. The one-launch path keeps 64-token tiles: its last CTA also holds the big fuse."""
+    tile_m = 64 if (m <= 64 or path == "all_mma") else 128
+    m_tiles = -(-m // tile_m)
+    split_k = max(1, min(hidden // BLOCK_H, sm_count // m_tiles))
+    for stages in range(8, 1, -1):
+        tactic = MmaTactic(path, split_k, tile_m, stages)
+        if tactic.invalid_reason(hidden) is None:
+            return tactic
+    return MmaTactic(path, split_k, tile_m, 2).check(hidden)
+
+
+def stage_bytes(tile_m: int, n_parts: int) -> int:
+    """Bytes one pipeline stage receives: residual + x tiles (bf16) and the weight tile (fp32)."""
+    return tile_m * (HC_MULT + 1) * BLOCK_H * 2 + N_MIXES * n_parts * HC_MULT * BLOCK_H * 4
+
+
+def finish_phase(tactic: MmaTactic, hidden: int, norm_dtype) -> BigFusePhase:
+    """The big fuse of path D: one M tile, run by all threads of the CTA that completes it."""
+    return BigFusePhase(hidden, tactic.split_k, tactic.tile_m, tactic.threads, norm_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The weight, prepared once per fn tensor: TF32 hi (+ lo), K permuted to match the register A fragment
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _tf32_rn(v: torch.Tensor) -> torch.Tensor:
+    """Round fp32 to the nearest TF32 value (10 explicit mantissa bits; ties to even), kept as fp32."""
+    bits = v.contiguous().view(torch.int32)
+    lsb = (bits >> 13) & 1
+    rounded = (bits + 0x0FFF + lsb) & ~0x1FFF
+    finite = torch.isfinite(v)
+    return torch.where(finite, rounded.view(torch.float32), v)
+
+
+def split_tf32(fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fn = hi + lo`` (to about 2^-22 relative) with both parts exactly representable in TF32."""
+    hi = _tf32_rn(fn.float())
+    lo = _tf32_rn(fn.float() - hi)
+    return hi, lo
+
+
+def block_permutation() -> torch.Tensor:
+    """``perm[p]`` = the H offset (inside a 32-wide block) that MMA K position ``p`` of that block reads.
+
+    K position ``8 s + c`` is column ``c`` of k8 step ``s``; wgmma gives thread ``t`` (of a quad) columns ``t``
+    and ``t + 4``, which we map to H offsets ``8 t + 2 s`` and ``8 t + 2 s + 1``: thread ``t`` then holds the
+    contiguous H range ``[8 t, 8 t + 8)``.
+    """
+    s = torch.arange(4)[:, None]
+    c = torch.arange(8)[None, :]
+    t = c % 4
+    return (8 * t + 2 * s + c // 4).reshape(-1)
+
+
+def prepare_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
+    """The weight as the kernel's B tiles: ``[H/32, 4 (stream), n, 32]`` fp32, ``n = 48`` (hi rows 0..23, lo
+    rows 24..47) for ``"fp32"``, ``n = 24`` (hi) for ``"tf32"``; inside each 32-block the K order is permuted
+    by ``block_permutation``."""
+    n_mix, k = fn.shape
+    hidden = k // HC_MULT
+    hi, lo = split_tf32(fn)
+    parts = [hi, lo] if precision == "fp32" else [hi]
+    w = torch.cat(parts, dim=0)  # [n, 4H], column j*H + h
+    n = w.shape[0]
+    w = w.view(n, HC_MULT, hidden // BLOCK_H, BLOCK_H)[..., block_permutation().to(w.device)]
+    return w.permute(2, 1, 0, 3).contiguous()
+
+
+_weight_cache: dict = {}
+
+
+def cached_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
+    """``prepare_weight`` once per weight tensor (keyed on storage, version counter, shape and device)."""
+    key = (fn.data_ptr(), fn._version, tuple(fn.shape), fn.device, precision)
+    w = _weight_cache.get(key)
+    if w is None:
+        if len(_weight_cache) >= 64:
+            _weight_cache.clear()
+        w = _weight_cache[key] = prepare_weight(fn, precision)
+    return w
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel 1: post-map + residual_cur store + sum of squares + TF32 wgmma projection -> split-K partials
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class MmaFusedHcKernel:
+    """Kernel 1 (post-map, ``residual_cur``, sum of squares, TF32 wgmma projection, split-K partials) for one
+    (H, tactic, precision, norm dtype). Path B launches the standalone big fuse after it; path D runs the big
+    fuse in the CTA that completes an M tile (last-arriver election on a per-tile counter, no waiting)."""
+
+    def __init__(self, hidden: int, tactic: MmaTactic, precision: str, norm_dtype):
+        tactic.check(hidden)
+        self.hidden = hidden
+        self.tactic = tactic
+        self.tile_m = tactic.tile_m
+        self.split_k = tactic.split_k
+        self.stages = tactic.stages
+        self.n_parts = 2 if precision == "fp32" else 1
+        self.n = N_MIXES * self.n_parts
+        self.n_hblk = hidden // BLOCK_H
+        self.mma_wgs = self.tile_m // 64
+        self.producer_warp = self.mma_wgs * 4
+        self.threads = tactic.threads
+        self.k_stage = HC_MULT * BLOCK_H  # MMA K per stage: 4 streams x 32
+        self.fused = tactic.path == "all_mma"
+        if self.fused:
+            self.finish = finish_phase(tactic, hidden, norm_dtype)
+        else:
+            self.big_fuse = BigFuseKernel(hidden, tactic.split_k, 1, big_fuse_threads(hidden), norm_dtype)
+
+    # -------------------------------------------------------------------- host side
+    @cute.jit
+    def __call__(
+        self,
+        mX: cute.Tensor,  # [M, H] bf16
+        mRes: cute.Tensor,  # [M, 4, H] bf16
+        mPost: cute.Tensor,  # [M, 4] f32
+        mComb: cute.Tensor,  # [M, 4, 4] f32
+        mW: cute.Tensor,  # [H/32, 4, n, 32] f32 (prepare_weight)
+        mScale: cute.Tensor,  # [3] f32
+        mBase: cute.Tensor,  # [24] f32
+        mNormW,  # [H] bf16 | f32 | None
+        mResOut: cute.Tensor,  # [M, 4, H] bf16
+        mPostOut: cute.Tensor,  # [M, 4, 1] f32
+        mCombOut: cute.Tensor,  # [M, 4, 4] f32
+        mLayerIn: cute.Tensor,  # [M, H] bf16
+        workspace: cute.Tensor,  # flat f32, holds the partials [split_k, M, 32]
+        counters: cute.Tensor,  # flat i32, one per M tile, zero between calls (path D)
+        rms_eps: Float32,
+        hc_pre_eps: Float32,
+        hc_sinkhorn_eps: Float32,
+        hc_post_mult_value: Float32,
+        sinkhorn_repeat: Int32,
+        norm_eps: Float32,
+        stream,
+    ):
+        tile_m, stages = self.tile_m, self.stages
+        m = mX.shape[0]
+        # residual tile as [stream][row][32]: the 8 rows a quarter-warp reads are 64 B apart, conflict-free
+        res_layout = cute.make_layout(
+            (tile_m, HC_MULT, BLOCK_H, stages), stride=(BLOCK_H, tile_m * BLOCK_H, 1, tile_m * BLOCK_H * HC_MULT)
+        )
+        x_layout = cute.make_layout((tile_m, BLOCK_H, stages), stride=(BLOCK_H, 1, tile_m * BLOCK_H))
+        # weight: K-major, 128-byte swizzle, [stream][n][32] per stage. The stage layout is built on its own:
+        # slicing the staged composed layout aborts the 4.8.1 compiler for n = 48.
+        w_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float32)
+        w_stage_layout = cute.tile_to_shape(w_atom, (self.n, self.k_stage), order=(0, 1))
+        w_layout = cute.tile_to_shape(w_atom, (self.n, self.k_stage, stages), order=(0, 1, 2))
+
+        # B viewed as (n, K) with K in stage order: k = 128 * block + 32 * stream + p
+        mB = cute.make_tensor(
+            mW.iterator,
+            cute.make_layout((self.n, (BLOCK_H, HC_MULT * self.n_hblk)), stride=(BLOCK_H, (1, BLOCK_H * self.n))),
+        )
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_res, tma_mRes = cpasync.make_tiled_tma_atom(
+            g2s, mRes, cute.slice_(res_layout, (None, None, None, 0)), (tile_m, HC_MULT, BLOCK_H)
+        )
+        tma_x, tma_mX = cpasync.make_tiled_tma_atom(g2s, mX, cute.slice_(x_layout, (None, None, 0)), (tile_m, BLOCK_H))
+        tma_w, tma_mB = cpasync.make_tiled_tma_atom(g2s, mB, w_stage_layout, (self.n, self.k_stage))
+        tiled_mma = make_tf32_tiled_mma(self.n, warpgroup.OperandSource.RMEM)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, stages * 2]
+            is_last: Int32
+            sW: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(w_layout)], 1024]
+            sRes: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(res_layout)], 128]
+            sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(x_layout)], 128]
+
+        self.shared_storage = SharedStorage
+        partials = partials_view(workspace, self.split_k, m)
+        flat = flat_outputs(self.hidden, m, mResOut, mPostOut, mCombOut, mLayerIn)
+        scalars = BigFuseScalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
+        self.kernel(
+            tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, mPost, mComb, mResOut, partials, tiled_mma,
+            res_layout, x_layout, w_layout, mScale, mBase, mNormW, flat, counters, scalars,
+        ).launch(
+            grid=[cute.ceil_div(m, tile_m) * self.split_k, 1, 1], block=[self.threads, 1, 1], stream=stream
+        )
+        if const_expr(not self.fused):
+            self.big_fuse.launch(partials, mScale, mBase, mNormW, *flat, scalars, stream)
+
+    # -------------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_res: cute.CopyAtom,
+        tma_mRes: cute.Tensor,
+        tma_x: cute.CopyAtom,
+        tma_mX: cute.Tensor,
+        tma_w: cute.CopyAtom,
+        tma_mB: cute.Tensor,
+        mPost: cute.Tensor,
+        mComb: cute.Tensor,
+        mResOut: cute.Tensor,
+        mPartials: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        res_layout: cute.Layout,
+        x_layout: cute.Layout,
+        w_layout: cute.ComposedLayout,
+        mScale: cute.Tensor,
+        mBase: cute.Tensor,
+        mNormW,
+        flat: tuple,
+        counters: cute.Tensor,
+        scalars: BigFuseScalars,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        split = bidx % self.split_k
+        m_tile = bidx // self.split_k
+        # this split's 32-wide H blocks: [blk_begin, blk_begin + n_blk)
+        blk_begin = split * self.n_hblk // self.split_k
+        n_blk = (split + 1) * self.n_hblk // self.split_k - blk_begin
+
+        if warp_idx == self.producer_warp:
+            cpasync.prefetch_descriptor(tma_res)
+            cpasync.prefetch_descriptor(tma_x)
+            cpasync.prefetch_descriptor(tma_w)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        finish_storage = None
+        if const_expr(self.fused):
+            finish_storage = self.finish.allocate(smem)
+        sRes = storage.sRes.get_tensor(res_layout)
+        sX = storage.sX.get_tensor(x_layout)
+        sW = storage.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
+
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_wgs * 4),
+            tx_count=stage_bytes(self.tile_m, self.n_parts),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+
+        if warp_idx == self.producer_warp:
+            self.produce(ab_pipeline, tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, sRes, sX, sW, m_tile,
+                         blk_begin, n_blk)
+        else:
+            self.consume(ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mResOut, mPartials, tidx, m_tile,
+                         split, blk_begin, n_blk)
+
+        if const_expr(self.fused):
+            # last-arriver election: every thread fences its partial stores (release) before the barrier; the
+            # CTA whose arrival completes the tile's count runs the big fuse for it, the others just exit
+            is_last = True
+            if const_expr(self.split_k > 1):
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.sync_threads()
+                if tidx == 0:
+                    arrived = cute.arch.atomic_add(
+                        counters.iterator + m_tile, Int32(1), sem="acq_rel", scope="gpu"
+                    )
+                    storage.is_last = Int32(arrived == self.split_k - 1)
+                cute.arch.sync_threads()
+                is_last = storage.is_last != 0
+            if is_last:
+                cute.arch.fence_acq_rel_gpu()
+                self.finish(finish_storage, m_tile * self.tile_m, mPartials, mScale, mBase, mNormW, *flat, scalars)
+                if const_expr(self.split_k > 1):
+                    if tidx == 0:
+                        counters[m_tile] = Int32(0)  # ready for the next call without a zeroing launch
+
+    @cute.jit
+    def produce(self, ab_pipeline, tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, sRes, sX, sW, m_tile,
+                blk_begin, n_blk):
+        tile_m = self.tile_m
+        gRes = cute.local_tile(tma_mRes, (tile_m, HC_MULT, BLOCK_H), (m_tile, 0, None))
+        gX = cute.local_tile(tma_mX, (tile_m, BLOCK_H), (m_tile, None))
+        gB = cute.local_tile(tma_mB, (self.n, self.k_stage), (0, None))
+        one = cute.make_layout(1)
+        tRs, tRg = cpasync.tma_partition(tma_res, 0, one, cute.group_modes(sRes, 0, 3), cute.group_modes(gRes, 0, 3))
+        tXs, tXg = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+        tBs, tBg = cpasync.tma_partition(tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gB, 0, 2))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for i in cutlass.range(n_blk, unroll=1):
+            blk = blk_begin + i
+            ab_pipeline.producer_acquire(state)
+            bar = ab_pipeline.producer_get_barrier(state)
+            cute.copy(tma_res, tRg[(None, blk)], tRs[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(tma_x, tXg[(None, blk)], tXs[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(tma_w, tBg[(None, blk)], tBs[(None, state.index)], tma_bar_ptr=bar)
+            ab_pipeline.producer_commit(state)
+            state.advance()
+        ab_pipeline.producer_tail(state)
+
+    @cute.jit
+    def consume(self, ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mResOut, mPartials, tidx, m_tile, split,
+                blk_begin, n_blk):
+        m_total = mResOut.shape[0]
+        wg = tidx // WG_THREADS
+        wg_tid = tidx % WG_THREADS
+        lane = tidx % 32
+        quad = lane % 4  # t: the thread's 8-wide H slice [8 t, 8 t + 8) and its K columns t, t + 4
+        # rows (inside the tile) of the wgmma fragment: g and g + 8 of this warp's 16-row slab
+        row0 = wg * 64 + (wg_tid // 32) * 16 + lane // 4
+        rows = (row0, row0 + 8)
+
+        thr_mma = tiled_mma.get_slice(wg_tid)
+        tCrA = thr_mma.make_fragment_A(thr_mma.partition_shape_A((64, self.k_stage)))
+        tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sW))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((64, self.n)), Float32)
+        acc.fill(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # the atom starts with D = A B (no C)
+
+        # post_mix[m, j] and comb_mix[m, k, j] of this thread's two rows (zero past M: those rows are not stored)
+        post = cute.make_rmem_tensor((2, HC_MULT), Float32)
+        comb = cute.make_rmem_tensor((2, HC_MULT, HC_MULT), Float32)
+        post.fill(0.0)
+        comb.fill(0.0)
+        for r in cutlass.range_constexpr(2):
+            m = m_tile * self.tile_m + rows[r]
+            if m < m_total:
+                for j in cutlass.range_constexpr(HC_MULT):
+                    post[r, j] = mPost[m, j]
+                    for k in cutlass.range_constexpr(HC_MULT):
+                        comb[r, k, j] = mComb[m, k, j]
+        sumsq = cute.make_rmem_tensor((2,), Float32)
+        sumsq.fill(0.0)
+
+        xv = cute.make_rmem_tensor((2, VEC), Float32)
+        rv = cute.make_rmem_tensor((2, HC_MULT, VEC), Float32)
+        out = cute.make_rmem_tensor((VEC,), BFloat16)
+        xf = cute.make_rmem_tensor((VEC,), Float32)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for i in cutlass.range(n_blk, unroll=1):
+            vec_idx = (blk_begin + i) * (BLOCK_H // VEC) + quad
+            ab_pipeline.consumer_wait(state)
+            si = state.index
+            for r in cutlass.range_constexpr(2):
+                xv[r, None].store(self._vec(sX[(rows[r], None, si)], quad).load().to(Float32))
+                for k in cutlass.range_constexpr(HC_MULT):
+                    rv[r, k, None].store(self._vec(sRes[(rows[r], k, None, si)], quad).load().to(Float32))
+            for j in cutlass.range_constexpr(HC_MULT):
+                for r in cutlass.range_constexpr(2):
+                    # SPEC step 1: acc = post[j] x[h]; acc = fma(comb[k][j], res[k][h], acc), k = 0..3
+                    for e in cutlass.range_constexpr(VEC):
+                        a = post[r, j] * xv[r, e]
+                        for k in cutlass.range_constexpr(HC_MULT):
+                            a = cute.math.fma(comb[r, k, j], rv[r, k, e], a)
+                        out[e] = a.to(BFloat16)
+                    m = m_tile * self.tile_m + rows[r]
+                    if m < m_total:
+                        cute.autovec_copy(out, self._vec(mResOut[(m, j, None)], vec_idx))
+                    xf.store(out.load().to(Float32))
+                    for e in cutlass.range_constexpr(VEC):
+                        sumsq[r] = cute.math.fma(xf[e], xf[e], sumsq[r])
+                        # H offset 8 t + e is K column t (e even) or t + 4 (e odd) of k8 step 4 j + e // 2
+                        tCrA[(r + 2 * (e % 2), 0, j * 4 + e // 2)] = xf[e]
+            warpgroup.fence()
+            for ks in cutlass.range_constexpr(self.k_stage // 8):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, ks)], tCrB[(None, None, ks, si)], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)  # the A registers are rewritten and the stage's weight is released next
+            ab_pipeline.consumer_release(state)
+            state.advance()
+
+        # epilogue: partials[split, m, c] = hi + lo dots (columns 2 t, 2 t + 1 of each 8-column block), sumsq
+        for r in cutlass.range_constexpr(2):
+            sumsq[r] = sumsq[r] + cute.arch.shuffle_sync_bfly(sumsq[r], offset=1)
+            sumsq[r] = sumsq[r] + cute.arch.shuffle_sync_bfly(sumsq[r], offset=2)
+        for r in cutlass.range_constexpr(2):
+            m = m_tile * self.tile_m + rows[r]
+            if m < m_total:
+                for c in cutlass.range_constexpr(N_MIXES // 8):
+                    for a in cutlass.range_constexpr(2):
+                        v = acc[a + 2 * r + 4 * c]
+                        if const_expr(self.n_parts == 2):
+                            v = v + acc[a + 2 * r + 4 * (c + N_MIXES // 8)]
+                        mPartials[split, m, 8 * c + 2 * quad + a] = v
+                if quad == 0:
+                    mPartials[split, m, SUMSQ_COL] = sumsq[r]
+
+    @staticmethod
+    @cute.jit
+    def _vec(row: cute.Tensor, idx) -> cute.Tensor:
+        """The ``idx``-th 8-element (16-byte) vector of a 1-D bf16 tensor."""
+        return cute.local_tile(row, (VEC,), (idx,))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compilation (fake tensors, TVM-FFI) and the torch-facing launchers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _fake(dtype, shape):
+    """A row-major fake tensor: dynamic M allowed, every other stride static (vector accesses provable)."""
+    strides, step = [], 1
+    for d in reversed(shape[1:]):
+        strides.append(step)
+        step *= d
+    return cute.runtime.make_fake_tensor(dtype, shape, (step, *reversed(strides)), assumed_align=16)
+
+
+def _fake_flat(dtype):
+    return cute.runtime.make_fake_tensor(dtype, (cute.sym_int(),), (1,), assumed_align=16)
+
+
+_compiled: dict = {}
+
+
+def compile_fused_hc(hidden: int, tactic: MmaTactic, precision: str, norm_dtype):
+    """The compiled launcher of ``tactic.path`` for (H, tactic, precision, norm dtype); cached in-process.
+    Compiles with fake tensors: works without a GPU (``CUTE_DSL_ARCH=sm_90a``)."""
+    key = (hidden, tactic, precision, norm_dtype)
+    fn = _compiled.get(key)
+    if fn is None:
+        kernel = MmaFusedHcKernel(hidden, tactic, precision, norm_dtype)
+        m = cute.sym_int()
+        h4 = (HC_MULT, hidden)
+        fn = cute.compile(
+            kernel,
+            _fake(BFloat16, (m, hidden)),
+            _fake(BFloat16, (m, *h4)),
+            _fake(Float32, (m, HC_MULT)),
+            _fake(Float32, (m, HC_MULT, HC_MULT)),
+            _fake(Float32, (hidden // BLOCK_H, HC_MULT, kernel.n, BLOCK_H)),
+            _fake(Float32, (3,)),
+            _fake(Float32, (N_MIXES,)),
+            None if norm_dtype is None else _fake(norm_dtype, (hidden,)),
+            _fake(BFloat16, (m, *h4)),
+            _fake(Float32, (m, HC_MULT, 1)),
+            _fake(Float32, (m, HC_MULT, HC_MULT)),
+            _fake(BFloat16, (m, hidden)),
+            _fake_flat(Float32),
+            _fake_flat(Int32),
+            Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0), Int32(0), Float32(0.0),
+            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+            options="--enable-tvm-ffi",
+        )
+        _compiled[key] = fn
+    return fn
+
+
+def _run(path: str, problem, tactic, out) -> None:
+    m, h = problem.m, problem.hidden
+    if tactic is None:
+        tactic = default_mma_tactic(path, m, h, _sm_count(problem.x.device))
+    elif isinstance(tactic, str):
+        tactic = parse_mma_tactic(tactic)
+    if tactic.path != path:
+        raise ValueError(f"tactic {tactic.name} is for {tactic.path}, not {path}")
+    fn = compile_fused_hc(h, tactic, problem.precision, norm_dtype_of(problem.norm_weight))
+    ws = get_workspace(problem.x.device)
+    partials = ws.partials(tactic.split_k * m * PARTIAL_COLS)
+    counters = ws.counters(-(-m // tactic.tile_m))
+    s = problem.scalars
+    fn(problem.x, problem.residual, problem.post_mix, problem.comb_mix, cached_weight(problem.fn, problem.precision),
+       problem.hc_scale, problem.hc_base, problem.norm_weight, *out, partials, counters,
+       s.rms_eps, s.hc_pre_eps, s.hc_sinkhorn_eps, s.hc_post_mult_value, s.sinkhorn_repeat, s.norm_eps)
+
+
+def run_half_mma(problem, tactic, out) -> None:
+    """Path B: kernel 1, then the big-fuse kernel (two launches, one host call)."""
+    _run("half_mma", problem, tactic, out)
+
+
+def run_all_mma(problem, tactic, out) -> None:
+    """Path D: one launch; the CTA that completes an M tile runs its big fuse."""
+    _run("all_mma", problem, tactic, out)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
