@@ -162,6 +162,8 @@ TACTICS = {
     "one-split": TritonTactic(2, 64, 1, 4, reduce_block_h=128),
     # the dot projection (block_m >= 16)
     "dot": TritonTactic(16, 64, 2, 4, reduce_block_t=4, reduce_block_h=256),
+    # the two kernels per chunk of 2 tokens (2 + 2 + 1)
+    "chunks": TritonTactic(2, 64, 2, 4, chunk_m=2),
 }
 
 
@@ -210,3 +212,53 @@ def test_interpreter_through_the_api(lead):
     assert out.residual_cur.shape == (*lead, 4, 64) and out.layer_input.shape == (*lead, 64)
     assert torch.equal(out.residual_cur.view(torch.int16), ref.residual_cur.view(torch.int16))
     torch.testing.assert_close(out.comb_mix_cur, ref.comb_mix_cur, rtol=1e-5, atol=1e-6)
+
+
+# --- ahead-of-time compilation for the target GPUs (no GPU needed) ---------------------------------------------
+
+_COMPILE_SCRIPT = r"""
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mhc_cute.triton import configs, fused_hc as F
+
+def compile_kernel(fn, scalars, consts, target, num_warps, num_stages=1):
+    sig = {name: ("*bf16" if "res" in name or name in ("x_ptr", "li_ptr", "norm_ptr") else "*fp32")
+           if name.endswith("_ptr") else scalars.get(name, "i32") for name in fn.arg_names if name not in consts}
+    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, ty in sig.items() if ty[0] == "*" or n == "H"}
+    sig.update({name: "constexpr" for name in consts})
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned)
+    return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+floats = dict.fromkeys(("rms_eps", "pre_eps", "sinkhorn_eps", "post_mult", "norm_eps"), "fp32")
+for arch, target, fma in (("sm90", GPUTarget("cuda", 90, 32), r"fma\.rn\.f32"),
+                          ("gfx950", GPUTarget("hip", "gfx950", 64), r"v_(pk_)?fmac?_f32"),
+                          ("gfx942", GPUTarget("hip", "gfx942", 64), r"v_(pk_)?fmac?_f32")):
+    table = configs.table_for(arch)
+    for m in (1, 1 << 20):
+        t = configs.select_tactic(arch, table.compute_units, m, 7168)
+        k = compile_kernel(F._main_kernel, {}, dict(BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.block_m >= 16),
+                           target, t.num_warps, t.num_stages)
+        asm = k.asm["ptx" if target.backend == "cuda" else "amdgcn"]
+        assert re.search(fma, asm), (arch, m, "no fp32 FMA in the main kernel")
+        compile_kernel(F._reduce_kernel, floats, dict(S_POW2=triton.next_power_of_2(t.split_k), BLOCK_T=t.reduce_block_t,
+                       BLOCK_H=t.reduce_block_h, SINGLE_TILE=t.reduce_block_h >= 7168, HAS_NORM=True), target,
+                       t.reduce_warps)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
+def test_kernels_compile_for_hopper_and_amd():
+    """Compile the smallest- and largest-M tactics for sm90, gfx950 and gfx942 on this CPU (Triton's own
+    compilers), outside the interpreter; the FMA chain must reach the ISA as fused multiply-adds."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]

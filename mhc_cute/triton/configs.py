@@ -27,8 +27,11 @@ class TritonTactic:
     """One launch configuration of the two kernels.
 
     Main kernel: a program owns ``block_m`` tokens and one of ``split_k`` ranges of H (for all 4 streams), walked
-    in steps of ``block_h``. Reduce kernel: a program owns ``reduce_block_t`` tokens and walks H in tiles of
-    ``reduce_block_h`` (a tile covering H keeps the row in registers for the fused RMSNorm).
+    in steps of ``block_h``; ``block_m >= 16`` projects with ``tl.dot`` (IEEE fp32), smaller blocks with
+    elementwise products held as ``[block_m, block_h, 32]`` (keep ``block_m * block_h <= 256``). Reduce kernel: a
+    program owns ``reduce_block_t`` tokens and walks H in tiles of ``reduce_block_h`` (a tile covering H keeps
+    the row in registers for the fused RMSNorm). ``chunk_m`` > 0 runs the two kernels per chunk of that many
+    tokens, so that the reduce kernel re-reads ``residual_cur`` from L2 rather than HBM (large M).
     """
 
     block_m: int
@@ -39,6 +42,7 @@ class TritonTactic:
     reduce_block_t: int = 1
     reduce_block_h: int = 2048
     reduce_warps: int = 4
+    chunk_m: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "block_h", "reduce_block_t", "reduce_block_h"):
@@ -47,7 +51,7 @@ class TritonTactic:
                 raise ValueError(f"TritonTactic.{name} must be a power of two; got {v}")
         if self.block_h < 16:
             raise ValueError(f"TritonTactic.block_h must be >= 16; got {self.block_h}")
-        if self.split_k < 1 or self.num_warps < 1 or self.reduce_warps < 1 or self.num_stages < 1:
+        if self.split_k < 1 or self.num_warps < 1 or self.reduce_warps < 1 or self.num_stages < 1 or self.chunk_m < 0:
             raise ValueError(f"TritonTactic: split_k, warps and stages must be >= 1; got {self}")
 
 
@@ -65,14 +69,14 @@ TABLES: tuple[ArchTable, ...] = (
     ArchTable("sm90", 132, (
         (1, T(1, 64, 112, 4, reduce_block_h=8192, reduce_warps=16)),
         (2, T(2, 64, 112, 4, reduce_block_h=8192, reduce_warps=16)),
-        (4, T(4, 64, 112, 4, reduce_block_h=8192, reduce_warps=16)),
-        (8, T(8, 64, 112, 4, reduce_block_h=8192, reduce_warps=16)),
-        (16, T(16, 64, 112, 4, reduce_block_h=8192, reduce_warps=16)),
-        (64, T(16, 64, 32, 4, reduce_block_h=8192, reduce_warps=16)),
-        (256, T(32, 64, 16, 4, reduce_block_h=8192, reduce_warps=8)),
-        (1024, T(64, 64, 16, 4, reduce_block_h=2048, reduce_warps=4)),
-        (2048, T(64, 64, 8, 4, reduce_block_h=2048, reduce_warps=4)),
-        (BIG, T(64, 64, 4, 4, reduce_block_h=2048, reduce_warps=4)),
+        (4, T(4, 32, 224, 4, reduce_block_h=8192, reduce_warps=16)),
+        (8, T(8, 16, 224, 4, reduce_block_h=8192, reduce_warps=16)),
+        (16, T(16, 32, 224, 4, reduce_block_h=8192, reduce_warps=16)),
+        (64, T(16, 32, 56, 4, reduce_block_h=8192, reduce_warps=16)),
+        (256, T(32, 32, 32, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8)),
+        (1024, T(64, 32, 16, 8, num_stages=3, reduce_block_h=2048, reduce_warps=4)),
+        (2048, T(64, 32, 8, 8, num_stages=3, reduce_block_h=2048, reduce_warps=4)),
+        (BIG, T(64, 32, 4, 8, num_stages=3, reduce_block_h=2048, reduce_warps=4)),
     )),
     # MI355X: 256 CUs, 64-lane wavefronts (num_warps counts wavefronts)
     ArchTable("gfx950", 256, (

@@ -69,10 +69,11 @@ def _emit_stream(res_out_ptr, out_offs, mask, out, fn_ptr, fn_offs, fn_mask, acc
     else:
         # small token blocks: elementwise products, reduced over H once after the K loop
         acc += rf[:, :, None] * w[None, :, :]
-    return acc, sq + rf * rf
+    return acc, sq + tl.sum(rf * rf, axis=1)
 
 
-@triton.jit
+# M and the loop counts are not specialised on (Triton would compile again for M == 1 or M % 16 == 0)
+@triton.jit(do_not_specialize=["M", "blocks_per_split"])
 def _main_kernel(
     x_ptr, res_ptr, post_ptr, comb_ptr, fn_ptr, res_out_ptr, part_ptr,
     M, H, blocks_per_split,
@@ -112,13 +113,13 @@ def _main_kernel(
         acc = tl.zeros([BLOCK_M, 32], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_H, 32], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     mask = tok_mask[:, None]
     fn_mask = cols[None, :] < 24
     x_row = rows[:, None] * H
     res_row = rows[:, None] * (4 * H)
     # fn[c, j*H + h] as a [BLOCK_H, 32] tile (K-major for the dot)
-    fn_base = cols[None, :].to(tl.int64) * (4 * H) + offs_h[:, None]
+    fn_base = cols[None, :] * (4 * H) + offs_h[:, None]
 
     block_begin = pid_k * blocks_per_split
     block_end = tl.minimum(block_begin + blocks_per_split, H // BLOCK_H)
@@ -145,7 +146,7 @@ def _main_kernel(
 
     if not USE_DOT:
         acc = tl.sum(acc, axis=1)
-    acc = tl.where(cols[None, :] == 24, tl.sum(sq, axis=1)[:, None], acc)
+    acc = tl.where(cols[None, :] == 24, sq[:, None], acc)
     part_offs = (pid_k * M + rows[:, None]) * 32 + cols[None, :]
     tl.store(part_ptr + part_offs, acc, mask=mask)
 
@@ -157,7 +158,7 @@ def _gate(values, q, c, row: tl.constexpr, j: tl.constexpr):
     return tl.sum(tl.sum(picked, axis=2), axis=1)[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "split_k", "sinkhorn_repeat"])
 def _reduce_kernel(
     part_ptr, scale_ptr, base_ptr, res_cur_ptr, norm_ptr, post_out_ptr, comb_out_ptr, li_ptr,
     M, H, split_k, sinkhorn_repeat,
@@ -297,15 +298,27 @@ _workspace = _Workspace()
 
 
 def run(problem: Problem, tactic: TritonTactic | None, out: MhcFusedHcOutput) -> None:
-    """Backend entry (see ``mhc_cute.backends``): the main kernel, then the reduce kernel."""
+    """Backend entry (see ``mhc_cute.backends``): the main kernel, then the reduce kernel (per chunk of tokens
+    when the tactic says so)."""
     m, h = problem.m, problem.hidden
     dev = problem.x.device
     t = _default_tactic(dev, m, h) if tactic is None else fit(tactic, h)
-    n_blocks = h // t.block_h
-    blocks_per_split = -(-n_blocks // t.split_k)
-    part = _workspace.get(dev, t.split_k * m * PARTIAL_COLS)
+    chunk = t.chunk_m or m
+    part = _workspace.get(dev, t.split_k * min(chunk, m) * PARTIAL_COLS)
+    if chunk >= m:
+        _launch(problem.x, problem.residual, problem.post_mix, problem.comb_mix, out, part, problem, t)
+        return
+    for b in range(0, m, chunk):
+        e = min(b + chunk, m)
+        _launch(problem.x[b:e], problem.residual[b:e], problem.post_mix[b:e], problem.comb_mix[b:e],
+                MhcFusedHcOutput(*(o[b:e] for o in out)), part, problem, t)
+
+
+def _launch(x, residual, post_mix, comb_mix, out: MhcFusedHcOutput, part, problem: Problem, t: TritonTactic):
+    m, h = x.shape
+    blocks_per_split = -(-(h // t.block_h) // t.split_k)
     _main_kernel[(t.split_k, triton.cdiv(m, t.block_m))](
-        problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, out.residual_cur, part,
+        x, residual, post_mix, comb_mix, problem.fn, out.residual_cur, part,
         m, h, blocks_per_split,
         BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.block_m >= 16,
         num_warps=t.num_warps, num_stages=t.num_stages,
@@ -313,7 +326,7 @@ def run(problem: Problem, tactic: TritonTactic | None, out: MhcFusedHcOutput) ->
     s = problem.scalars
     norm = problem.norm_weight
     _reduce_kernel[(triton.cdiv(m, t.reduce_block_t),)](
-        part, problem.hc_scale, problem.hc_base, out.residual_cur, problem.x if norm is None else norm,
+        part, problem.hc_scale, problem.hc_base, out.residual_cur, x if norm is None else norm,
         out.post_mix_cur, out.comb_mix_cur, out.layer_input,
         m, h, t.split_k, s.sinkhorn_repeat,
         s.rms_eps, s.hc_pre_eps, s.hc_sinkhorn_eps, s.hc_post_mult_value, s.norm_eps,
