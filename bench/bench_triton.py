@@ -106,6 +106,7 @@ def main() -> int:
     p.add_argument("--norm", action="store_true")
     p.add_argument("--with-tests", action="store_true", help="also compile the GPU test grid's kernels")
     p.add_argument("--precompile-only", action="store_true")
+    p.add_argument("--no-precompile", action="store_true", help="the kernels are in Triton's cache already")
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--out", help="folder for results.json and table.txt")
     args = p.parse_args()
@@ -122,7 +123,8 @@ def main() -> int:
         jobs += [(1, h, False, "tilekernels") for h in args.hidden]
     if args.with_tests:
         jobs += test_grid_jobs()
-    precompile(jobs, args.workers)
+    if not args.no_precompile:
+        precompile(jobs, args.workers)
     if args.precompile_only:
         return 0
 
