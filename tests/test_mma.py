@@ -116,7 +116,7 @@ VARIANTS = [
     (path, precision, norm, tile_m)
     for path in ("half_mma", "all_mma")
     for precision in ("fp32", "tf32")
-    for norm in ("none", "bf16", "f32")
+    for norm in (None, "bfloat16", "float32")
     for tile_m in (64, 128)
     if not (path == "all_mma" and tile_m == 128)  # the one-launch path's big fuse needs the 64-token tile
 ]
@@ -127,14 +127,13 @@ def _variant_tactic(path, tile_m, h):
     return mma.default_mma_tactic(path, 1, h) if tile_m == 64 else mma.MmaTactic(path, 2, 128, 3)
 
 
-def _compile_variants(out_dir: str, h: int, variants) -> None:
-    """Subprocess body: compile each variant with CUTE_DSL_KEEP, moving its files into ``out_dir/<i>``."""
-    import cutlass
-
-    norms = {"none": None, "bf16": cutlass.BFloat16, "f32": cutlass.Float32}
+def _compile_variants(out_dir: str, h: int, indices) -> None:
+    """Subprocess body: compile each variant with CUTE_DSL_KEEP=ptx,cubin, moving its files to ``out_dir/<i>``."""
     dump = os.environ["CUTE_DSL_DUMP_DIR"]
-    for i, (path, precision, norm, tile_m) in enumerate(variants):
-        mma.compile_fused_hc(h, _variant_tactic(path, tile_m, h), precision, norms[norm])
+    for i in indices:
+        path, precision, norm, tile_m = VARIANTS[i]
+        problem = mma.spec_problem(h, precision, norm)
+        mma.compile_mma(_variant_tactic(path, tile_m, h), problem, problem.empty_outputs())
         dest = os.path.join(out_dir, str(i))
         os.makedirs(dest)
         for f in glob.glob(os.path.join(dump, "*")):
@@ -152,16 +151,25 @@ def _cuobjdump():
 
 @pytest.fixture(scope="module")
 def compile_report(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mma_report")
-    dump, out = root / "dump", root / "out"
-    dump.mkdir()
-    out.mkdir()
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(dump))
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                         os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "compile", str(out), str(REPORT_H),
-                           json.dumps(VARIANTS)], env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    """Every variant compiled for sm_90a with its PTX and cubin kept, in parallel worker processes."""
+    out = tmp_path_factory.mktemp("mma_report")
+    here = os.path.dirname(os.path.abspath(__file__))
+    workers = max(1, min(os.cpu_count() or 1, 8))
+    procs = []
+    for w in range(workers):
+        dump = out / f"dump{w}"
+        dump.mkdir()
+        env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(dump))
+        env.pop("MHC_CUTE_KERNEL_CACHE", None)  # compile for real: loading a cached object dumps nothing
+        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
+        indices = list(range(w, len(VARIANTS), workers))
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "compile", str(out), str(REPORT_H), json.dumps(indices)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+    for p in procs:
+        _, err = p.communicate(timeout=1800)
+        assert p.returncode == 0, err[-4000:]
     return out
 
 
@@ -240,4 +248,4 @@ def test_gpu_explicit_tactics(m, tactic, norm):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["compile"]:
-    _compile_variants(sys.argv[2], int(sys.argv[3]), [tuple(v) for v in json.loads(sys.argv[4])])
+    _compile_variants(sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))

@@ -42,7 +42,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 
 from ..tactics import HC_MULT, N_MIXES, PARTIAL_COLS  # noqa: E402
 from ..workspace import get_workspace  # noqa: E402
-from . import norm_dtype_of  # noqa: E402
+from . import CompiledKernels, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, scalar_args  # noqa: E402
 from .big_fuse import (  # noqa: E402
     BigFuseKernel, BigFusePhase, BigFuseScalars, big_fuse_threads, flat_outputs, partials_view,
 )
@@ -517,71 +517,58 @@ class MmaFusedHcKernel:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _fake(dtype, shape):
-    """A row-major fake tensor: dynamic M allowed, every other stride static (vector accesses provable)."""
-    strides, step = [], 1
-    for d in reversed(shape[1:]):
-        strides.append(step)
-        step *= d
-    return cute.runtime.make_fake_tensor(dtype, shape, (step, *reversed(strides)), assumed_align=16)
+_compiled = CompiledKernels("mhc_mma")
 
 
-def _fake_flat(dtype):
-    return cute.runtime.make_fake_tensor(dtype, (cute.sym_int(),), (1,), assumed_align=16)
+def compiled_mma(tactic: MmaTactic, problem, out):
+    """The compiled launcher for (tactic, H, precision, norm dtype), compiled (or loaded) on first use."""
+    norm = None if problem.norm_weight is None else str(problem.norm_weight.dtype)
+    key = (tactic.name, problem.hidden, problem.precision, norm)
+    return _compiled.get(key, lambda: compile_mma(tactic, problem, out))
 
 
-_compiled: dict = {}
+def compile_mma(tactic: MmaTactic, problem, out):
+    """Compile ``tactic.path`` against fake tensors shaped like ``problem`` and ``out`` (no GPU needed)."""
+    h = problem.hidden
+    kernel = MmaFusedHcKernel(h, tactic, problem.precision, norm_dtype_of(problem.norm_weight))
+    m = cute.sym_int()
+    token_tensors = fake_tensors(problem.x, problem.residual, problem.post_mix, problem.comb_mix, tokens=m)
+    outputs = fake_tensors(*out, tokens=m)
+    weight = torch.empty(h // BLOCK_H, HC_MULT, kernel.n, BLOCK_H)  # shape of cached_weight(fn, precision)
+    weight, norm_weight = fake_tensors(weight, problem.norm_weight)
+    scale, base = fake_tensors(problem.hc_scale, problem.hc_base, align=4)  # read as scalars
+    return compile_kernel(kernel, *token_tensors, weight, scale, base, norm_weight, *outputs, fake_buffer(Float32),
+                          fake_buffer(Int32))
 
 
-def compile_fused_hc(hidden: int, tactic: MmaTactic, precision: str, norm_dtype):
-    """The compiled launcher of ``tactic.path`` for (H, tactic, precision, norm dtype); cached in-process.
-    Compiles with fake tensors: works without a GPU (``CUTE_DSL_ARCH=sm_90a``)."""
-    key = (hidden, tactic, precision, norm_dtype)
-    fn = _compiled.get(key)
-    if fn is None:
-        kernel = MmaFusedHcKernel(hidden, tactic, precision, norm_dtype)
-        m = cute.sym_int()
-        h4 = (HC_MULT, hidden)
-        fn = cute.compile(
-            kernel,
-            _fake(BFloat16, (m, hidden)),
-            _fake(BFloat16, (m, *h4)),
-            _fake(Float32, (m, HC_MULT)),
-            _fake(Float32, (m, HC_MULT, HC_MULT)),
-            _fake(Float32, (hidden // BLOCK_H, HC_MULT, kernel.n, BLOCK_H)),
-            _fake(Float32, (3,)),
-            _fake(Float32, (N_MIXES,)),
-            None if norm_dtype is None else _fake(norm_dtype, (hidden,)),
-            _fake(BFloat16, (m, *h4)),
-            _fake(Float32, (m, HC_MULT, 1)),
-            _fake(Float32, (m, HC_MULT, HC_MULT)),
-            _fake(BFloat16, (m, hidden)),
-            _fake_flat(Float32),
-            _fake_flat(Int32),
-            Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0), Int32(0), Float32(0.0),
-            cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-            options="--enable-tvm-ffi",
-        )
-        _compiled[key] = fn
-    return fn
+@functools.lru_cache(maxsize=4096)
+def _default_tactic(path: str, m: int, hidden: int, sm_count: int) -> MmaTactic:
+    return default_mma_tactic(path, m, hidden, sm_count)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _resolve_tactic(path: str, tactic, problem) -> MmaTactic:
+    if tactic is None:
+        return _default_tactic(path, problem.m, problem.hidden, _sm_count(problem.x.device.index))
+    if isinstance(tactic, str):
+        tactic = parse_mma_tactic(tactic)
+    if not isinstance(tactic, MmaTactic) or tactic.path != path:
+        raise ValueError(f"backend {path!r} needs an MmaTactic with path {path!r}; got {tactic!r}")
+    return tactic
 
 
 def _run(path: str, problem, tactic, out) -> None:
-    m, h = problem.m, problem.hidden
-    if tactic is None:
-        tactic = default_mma_tactic(path, m, h, _sm_count(problem.x.device))
-    elif isinstance(tactic, str):
-        tactic = parse_mma_tactic(tactic)
-    if tactic.path != path:
-        raise ValueError(f"tactic {tactic.name} is for {tactic.path}, not {path}")
-    fn = compile_fused_hc(h, tactic, problem.precision, norm_dtype_of(problem.norm_weight))
+    tactic = _resolve_tactic(path, tactic, problem)
+    fn = compiled_mma(tactic, problem, out)
     ws = get_workspace(problem.x.device)
-    partials = ws.partials(tactic.split_k * m * PARTIAL_COLS)
-    counters = ws.counters(-(-m // tactic.tile_m))
-    s = problem.scalars
+    partials = ws.partials(tactic.split_k * problem.m * PARTIAL_COLS)
+    counters = ws.counters(-(-problem.m // tactic.tile_m))
     fn(problem.x, problem.residual, problem.post_mix, problem.comb_mix, cached_weight(problem.fn, problem.precision),
-       problem.hc_scale, problem.hc_base, problem.norm_weight, *out, partials, counters,
-       s.rms_eps, s.hc_pre_eps, s.hc_sinkhorn_eps, s.hc_post_mult_value, s.sinkhorn_repeat, s.norm_eps)
+       problem.hc_scale, problem.hc_base, problem.norm_weight, *out, partials, counters, *scalar_args(problem.scalars))
 
 
 def run_half_mma(problem, tactic, out) -> None:
@@ -594,6 +581,32 @@ def run_all_mma(problem, tactic, out) -> None:
     _run("all_mma", problem, tactic, out)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def spec_problem(hidden: int, precision: str, norm: str | None):
+    """A one-token CPU ``Problem`` with the dtypes of a variant: enough to compile it (``compile_mma``)."""
+    from ..problem import Problem, Scalars
+
+    bf16 = torch.bfloat16
+    return Problem(
+        torch.empty(1, hidden, dtype=bf16), torch.empty(1, HC_MULT, hidden, dtype=bf16), torch.empty(1, HC_MULT),
+        torch.empty(1, HC_MULT, HC_MULT), torch.empty(N_MIXES, HC_MULT * hidden), torch.empty(3),
+        torch.empty(N_MIXES), None if norm is None else torch.empty(hidden, dtype=getattr(torch, norm)),
+        Scalars(), precision,
+    )
+
+
+def _compile_spec(spec) -> str:
+    """Process-pool worker of ``precompile``: compile (and persist) one (tactic name, H, precision, norm)."""
+    name, hidden, precision, norm = spec
+    problem = spec_problem(hidden, precision, norm)
+    compiled_mma(parse_mma_tactic(name), problem, problem.empty_outputs())
+    return name
+
+
+def precompile(specs, processes: int | None = None) -> list[str]:
+    """Compile (tactic name, H, precision, norm dtype name or None) variants in parallel worker processes;
+    with ``$MHC_CUTE_KERNEL_CACHE`` set they are persisted there for later processes to load."""
+    import multiprocessing as mp
+
+    specs = list(dict.fromkeys(specs))
+    with mp.get_context("spawn").Pool(processes or min(len(specs), os.cpu_count() or 1)) as pool:
+        return pool.map(_compile_spec, specs, chunksize=1)
