@@ -226,7 +226,7 @@ def test_gpu_partials_against_float64(m, h, tactic, precision):
     xf = rc.reshape(m, -1).double()
     dots = xf @ problem.fn.double().t()
     err = ((total[:, :24] - dots).norm() / dots.norm()).item()
-    assert err < (1e-6 if precision == "fp32" else 2e-3), err
+    assert err < (1e-5 if precision == "fp32" else 2e-3), err
     sumsq = (xf * xf).sum(-1)
     assert ((total[:, 24] - sumsq).abs() / sumsq).max().item() < 1e-5
 
