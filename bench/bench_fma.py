@@ -30,26 +30,22 @@ PATHS = ("all_fma", "half_fma")
 TARGET_US = 8.0  # at most this per call for M <= 32 at H = 7168 (issue 4)
 
 
-def sweep_tactics(path: str, m: int, hidden: int, sm_count: int) -> list:
-    """A few plausible tactics around the default for M tokens: token tiles near M, splits for 1-4 waves."""
-    out = {tac.default_fma_tactic(path, m, hidden, sm_count)}
-    for tokens in (1, 2, 4, 8, 16):
-        if tokens > max(1, 2 * m) or (tokens == 1 and m > 4):
-            continue
-        for tile_n, threads in ((6, 256), (3, 256), (12, 256), (6, 128)):
-            if tokens * tile_n > tac.MAX_ACCUMULATORS:
-                continue
-            chunk_h = threads * tile_n // tac.N_MIXES
+def sweep_tactics(path: str, m: int, hidden: int, sm_count: int, limit: int = 10) -> list:
+    """The default plus plausible neighbours for M tokens: token tiles up to M (at most 16), register tiles of
+    6 or 3 columns, splits from one chunk per CTA down to about one wave, one or two pipeline stages."""
+    out = [tac.default_fma_tactic(path, m, hidden, sm_count)]
+    t_max = min(16, 1 << (m - 1).bit_length())
+    for tokens in sorted({max(1, t_max // 4), max(1, t_max // 2), t_max}, reverse=True):
+        for tile_n in (6, 3) if tokens <= 8 else (3,):
+            chunk = 256 * tile_n // tac.N_MIXES
             blocks = -(-m // tokens)
-            for waves in (1, 2, 4):
-                split = tac.largest_split(hidden, chunk_h, max(1, waves * sm_count // blocks))
+            for target in (hidden // chunk, 4 * sm_count // blocks, 2 * sm_count // blocks, sm_count // blocks):
+                split = tac.largest_split(hidden, chunk, max(1, target))
                 for stages in (1, 2):
-                    t = tac.FmaTactic(path, split, tokens, tile_n, threads, stages)
-                    if t.invalid_reason(hidden) is None:
-                        out.add(t)
-    # keep the sweep small: prefer the default's neighbours (same threads), at most 8
-    ranked = sorted(out, key=lambda t: (t.threads != 256, t.tile_n != 6, t.stages, t.tokens_per_cta, t.split_k))
-    return ranked[:8]
+                    t = tac.FmaTactic(path, split, tokens, tile_n, 256, stages)
+                    if t.invalid_reason(hidden) is None and t not in out:
+                        out.append(t)
+    return out[:limit]
 
 
 def check_tactic(path: str, tactic, inputs: dict) -> str | None:
@@ -68,6 +64,18 @@ def check_tactic(path: str, tactic, inputs: dict) -> str | None:
     except AssertionError as e:
         return str(e).splitlines()[0][:200]
     return None
+
+
+def direct_host_us(path: str, tactic, inputs: dict) -> float:
+    """Host µs per call of the backend entry itself (``run_*`` on a ready ``Problem``), no API layer."""
+    from common import problem_of
+
+    from mhc_cute.kernels import fma
+
+    problem = problem_of(inputs)
+    out = problem.empty_outputs()
+    run = fma.run_all_fma if path == "all_fma" else fma.run_half_fma
+    return mb.host_us_per_call(lambda _: run(problem, tactic, out), inputs)
 
 
 def main(argv=None):
@@ -116,7 +124,8 @@ def main(argv=None):
                     if r.error:
                         print(f"H={h} M={m} {t.name}: {r.error}", flush=True)
                 host = mb.host_us_per_call(mb.mhc_cute_call(p, tactic=default), sets[0])
-                results.append(mb.Result(f"{p}:host", m, h, extra=dict(host_us=host)))
+                results.append(mb.Result(f"{p}:host", m, h, extra=dict(host_us=host, run_us=direct_host_us(
+                    p, default, sets[0]))))
             peer_us = {}
             for name, call in peers.items():
                 r = mb.bench_one(name, call, m, h, dev, args.norm, bandwidth, sets, eager=False)
@@ -139,7 +148,8 @@ def main(argv=None):
             print(f"target H=7168 M={m}: best {us:.2f} us {'<=' if us <= TARGET_US else '>'} {TARGET_US} us")
     hosts = [r for r in results if r.name.endswith(":host")]
     for r in hosts:
-        print(f"host overhead H={r.hidden} M={r.m} {r.name}: {r.extra['host_us']:.1f} us per eager call")
+        print(f"host overhead H={r.hidden} M={r.m} {r.name}: {r.extra['host_us']:.1f} us per mhc_fused_hc call, "
+              f"{r.extra['run_us']:.1f} us per run_* call")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=gpu, bandwidth=bandwidth, results=[asdict(r) for r in results]), f, indent=1)

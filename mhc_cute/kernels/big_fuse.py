@@ -49,32 +49,43 @@ class BigFuseScalars(NamedTuple):
 class BigFuseStorage(NamedTuple):
     partial_sums: cute.Tensor  # [warps, tokens, 32] per-warp sums of the partials
     mixes: cute.Tensor  # [tokens, 32] summed partial rows
-    pre: cute.Tensor  # [tokens, 4] pre gates
-    scratch: cute.Tensor  # [warps] block reduction
+    scratch: cute.Tensor  # [warps] norm reductions
 
 
 class BigFusePhase:
-    """SPEC steps 2-7 for ``tokens`` consecutive tokens by one CTA of ``threads`` threads."""
+    """SPEC steps 2-7 for ``tokens`` consecutive tokens by one CTA of ``threads`` threads.
+
+    Order: sum the partials (all threads); collapse and norm, the warps split into ``groups`` token groups
+    that work on different tokens at once (each thread derives the pre gates of its token from the summed
+    row, so no barrier is needed before the collapse); last, one thread per token computes the post gates and
+    runs the Sinkhorn, the only long serial chain, off the other warps' path.
+    """
 
     def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype):
-        assert hidden % du.VEC_BF16 == 0 and threads % du.WARP == 0
+        assert hidden % du.VEC_BF16 == 0 and threads % du.WARP == 0 and tokens <= threads
         self.hidden = hidden
         self.split_k = split_k
         self.tokens = tokens
         self.threads = threads
         self.warps = threads // du.WARP
         self.norm_dtype = norm_dtype  # None, BFloat16 or Float32 (compile-time)
+        self.groups = max(g for g in range(1, min(tokens, self.warps) + 1) if self.warps % g == 0)
+        self.group_warps = self.warps // self.groups
+        self.group_threads = self.group_warps * du.WARP
+        self.rounds = -(-tokens // self.groups)
         self.octets = hidden // du.VEC_BF16
-        self.octet_slots = -(-self.octets // threads)
+        self.slots = -(-self.octets // self.group_threads)  # 8-vectors of a token per thread
+        # with the norm, the rounded collapse is kept in registers for the second pass when it fits, else it
+        # is stored (bf16, exact) and read back by the same thread
+        self.keep_rounded = self.slots <= 8
 
     def smem_bytes(self) -> int:
-        return 4 * (self.warps * self.tokens * PARTIAL_COLS + self.tokens * (PARTIAL_COLS + HC_MULT) + self.warps) + 64
+        return 4 * (self.warps * self.tokens * PARTIAL_COLS + self.tokens * PARTIAL_COLS + self.warps) + 48
 
     def allocate(self, smem) -> BigFuseStorage:
         return BigFuseStorage(
             smem.allocate_tensor(Float32, du.row_major(self.warps, self.tokens, PARTIAL_COLS), 16),
             smem.allocate_tensor(Float32, du.row_major(self.tokens, PARTIAL_COLS), 16),
-            smem.allocate_tensor(Float32, du.row_major(self.tokens, HC_MULT), 16),
             smem.allocate_tensor(Float32, du.row_major(self.warps), 16),
         )
 
@@ -94,8 +105,8 @@ class BigFusePhase:
         scalars: BigFuseScalars,
     ):
         self.sum_partials(storage, m0, mPartials)
-        self.gates_and_sinkhorn(storage, m0, mScale, mBase, mPostOut, mCombOut, scalars)
-        self.collapse(storage, m0, mNormW, mResCur, mLayerIn, scalars.norm_eps)
+        self.collapse(storage, m0, mScale, mBase, mNormW, mResCur, mLayerIn, scalars)
+        self.post_and_sinkhorn(storage, m0, mScale, mBase, mPostOut, mCombOut, scalars)
 
     @cute.jit
     def sum_partials(self, storage: BigFuseStorage, m0: Int32, mPartials: cute.Tensor):
@@ -129,7 +140,109 @@ class BigFusePhase:
         cute.arch.sync_threads()
 
     @cute.jit
-    def gates_and_sinkhorn(
+    def rstd(self, storage: BigFuseStorage, t, rms_eps: Float32) -> Float32:
+        """rsqrt(sum(xf^2) / 4H + eps), correctly rounded steps: every mix is scaled by it."""
+        mean_sq = storage.mixes[t, SUMSQ_COL] / (HC_MULT * self.hidden)
+        return Float32(1.0) / cute.math.sqrt(mean_sq + rms_eps)
+
+    @cute.jit
+    def collapse(
+        self,
+        storage: BigFuseStorage,
+        m0: Int32,
+        mScale: cute.Tensor,
+        mBase: cute.Tensor,
+        mNormW,
+        mResCur: cute.Tensor,
+        mLayerIn: cute.Tensor,
+        scalars: BigFuseScalars,
+    ):
+        """layer_input = bf16(sum_j pre[j] * residual_cur[j]) (j in order), then the optional RMSNorm over the
+        rounded values. Token group g handles tokens g, g + groups, ..."""
+        tidx, _, _ = cute.arch.thread_idx()
+        group = cute.arch.warp_idx() // self.group_warps
+        gtid = tidx % self.group_threads
+        n_valid = cutlass.min(mLayerIn.shape[0] - m0, self.tokens)
+        for r in cutlass.range_constexpr(self.rounds):
+            t = r * self.groups + group
+            sumsq = Float32(0.0)
+            rounded = cute.make_rmem_tensor((self.slots if self.keep_rounded else 1, du.VEC_BF16), Float32)
+            if t < n_valid:
+                rstd = self.rstd(storage, t, scalars.rms_eps)
+                pre = [du.sigmoid(storage.mixes[t, j] * rstd * mScale[0] + mBase[j]) + scalars.hc_pre_eps
+                       for j in range(HC_MULT)]
+                row_res, row_out = mResCur[m0 + t, None], mLayerIn[m0 + t, None]
+                if cutlass.const_expr(self.slots <= 8):
+                    for u in cutlass.range_constexpr(self.slots):
+                        sumsq = self.collapse_vector(gtid + u * self.group_threads, u, pre, row_res, row_out,
+                                                     rounded, sumsq)
+                else:
+                    for u in cutlass.range(self.slots, unroll=2):
+                        sumsq = self.collapse_vector(gtid + u * self.group_threads, u, pre, row_res, row_out,
+                                                     rounded, sumsq)
+            if cutlass.const_expr(self.norm_dtype is not None):
+                total = self.group_sum(sumsq, storage.scratch, group)
+                if t < n_valid:
+                    r_norm = cute.math.rsqrt(total / self.hidden + scalars.norm_eps)
+                    row_out = mLayerIn[m0 + t, None]
+                    if cutlass.const_expr(self.slots <= 8):
+                        for u in cutlass.range_constexpr(self.slots):
+                            self.normalise_vector(gtid + u * self.group_threads, u, r_norm, mNormW, row_out, rounded)
+                    else:
+                        for u in cutlass.range(self.slots, unroll=2):
+                            self.normalise_vector(gtid + u * self.group_threads, u, r_norm, mNormW, row_out, rounded)
+
+    @cute.jit
+    def collapse_vector(self, o, u, pre, row_res, row_out, rounded, sumsq: Float32) -> Float32:
+        """The collapse of one 8-vector ``o`` of a token; returns ``sumsq`` plus its rounded squares (norm)."""
+        if o < self.octets:
+            li = du.load_bf16x8(cute.local_tile(row_res, (du.VEC_BF16,), (o,))) * pre[0]
+            for j in cutlass.range_constexpr(1, HC_MULT):
+                res_j = du.load_bf16x8(cute.local_tile(row_res, (du.VEC_BF16,), (j * self.octets + o,)))
+                li = li + res_j * pre[j]
+            if cutlass.const_expr(self.norm_dtype is None or not self.keep_rounded):
+                li = du.store_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (o,)), li)
+            else:
+                li = li.to(BFloat16).to(Float32)
+                rounded[u, None].store(li)
+            if cutlass.const_expr(self.norm_dtype is not None):
+                for i in cutlass.range_constexpr(du.VEC_BF16):
+                    sumsq = sumsq + li[i] * li[i]
+        return sumsq
+
+    @cute.jit
+    def normalise_vector(self, o, u, r_norm: Float32, mNormW: cute.Tensor, row_out, rounded):
+        """Second pass of the norm for 8-vector ``o``: bf16(li * r * w)."""
+        if o < self.octets:
+            out = cute.local_tile(row_out, (du.VEC_BF16,), (o,))
+            if cutlass.const_expr(self.keep_rounded):
+                li = rounded[u, None].load()
+            else:
+                li = du.load_bf16x8(out)  # this thread's own unnormalised store (exact: already rounded)
+            w = cute.local_tile(mNormW, (du.VEC_BF16,), (o,))
+            if cutlass.const_expr(self.norm_dtype is BFloat16):
+                wv = du.load_bf16x8(w)
+            else:
+                frag = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
+                cute.autovec_copy(w, frag)
+                wv = frag.load()
+            du.store_bf16x8(out, li * r_norm * wv)
+
+    @cute.jit
+    def group_sum(self, val: Float32, scratch: cute.Tensor, group) -> Float32:
+        """Sum over the threads of this token group (fixed order); every thread of the CTA must call it."""
+        val = du.warp_sum(val)
+        if cute.arch.lane_idx() == 0:
+            scratch[cute.arch.warp_idx()] = val
+        cute.arch.sync_threads()
+        total = Float32(0.0)
+        for w in cutlass.range_constexpr(self.group_warps):
+            total = total + scratch[group * self.group_warps + w]
+        cute.arch.sync_threads()
+        return total
+
+    @cute.jit
+    def post_and_sinkhorn(
         self,
         storage: BigFuseStorage,
         m0: Int32,
@@ -139,77 +252,20 @@ class BigFusePhase:
         mCombOut: cute.Tensor,
         scalars: BigFuseScalars,
     ):
-        """One thread per token: rstd, mixes, pre/post gates, Sinkhorn; pre goes to shared memory."""
+        """One thread per token: post gates and the Sinkhorn of the comb mixes."""
         tidx, _, _ = cute.arch.thread_idx()
-        m_total = mPostOut.shape[0]
-        if tidx < self.tokens and m0 + tidx < m_total:
+        if tidx < self.tokens and m0 + tidx < mPostOut.shape[0]:
             t, m = tidx, m0 + tidx
-            rstd = cute.math.rsqrt(storage.mixes[t, SUMSQ_COL] / (HC_MULT * self.hidden) + scalars.rms_eps)
-            scale_pre, scale_post, scale_comb = mScale[0], mScale[1], mScale[2]
+            rstd = self.rstd(storage, t, scalars.rms_eps)
             for j in cutlass.range_constexpr(HC_MULT):
-                mix = storage.mixes[t, j] * rstd * scale_pre + mBase[j]
-                storage.pre[t, j] = du.sigmoid(mix) + scalars.hc_pre_eps
-            for j in cutlass.range_constexpr(HC_MULT):
-                mix = storage.mixes[t, HC_MULT + j] * rstd * scale_post + mBase[HC_MULT + j]
+                mix = storage.mixes[t, HC_MULT + j] * rstd * mScale[1] + mBase[HC_MULT + j]
                 mPostOut[m, j] = du.sigmoid(mix) * scalars.hc_post_mult_value
             comb = cute.make_rmem_tensor((HC_MULT * HC_MULT,), Float32)
             for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
-                comb[i] = storage.mixes[t, 2 * HC_MULT + i] * rstd * scale_comb + mBase[2 * HC_MULT + i]
+                comb[i] = storage.mixes[t, 2 * HC_MULT + i] * rstd * mScale[2] + mBase[2 * HC_MULT + i]
             du.sinkhorn_4x4(comb, scalars.hc_sinkhorn_eps, scalars.sinkhorn_repeat)
             for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
                 mCombOut[m, i] = comb[i]
-        cute.arch.sync_threads()
-
-    @cute.jit
-    def collapse(
-        self,
-        storage: BigFuseStorage,
-        m0: Int32,
-        mNormW,
-        mResCur: cute.Tensor,
-        mLayerIn: cute.Tensor,
-        norm_eps: Float32,
-    ):
-        """layer_input = bf16(sum_j pre[j] * residual_cur[j]) (j in order), then the optional RMSNorm over
-        the rounded values, kept in registers. The whole CTA works on one token at a time."""
-        tidx, _, _ = cute.arch.thread_idx()
-        octets_h = self.octets
-        n_valid = cutlass.min(mLayerIn.shape[0] - m0, self.tokens)
-        for t in cutlass.range(n_valid, unroll=1):
-            m = m0 + t
-            pre = [storage.pre[t, j] for j in range(HC_MULT)]
-            row_res = mResCur[m, None]
-            row_out = mLayerIn[m, None]
-            rounded = cute.make_rmem_tensor((self.octet_slots, du.VEC_BF16), Float32)
-            sumsq = Float32(0.0)
-            for u in cutlass.range_constexpr(self.octet_slots):
-                o = tidx + u * self.threads
-                if o < octets_h:
-                    li = du.load_bf16x8(cute.local_tile(row_res, (du.VEC_BF16,), (o,))) * pre[0]
-                    for j in cutlass.range_constexpr(1, HC_MULT):
-                        res_j = du.load_bf16x8(cute.local_tile(row_res, (du.VEC_BF16,), (j * octets_h + o,)))
-                        li = li + res_j * pre[j]
-                    if cutlass.const_expr(self.norm_dtype is None):
-                        du.store_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (o,)), li)
-                    else:
-                        li_rounded = li.to(BFloat16).to(Float32)
-                        rounded[u, None].store(li_rounded)
-                        for i in cutlass.range_constexpr(du.VEC_BF16):
-                            sumsq = sumsq + li_rounded[i] * li_rounded[i]
-            if cutlass.const_expr(self.norm_dtype is not None):
-                total = du.block_sum(sumsq, storage.scratch, self.warps)
-                r = cute.math.rsqrt(total / self.hidden + norm_eps)
-                for u in cutlass.range_constexpr(self.octet_slots):
-                    o = tidx + u * self.threads
-                    if o < octets_h:
-                        w = cute.local_tile(mNormW, (du.VEC_BF16,), (o,))
-                        if cutlass.const_expr(self.norm_dtype is BFloat16):
-                            wv = du.load_bf16x8(w)
-                        else:
-                            wv = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
-                            cute.autovec_copy(w, wv)
-                            wv = wv.load()
-                        du.store_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (o,)), rounded[u, None].load() * r * wv)
 
 
 def flat_outputs(hidden: int, m, residual_cur, post_mix_cur, comb_mix_cur, layer_input):
@@ -241,7 +297,7 @@ class BigFuseKernel:
         m = mResCur.shape[0]
         phase = self.phase
         self.kernel(mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars).launch(
-            grid=[cute.ceil_div(m, phase.tokens), 1, 1], block=[phase.threads, 1, 1], stream=stream
+            grid=[cute.ceil_div(m, phase.tokens), 1, 1], block=[phase.threads, 1, 1], stream=stream, use_pdl=True
         )
 
     @cute.jit
@@ -273,6 +329,8 @@ class BigFuseKernel:
         bidx, _, _ = cute.arch.block_idx()
         smem = cutlass.utils.SmemAllocator()
         storage = self.phase.allocate(smem)
+        # launched with programmatic dependent launch: wait for the producer grid (and its memory) here
+        cute.arch.griddepcontrol_wait()
         self.phase(storage, bidx * self.phase.tokens, mPartials, mScale, mBase, mNormW, mResCur, mPostOut,
                    mCombOut, mLayerIn, scalars)
 

@@ -132,6 +132,8 @@ class FmaFusedHc:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         block, split, _ = cute.arch.block_idx()
+        if cutlass.const_expr(not self.fused):
+            cute.arch.griddepcontrol_launch_dependents()  # the big-fuse CTAs start early and wait for this grid
         smem = cutlass.utils.SmemAllocator()
         sAct = smem.allocate_tensor(Float32, du.row_major(self.tokens, HC_MULT, self.chunk_h), 16)
         sRed = smem.allocate_tensor(Float32, du.row_major(self.warps, self.red_cols), 16)
@@ -179,14 +181,15 @@ class FmaFusedHc:
         self.write_partials(m0, split, group, acc, sumsq, sRed, mPartials)
 
         if cutlass.const_expr(self.fused):
-            # publish this CTA's partials and residual_cur, then count the arrival on the token block
-            cute.arch.fence_acq_rel_gpu()
+            # publish this CTA's partials and residual_cur: the barrier orders every thread's stores before
+            # thread 0's release (fence cumulativity), then count the arrival on the token block
             cute.arch.sync_threads()
             if tidx == 0:
-                sArrival[0] = cute.arch.atomic_add(mCounters.iterator + block, Int32(1), sem="relaxed", scope="gpu")
+                cute.arch.fence_acq_rel_gpu()
+                sArrival[0] = cute.arch.atomic_add(mCounters.iterator + block, Int32(1), sem="acq_rel", scope="gpu")
             cute.arch.sync_threads()
             if sArrival[0] == self.split_k - 1:  # the last CTA of this token block
-                cute.arch.fence_acq_rel_gpu()
+                cute.arch.fence_acq_rel_gpu()  # acquire: the other CTAs' stores are visible to this CTA
                 self.phase(storage, m0, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn,
                            scalars)
                 if tidx == 0:
@@ -284,8 +287,8 @@ _compiled = CompiledKernels("mhc_fma")
 
 def compiled_fma(tactic: FmaTactic, problem, out):
     """The compiled kernel for (tactic, H, norm dtype), compiled (or loaded) on first use."""
-    norm = None if problem.norm_weight is None else str(problem.norm_weight.dtype)
-    return _compiled.get((tactic.name, problem.hidden, norm), lambda: compile_fma(tactic, problem, out))
+    norm = None if problem.norm_weight is None else problem.norm_weight.dtype
+    return _compiled.get((tactic, problem.hidden, norm), lambda: compile_fma(tactic, problem, out))
 
 
 def compile_fma(tactic: FmaTactic, problem, out):
