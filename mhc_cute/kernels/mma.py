@@ -30,6 +30,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import functools  # noqa: E402
 import re  # noqa: E402
+import weakref  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
@@ -124,10 +125,11 @@ def parse_mma_tactic(name: str) -> MmaTactic:
 
 def default_mma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> MmaTactic:
     """About one wave of CTAs (one CTA per SM: the pipeline takes most of the shared memory), the deepest
-    pipeline that fits. The one-launch path keeps 64-token tiles: its last CTA also holds the big fuse."""
+    pipeline that fits. split_k is a power of two, so that few variants cover all M. The one-launch path
+    keeps 64-token tiles: its last CTA also holds the big fuse."""
     tile_m = 64 if (m <= 64 or path == "all_mma") else 128
     m_tiles = -(-m // tile_m)
-    split_k = max(1, min(hidden // BLOCK_H, sm_count // m_tiles))
+    split_k = 1 << max(0, min(hidden // BLOCK_H, sm_count // m_tiles).bit_length() - 1)
     for stages in range(8, 1, -1):
         tactic = MmaTactic(path, split_k, tile_m, stages)
         if tactic.invalid_reason(hidden) is None:
@@ -197,13 +199,21 @@ _weight_cache: dict = {}
 
 
 def cached_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
-    """``prepare_weight`` once per weight tensor (keyed on storage, version counter, shape and device)."""
+    """``prepare_weight`` once per weight tensor.
+
+    Keyed on (address, version counter, shape, device, precision); an entry is only reused while the tensor
+    that owns the memory (``fn``, or the base ``fn`` is a view of) is alive: once it is freed, a new weight
+    may be allocated at the same address with the same version, and must not get the old one's tiles.
+    """
     key = (fn.data_ptr(), fn._version, tuple(fn.shape), fn.device, precision)
-    w = _weight_cache.get(key)
-    if w is None:
-        if len(_weight_cache) >= 64:
-            _weight_cache.clear()
-        w = _weight_cache[key] = prepare_weight(fn, precision)
+    hit = _weight_cache.get(key)
+    if hit is not None and hit[0]() is not None:
+        return hit[1]
+    if len(_weight_cache) >= 64:
+        for k in [k for k, (owner, _) in _weight_cache.items() if owner() is None] or list(_weight_cache):
+            del _weight_cache[k]
+    w = prepare_weight(fn, precision)
+    _weight_cache[key] = (weakref.ref(fn if fn._base is None else fn._base), w)
     return w
 
 
