@@ -95,6 +95,7 @@ def main(argv=None):
     ap.add_argument("--m", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192])
     ap.add_argument("--precision", nargs="+", default=["fp32", "tf32"])
     ap.add_argument("--sweep", action="store_true", help="time a small tactic sweep, not only the default")
+    ap.add_argument("--tactics", nargs="+", default=None, help="time these tactics (names) instead")
     ap.add_argument("--check", action="store_true", help="check every timed tactic against the contract once")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--precompile-tests", action="store_true", help="compile the test grid's variants and exit")
@@ -113,8 +114,12 @@ def main(argv=None):
         print(f"compiled {len(set(specs))} test variants", flush=True)
         return 0
 
-    plan = {(h, m, p): (sweep_tactics(p, m, h, sms) if args.sweep else [mma.default_mma_tactic(p, m, h, sms)])
-            for h in args.hidden for m in args.m for p in PATHS}
+    def tactics_for(h, m, p):
+        if args.tactics:
+            return [t for t in map(mma.parse_mma_tactic, args.tactics) if t.path == p]
+        return sweep_tactics(p, m, h, sms) if args.sweep else [mma.default_mma_tactic(p, m, h, sms)]
+
+    plan = {(h, m, p): tactics_for(h, m, p) for h in args.hidden for m in args.m for p in PATHS}
     specs = [(t.name, h, prec, None) for (h, m, p), ts in plan.items() for t in ts for prec in args.precision]
     mma.precompile(specs)
     print(f"compiled {len(set(specs))} variants", flush=True)
