@@ -14,6 +14,7 @@ every variant this run needs is compiled in parallel processes first (Triton's o
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -27,28 +28,30 @@ from mhc_cute.triton.configs import TritonTactic as T
 
 # candidates per M (H = 7168 sizes; select/fit clamps them for other H)
 SWEEP = {
-    1: [T(1, 64, 112, 4, reduce_block_h=8192, reduce_warps=8), T(1, 32, 224, 4, reduce_block_h=8192, reduce_warps=16),
-        T(1, 128, 56, 4, reduce_block_h=8192, reduce_warps=16), T(1, 64, 112, 4, reduce_block_h=2048, reduce_warps=8)],
-    4: [T(4, 64, 112, 8, reduce_block_h=8192, reduce_warps=16), T(4, 32, 112, 4, reduce_block_h=8192, reduce_warps=16),
-        T(16, 32, 224, 4, reduce_block_h=8192, reduce_warps=16), T(2, 64, 112, 4, reduce_block_h=8192, reduce_warps=16)],
-    16: [T(8, 16, 224, 4, reduce_block_h=8192, reduce_warps=16), T(16, 64, 112, 4, reduce_block_h=8192, reduce_warps=16),
-         T(16, 16, 224, 4, reduce_block_h=8192, reduce_warps=16), T(16, 32, 112, 4, reduce_block_h=8192, reduce_warps=8)],
-    64: [T(16, 32, 112, 4, reduce_block_h=8192, reduce_warps=8), T(32, 32, 56, 4, reduce_block_h=8192, reduce_warps=8),
-         T(8, 16, 112, 4, reduce_block_h=8192, reduce_warps=8), T(16, 32, 28, 4, num_stages=3, reduce_block_h=8192)],
-    256: [T(32, 32, 16, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8),
-          T(16, 32, 28, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8),
-          T(64, 32, 32, 8, num_stages=3, reduce_block_h=8192, reduce_warps=8),
-          T(32, 32, 32, 4, num_stages=1, reduce_block_h=2048, reduce_warps=4)],
-    1024: [T(64, 32, 16, 4, num_stages=3), T(32, 32, 16, 4, num_stages=3), T(64, 16, 16, 4, num_stages=3),
-           T(64, 32, 32, 8, num_stages=3), T(64, 32, 16, 8, num_stages=1), T(128, 16, 16, 8, num_stages=3),
-           T(64, 32, 16, 8, num_stages=3, reduce_block_h=8192, reduce_warps=8)],
-    4096: [T(64, 32, 8, 8, num_stages=3), T(64, 32, 4, 8, num_stages=2), T(64, 32, 4, 4, num_stages=3),
-           T(32, 32, 8, 4, num_stages=3), T(128, 16, 4, 8, num_stages=3), T(64, 16, 8, 4, num_stages=3),
-           T(64, 32, 4, 8, num_stages=3, chunk_m=512), T(64, 32, 4, 8, num_stages=3, chunk_m=1024),
-           T(64, 32, 16, 8, num_stages=3, chunk_m=512),
-           T(64, 32, 4, 8, num_stages=3, reduce_block_t=2, reduce_block_h=1024),
-           T(64, 32, 4, 8, num_stages=3, reduce_block_h=8192, reduce_warps=8)],
+    1: [T(1, 128, 56, 4, reduce_block_h=8192, reduce_warps=8), T(1, 32, 224, 4, reduce_block_h=8192, reduce_warps=8),
+        T(1, 64, 112, 4, reduce_block_h=8192, reduce_warps=4), T(1, 64, 112, 4, reduce_block_h=8192, reduce_warps=16)],
+    4: [T(4, 64, 112, 8, reduce_block_h=8192, reduce_warps=8), T(2, 64, 112, 4, reduce_block_h=8192, reduce_warps=8),
+        T(4, 32, 112, 4, reduce_block_h=8192, reduce_warps=8), T(16, 16, 224, 4, reduce_block_h=8192, reduce_warps=8)],
+    16: [T(8, 16, 224, 4, reduce_block_h=8192, reduce_warps=8), T(16, 16, 112, 4, reduce_block_h=8192, reduce_warps=8),
+         T(16, 32, 224, 4, reduce_block_h=8192, reduce_warps=8), T(16, 16, 448, 4, reduce_block_h=8192, reduce_warps=8)],
+    64: [T(16, 16, 56, 4, num_stages=2, reduce_block_h=8192, reduce_warps=8),
+         T(32, 16, 56, 4, num_stages=2, reduce_block_h=8192, reduce_warps=8),
+         T(16, 32, 112, 4, reduce_block_h=8192, reduce_warps=8), T(8, 16, 112, 4, reduce_block_h=8192, reduce_warps=8)],
+    256: [T(32, 16, 16, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8),
+          T(64, 16, 32, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8),
+          T(16, 16, 32, 4, num_stages=2, reduce_block_h=8192, reduce_warps=8),
+          T(32, 16, 32, 4, num_stages=3, reduce_block_h=2048, reduce_warps=4)],
+    1024: [T(64, 16, 32, 4, num_stages=3), T(32, 16, 16, 4, num_stages=3), T(64, 16, 16, 4, num_stages=2),
+           T(128, 16, 16, 8, num_stages=3), T(64, 32, 16, 8, num_stages=3),
+           T(64, 16, 16, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8)],
+    4096: [T(64, 16, 8, 4, num_stages=3), T(64, 16, 2, 4, num_stages=3), T(64, 16, 4, 4, num_stages=2),
+           T(128, 16, 4, 8, num_stages=3), T(128, 16, 2, 8, num_stages=3), T(32, 16, 4, 4, num_stages=3),
+           T(64, 32, 4, 8, num_stages=3), T(64, 16, 4, 4, num_stages=4),
+           T(64, 16, 16, 4, num_stages=3, chunk_m=512), T(64, 16, 8, 4, num_stages=3, chunk_m=1024),
+           T(64, 16, 4, 4, num_stages=3, reduce_block_t=2, reduce_block_h=1024),
+           T(64, 16, 4, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8)],
 }
+CHECK_MAX_M = 4096  # sweep tactics are checked against float64 up to this M (the reference needs ~5 GB there)
 
 
 def _run_once(job):
@@ -67,6 +70,18 @@ def _run_once(job):
     except Exception as e:  # reported, and the variant's timing will show the error again
         return f"precompile M={m} H={h} norm={norm} {tactic}: {type(e).__name__}: {str(e)[:2000]}"
     return None
+
+
+def _check(inputs, tactic) -> str:
+    """"ok" or the first line of the accuracy failure of ``tactic`` on ``inputs`` (float64 reference)."""
+    from mhc_cute.accuracy import check_outputs, problem_of, run_backend
+
+    problem = problem_of(inputs)
+    try:
+        check_outputs(run_backend(problem, "triton", tactic), problem)
+    except AssertionError as e:
+        return f"FAIL {str(e).splitlines()[0][:200]}"
+    return "ok"
 
 
 def _compile_key(m, h, norm, tactic):
@@ -141,8 +156,9 @@ def main() -> int:
             for t in candidates(m, h):
                 r = bm.bench_one("sweep", bm.mhc_cute_call("triton", tactic=t), m, h, dev, args.norm, bandwidth,
                                  sets=sets, eager=False)
-                sweep.append(dict(m=m, h=h, tactic=repr(t), graph_us=r.graph_us, error=r.error))
-                print(f"  sweep H={h} M={m} {r.graph_us} {r.error or ''} {t}", file=sys.stderr, flush=True)
+                check = _check(sets[0], t) if m <= CHECK_MAX_M else "unchecked"
+                sweep.append(dict(m=m, h=h, tactic=repr(t), graph_us=r.graph_us, error=r.error, check=check))
+                print(f"  sweep H={h} M={m} {r.graph_us} {r.error or ''} {check} {t}", file=sys.stderr, flush=True)
             for r in row:
                 print(f"  H={h} M={m} {r.name}: graph {r.graph_us} eager {r.eager_us} "
                       f"floor {r.floor_frac} {r.error or ''}", file=sys.stderr, flush=True)
@@ -151,6 +167,11 @@ def main() -> int:
             torch.cuda.empty_cache()
     table = bm.format_table(results, bandwidth, gpu)
     print(table)
+    for (h, m), group in itertools.groupby(sweep, key=lambda r: (r["h"], r["m"])):
+        best = min((r for r in group if r["graph_us"] and r["check"] in ("ok", "unchecked")),
+                   key=lambda r: r["graph_us"], default=None)
+        if best:
+            print(f"best H={h} M={m}: {best['graph_us']:.2f} us {best['tactic']}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "table.txt"), "w") as f:

@@ -27,8 +27,9 @@ class TritonTactic:
     """One launch configuration of the two kernels.
 
     Main kernel: a program owns ``block_m`` tokens and one of ``split_k`` ranges of H (for all 4 streams), walked
-    in steps of ``block_h``; ``block_m >= 16`` projects with ``tl.dot`` (IEEE fp32), smaller blocks with
-    elementwise products held as ``[block_m, block_h, 32]`` (keep ``block_m * block_h <= 256``). Reduce kernel: a
+    in steps of ``block_h``; ``block_m >= 16`` projects on tensor cores (``tl.dot`` with ``fn`` split exactly
+    into three bf16 terms: fp32-exact products, fp32 accumulation), smaller blocks with fp32 FMAs held as
+    ``[block_m, block_h, 32]`` (keep ``block_m * block_h <= 256``). Reduce kernel: a
     program owns ``reduce_block_t`` tokens and walks H in tiles of ``reduce_block_h`` (a tile covering H keeps
     the row in registers for the fused RMSNorm). ``chunk_m`` > 0 runs the two kernels per chunk of that many
     tokens, so that the reduce kernel re-reads ``residual_cur`` from L2 rather than HBM (large M).
@@ -67,16 +68,16 @@ BIG = 1 << 62
 
 TABLES: tuple[ArchTable, ...] = (
     ArchTable("sm90", 132, (
-        (1, T(1, 64, 112, 4, reduce_block_h=8192, reduce_warps=16)),
-        (2, T(2, 64, 112, 4, reduce_block_h=8192, reduce_warps=16)),
-        (4, T(4, 32, 224, 4, reduce_block_h=8192, reduce_warps=16)),
-        (8, T(8, 16, 224, 4, reduce_block_h=8192, reduce_warps=16)),
-        (16, T(16, 32, 224, 4, reduce_block_h=8192, reduce_warps=16)),
-        (64, T(16, 32, 56, 4, reduce_block_h=8192, reduce_warps=16)),
-        (256, T(32, 32, 32, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8)),
-        (1024, T(64, 32, 16, 8, num_stages=3, reduce_block_h=2048, reduce_warps=4)),
-        (2048, T(64, 32, 8, 8, num_stages=3, reduce_block_h=2048, reduce_warps=4)),
-        (BIG, T(64, 32, 4, 8, num_stages=3, reduce_block_h=2048, reduce_warps=4)),
+        (1, T(1, 64, 112, 4, reduce_block_h=8192, reduce_warps=8)),
+        (2, T(2, 64, 112, 4, reduce_block_h=8192, reduce_warps=8)),
+        (4, T(4, 32, 224, 4, reduce_block_h=8192, reduce_warps=8)),
+        (8, T(8, 16, 224, 4, reduce_block_h=8192, reduce_warps=8)),
+        (16, T(16, 16, 224, 4, num_stages=2, reduce_block_h=8192, reduce_warps=8)),
+        (64, T(16, 16, 112, 4, num_stages=2, reduce_block_h=8192, reduce_warps=8)),
+        (256, T(32, 16, 32, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8)),
+        (1024, T(64, 16, 16, 4, num_stages=3, reduce_block_h=2048, reduce_warps=4)),
+        (2048, T(64, 16, 8, 4, num_stages=3, reduce_block_h=2048, reduce_warps=4)),
+        (BIG, T(64, 16, 4, 4, num_stages=3, reduce_block_h=2048, reduce_warps=4)),
     )),
     # MI355X: 256 CUs, 64-lane wavefronts (num_warps counts wavefronts)
     ArchTable("gfx950", 256, (

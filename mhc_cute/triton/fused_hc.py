@@ -25,15 +25,15 @@ import triton.language as tl
 from ..problem import MhcFusedHcOutput, Problem
 from .configs import PARTIAL_COLS, TritonTactic, arch_of, fit, select_tactic
 
-# Triton's CPU interpreter truncates on fp32 -> bf16 casts (and its explicit RTNE mode rounds ties up), so there
-# the rounding is done on the bits; GPUs use their native round-to-nearest-even conversion.
-_BITWISE_BF16_RN = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+# Under Triton's CPU interpreter: fp32 -> bf16 casts truncate (its explicit RTNE mode rounds ties up), so the
+# rounding is done on the bits there; and bf16 dots are not emulated, so their (exact) operands go in as fp32.
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
 def _bf16_rn(x):
     """Round fp32 to the nearest bf16, ties to even (inputs here are finite)."""
-    if _BITWISE_BF16_RN:
+    if _INTERPRET:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -59,17 +59,48 @@ def _post_stream(xf, r0, r1, r2, r3, p, c0, c1, c2, c3):
 
 
 @triton.jit
+def _dot_fp32_exact(a, w, acc):
+    """``acc + a @ w`` for bf16 ``a`` and fp32 ``w`` on tensor cores, as accurate as an fp32 dot.
+
+    ``w`` is split exactly into three bf16 terms (8 + 8 + 8 significant bits cover fp32's 24), so every product
+    ``a * w_i`` is exact and only the fp32 accumulation rounds, smallest terms first.
+    """
+    w1 = w.to(tl.bfloat16)
+    r1 = w - w1.to(tl.float32)
+    w2 = r1.to(tl.bfloat16)
+    w3 = (r1 - w2.to(tl.float32)).to(tl.bfloat16)
+    if _INTERPRET:
+        a = a.to(tl.float32)
+        acc = tl.dot(a, w3.to(tl.float32), acc, input_precision="ieee")
+        acc = tl.dot(a, w2.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a, w1.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w3, acc)
+        acc = tl.dot(a, w2, acc)
+        return tl.dot(a, w1, acc)
+
+
+@triton.jit
 def _emit_stream(res_out_ptr, out_offs, mask, out, fn_ptr, fn_offs, fn_mask, acc, sq, USE_DOT: tl.constexpr):
     """Store one rounded stream tile and add its projection and squares (of the rounded values) to the sums."""
     tl.store(res_out_ptr + out_offs, out, mask=mask)
     rf = out.to(tl.float32)
     w = tl.load(fn_ptr + fn_offs, mask=fn_mask, other=0.0)  # [BLOCK_H, 32]: fn rows 24..31 are zero
     if USE_DOT:
-        acc = tl.dot(rf, w, acc, input_precision="ieee")
+        acc = _dot_fp32_exact(out, w, acc)
     else:
-        # small token blocks: elementwise products, reduced over H once after the K loop
+        # small token blocks: fp32 FMAs into [BLOCK_M, BLOCK_H, 32], reduced over H once after the K loop
         acc += rf[:, :, None] * w[None, :, :]
     return acc, sq + tl.sum(rf * rf, axis=1)
+
+
+@triton.jit
+def _kahan_add(total, comp, value):
+    """Compensated ``total + value``: the K loop adds hundreds of steps, and the gates need the mixes to about
+    1e-7 relative (plain fp32 accumulation over K = 4H loses ~1e-6)."""
+    y = value - comp
+    t = total + y
+    return t, (t - total) - y
 
 
 # M and the loop counts are not specialised on (Triton would compile again for M == 1 or M % 16 == 0)
@@ -113,7 +144,9 @@ def _main_kernel(
         acc = tl.zeros([BLOCK_M, 32], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_H, 32], dtype=tl.float32)
+    acc_comp = tl.zeros([BLOCK_M, 32], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sq_comp = tl.zeros([BLOCK_M], dtype=tl.float32)
     mask = tok_mask[:, None]
     fn_mask = cols[None, :] < 24
     x_row = rows[:, None] * H
@@ -131,18 +164,29 @@ def _main_kernel(
         r2 = tl.load(res_ptr + res_row + 2 * H + h, mask=mask, other=0.0).to(tl.float32)
         r3 = tl.load(res_ptr + res_row + 3 * H + h, mask=mask, other=0.0).to(tl.float32)
         fn_h = fn_base + hb * BLOCK_H
+        if USE_DOT:
+            step = tl.zeros([BLOCK_M, 32], dtype=tl.float32)
+        else:
+            step = acc  # elementwise sums over [BLOCK_M, BLOCK_H, 32] stay short without compensation
+        step_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
 
         out = _post_stream(xf, r0, r1, r2, r3, p0, c00, c10, c20, c30)
-        acc, sq = _emit_stream(res_out_ptr, res_row + h, mask, out, fn_ptr, fn_h, fn_mask, acc, sq, USE_DOT)
+        step, step_sq = _emit_stream(res_out_ptr, res_row + h, mask, out, fn_ptr, fn_h, fn_mask, step, step_sq,
+                                     USE_DOT)
         out = _post_stream(xf, r0, r1, r2, r3, p1, c01, c11, c21, c31)
-        acc, sq = _emit_stream(res_out_ptr, res_row + H + h, mask, out, fn_ptr, fn_h + H, fn_mask, acc, sq,
-                               USE_DOT)
+        step, step_sq = _emit_stream(res_out_ptr, res_row + H + h, mask, out, fn_ptr, fn_h + H, fn_mask, step,
+                                     step_sq, USE_DOT)
         out = _post_stream(xf, r0, r1, r2, r3, p2, c02, c12, c22, c32)
-        acc, sq = _emit_stream(res_out_ptr, res_row + 2 * H + h, mask, out, fn_ptr, fn_h + 2 * H, fn_mask, acc,
-                               sq, USE_DOT)
+        step, step_sq = _emit_stream(res_out_ptr, res_row + 2 * H + h, mask, out, fn_ptr, fn_h + 2 * H, fn_mask,
+                                     step, step_sq, USE_DOT)
         out = _post_stream(xf, r0, r1, r2, r3, p3, c03, c13, c23, c33)
-        acc, sq = _emit_stream(res_out_ptr, res_row + 3 * H + h, mask, out, fn_ptr, fn_h + 3 * H, fn_mask, acc,
-                               sq, USE_DOT)
+        step, step_sq = _emit_stream(res_out_ptr, res_row + 3 * H + h, mask, out, fn_ptr, fn_h + 3 * H, fn_mask,
+                                     step, step_sq, USE_DOT)
+        if USE_DOT:
+            acc, acc_comp = _kahan_add(acc, acc_comp, step)
+        else:
+            acc = step
+        sq, sq_comp = _kahan_add(sq, sq_comp, step_sq)
 
     if not USE_DOT:
         acc = tl.sum(acc, axis=1)
@@ -152,10 +196,42 @@ def _main_kernel(
 
 
 @triton.jit
-def _gate(values, q, c, row: tl.constexpr, j: tl.constexpr):
-    """``values[:, row, j]`` of a ``[BLOCK_T, 8, 4]`` tile, as a ``[BLOCK_T, 1]`` column."""
-    picked = tl.where((q == row) & (c == j), values, 0.0)
-    return tl.sum(tl.sum(picked, axis=2), axis=1)[:, None]
+def _pick(tot, cols, c: tl.constexpr):
+    """Column ``c`` of a ``[BLOCK_T, 32]`` tile, as a ``[BLOCK_T]`` vector."""
+    return tl.sum(tl.where(cols == c, tot, 0.0), axis=1)
+
+
+@triton.jit
+def _mix(tot, cols, rstd, scale, base_ptr, c: tl.constexpr):
+    """SPEC step 3 for column ``c``: ``dot * rstd * hc_scale[g] + hc_base[c]``."""
+    return _pick(tot, cols, c) * rstd * scale + tl.load(base_ptr + c)
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    """Row softmax (max-subtracted) + eps, SPEC step 5's first step."""
+    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a = tl.exp(a - m)
+    b = tl.exp(b - m)
+    c = tl.exp(c - m)
+    d = tl.exp(d - m)
+    s = a + b + c + d
+    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
+
+
+@triton.jit
+def _normalize4(a, b, c, d, eps):
+    """One Sinkhorn step on a row or a column: ``x / (sum + eps)``."""
+    s = a + b + c + d + eps
+    return a / s, b / s, c / s, d / s
+
+
+@triton.jit
+def _store4(ptr, offs, mask, a, b, c, d):
+    tl.store(ptr + offs, a, mask=mask)
+    tl.store(ptr + offs + 1, b, mask=mask)
+    tl.store(ptr + offs + 2, c, mask=mask)
+    tl.store(ptr + offs + 3, d, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "sinkhorn_repeat"])
@@ -173,43 +249,69 @@ def _reduce_kernel(
     tok_mask = tok < M
     rows = tok.to(tl.int64)
 
-    # partials viewed as [split, token, 8, 4]: row q of a token holds columns 4q..4q+3, i.e. pre (q = 0),
-    # post (q = 1), comb rows 0..3 (q = 2..5), the sum of squares (q = 6, column 0)
-    s = tl.arange(0, S_POW2)[:, None, None, None]
-    q = tl.arange(0, 8)[None, :, None]
-    c = tl.arange(0, 4)[None, None, :]
-    t3 = rows[:, None, None]
-    m3 = tok_mask[:, None, None]
-    part_offs = (s * M + t3[None]) * 32 + q[None] * 4 + c[None]
-    parts = tl.load(part_ptr + part_offs, mask=(s < split_k) & m3[None], other=0.0)
-    tot = tl.sum(parts, axis=0)  # fixed tree order over the splits
+    # sum of the partials over the splits, one tree reduction in a fixed order
+    s = tl.arange(0, S_POW2)[:, None, None]
+    cols = tl.arange(0, 32)[None, :]
+    part_offs = (s * M + rows[None, :, None]) * 32 + cols[None]
+    part_mask = (s < split_k) & tok_mask[None, :, None] & (cols[None] <= 24)
+    tot = tl.sum(tl.load(part_ptr + part_offs, mask=part_mask, other=0.0), axis=0)  # [BLOCK_T, 32]
 
-    sumsq = tl.sum(tl.sum(tl.where((q == 6) & (c == 0), tot, 0.0), axis=2), axis=1)
-    rstd = tl.rsqrt(sumsq / (4 * H) + rms_eps)  # divisor 4H: RMS over all 4 streams
-    is_mix = q < 6
-    scale = tl.load(scale_ptr + tl.minimum(q, 2))
-    base = tl.load(base_ptr + q * 4 + c, mask=is_mix, other=0.0)
-    mixes = tot * rstd[:, None, None] * scale + base
+    # from here on every quantity is a [BLOCK_T] vector: no reductions, so no cross-thread traffic
+    # divisor 4H: RMS over all 4 streams; IEEE sqrt and division (the approximate rsqrt costs the gates ~1e-7)
+    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(_pick(tot, cols, 24) / (4 * H) + rms_eps))
+    s_pre = tl.load(scale_ptr)
+    s_post = tl.load(scale_ptr + 1)
+    s_comb = tl.load(scale_ptr + 2)
+    g0 = tl.sigmoid(_mix(tot, cols, rstd, s_pre, base_ptr, 0)) + pre_eps
+    g1 = tl.sigmoid(_mix(tot, cols, rstd, s_pre, base_ptr, 1)) + pre_eps
+    g2 = tl.sigmoid(_mix(tot, cols, rstd, s_pre, base_ptr, 2)) + pre_eps
+    g3 = tl.sigmoid(_mix(tot, cols, rstd, s_pre, base_ptr, 3)) + pre_eps
+    _store4(post_out_ptr, rows * 4, tok_mask,
+            tl.sigmoid(_mix(tot, cols, rstd, s_post, base_ptr, 4)) * post_mult,
+            tl.sigmoid(_mix(tot, cols, rstd, s_post, base_ptr, 5)) * post_mult,
+            tl.sigmoid(_mix(tot, cols, rstd, s_post, base_ptr, 6)) * post_mult,
+            tl.sigmoid(_mix(tot, cols, rstd, s_post, base_ptr, 7)) * post_mult)
 
-    sig = tl.sigmoid(mixes)
-    tl.store(post_out_ptr + t3 * 4 + q * 0 + c, sig * post_mult, mask=m3 & (q == 1))
-    pre = sig + pre_eps
-
-    # Sinkhorn on the comb rows (q = 2..5); the other rows are kept at zero so that column sums see only comb
-    is_comb = (q >= 2) & is_mix
-    logits = tl.where(is_comb, mixes, 0.0)
-    e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
-    cm = tl.where(is_comb, e / tl.sum(e, axis=2)[:, :, None] + sinkhorn_eps, 0.0)
-    cm = cm / (tl.sum(cm, axis=1)[:, None, :] + sinkhorn_eps)
+    # Sinkhorn (SPEC step 5) on comb[r][c] = mixes[8 + 4r + c]
+    c00, c01, c02, c03 = _softmax4(_mix(tot, cols, rstd, s_comb, base_ptr, 8),
+                                   _mix(tot, cols, rstd, s_comb, base_ptr, 9),
+                                   _mix(tot, cols, rstd, s_comb, base_ptr, 10),
+                                   _mix(tot, cols, rstd, s_comb, base_ptr, 11), sinkhorn_eps)
+    c10, c11, c12, c13 = _softmax4(_mix(tot, cols, rstd, s_comb, base_ptr, 12),
+                                   _mix(tot, cols, rstd, s_comb, base_ptr, 13),
+                                   _mix(tot, cols, rstd, s_comb, base_ptr, 14),
+                                   _mix(tot, cols, rstd, s_comb, base_ptr, 15), sinkhorn_eps)
+    c20, c21, c22, c23 = _softmax4(_mix(tot, cols, rstd, s_comb, base_ptr, 16),
+                                   _mix(tot, cols, rstd, s_comb, base_ptr, 17),
+                                   _mix(tot, cols, rstd, s_comb, base_ptr, 18),
+                                   _mix(tot, cols, rstd, s_comb, base_ptr, 19), sinkhorn_eps)
+    c30, c31, c32, c33 = _softmax4(_mix(tot, cols, rstd, s_comb, base_ptr, 20),
+                                   _mix(tot, cols, rstd, s_comb, base_ptr, 21),
+                                   _mix(tot, cols, rstd, s_comb, base_ptr, 22),
+                                   _mix(tot, cols, rstd, s_comb, base_ptr, 23), sinkhorn_eps)
+    c00, c10, c20, c30 = _normalize4(c00, c10, c20, c30, sinkhorn_eps)
+    c01, c11, c21, c31 = _normalize4(c01, c11, c21, c31, sinkhorn_eps)
+    c02, c12, c22, c32 = _normalize4(c02, c12, c22, c32, sinkhorn_eps)
+    c03, c13, c23, c33 = _normalize4(c03, c13, c23, c33, sinkhorn_eps)
     for _ in range(sinkhorn_repeat - 1):
-        cm = tl.where(is_comb, cm / (tl.sum(cm, axis=2)[:, :, None] + sinkhorn_eps), 0.0)
-        cm = cm / (tl.sum(cm, axis=1)[:, None, :] + sinkhorn_eps)
-    tl.store(comb_out_ptr + t3 * 16 + (q - 2) * 4 + c, cm, mask=m3 & is_comb)
+        c00, c01, c02, c03 = _normalize4(c00, c01, c02, c03, sinkhorn_eps)
+        c10, c11, c12, c13 = _normalize4(c10, c11, c12, c13, sinkhorn_eps)
+        c20, c21, c22, c23 = _normalize4(c20, c21, c22, c23, sinkhorn_eps)
+        c30, c31, c32, c33 = _normalize4(c30, c31, c32, c33, sinkhorn_eps)
+        c00, c10, c20, c30 = _normalize4(c00, c10, c20, c30, sinkhorn_eps)
+        c01, c11, c21, c31 = _normalize4(c01, c11, c21, c31, sinkhorn_eps)
+        c02, c12, c22, c32 = _normalize4(c02, c12, c22, c32, sinkhorn_eps)
+        c03, c13, c23, c33 = _normalize4(c03, c13, c23, c33, sinkhorn_eps)
+    comb_offs = rows * 16
+    _store4(comb_out_ptr, comb_offs, tok_mask, c00, c01, c02, c03)
+    _store4(comb_out_ptr, comb_offs + 4, tok_mask, c10, c11, c12, c13)
+    _store4(comb_out_ptr, comb_offs + 8, tok_mask, c20, c21, c22, c23)
+    _store4(comb_out_ptr, comb_offs + 12, tok_mask, c30, c31, c32, c33)
 
-    g0 = _gate(pre, q, c, 0, 0)
-    g1 = _gate(pre, q, c, 0, 1)
-    g2 = _gate(pre, q, c, 0, 2)
-    g3 = _gate(pre, q, c, 0, 3)
+    g0 = g0[:, None]
+    g1 = g1[:, None]
+    g2 = g2[:, None]
+    g3 = g3[:, None]
     offs_h = tl.arange(0, BLOCK_H)[None, :]
     res_row = rows[:, None] * (4 * H)
     li_row = rows[:, None] * H
