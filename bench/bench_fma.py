@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,21 +30,21 @@ PATHS = ("all_fma", "half_fma")
 TARGET_US = 8.0  # at most this per call for M <= 32 at H = 7168 (issue 4)
 
 
-def sweep_tactics(path: str, m: int, hidden: int, sm_count: int, limit: int = 10) -> list:
-    """The default plus plausible neighbours for M tokens: token tiles up to M (at most 16), register tiles of
-    6 or 3 columns, splits from one chunk per CTA down to about one wave, one or two pipeline stages."""
-    out = [tac.default_fma_tactic(path, m, hidden, sm_count)]
-    t_max = min(16, 1 << (m - 1).bit_length())
-    for tokens in sorted({max(1, t_max // 4), max(1, t_max // 2), t_max}, reverse=True):
-        for tile_n in (6, 3) if tokens <= 8 else (3,):
-            chunk = 256 * tile_n // tac.N_MIXES
-            blocks = -(-m // tokens)
-            for target in (hidden // chunk, 4 * sm_count // blocks, 2 * sm_count // blocks, sm_count // blocks):
-                split = tac.largest_split(hidden, chunk, max(1, target))
-                for stages in (1, 2):
-                    t = tac.FmaTactic(path, split, tokens, tile_n, 256, stages)
-                    if t.invalid_reason(hidden) is None and t not in out:
-                        out.append(t)
+def sweep_tactics(path: str, m: int, hidden: int, sm_count: int, limit: int = 6) -> list:
+    """The default plus neighbours for M tokens: wider post-map bursts, pipelined weights, 16-token tiles,
+    more or fewer splits."""
+    default = tac.default_fma_tactic(path, m, hidden, sm_count)
+    cands = [default]
+    for burst in (2, 4):
+        cands += [replace(default, burst=burst), replace(default, burst=burst, stages=2)]
+    if m > 8:
+        cands += [replace(default, tokens_per_cta=16, tile_n=3, burst=b) for b in (1, 4)]
+    cands += [replace(default, split_k=tac.largest_split(hidden, default.chunk_h, k))
+              for k in (default.split_k * 2, default.split_k // 2) if k >= 1]
+    out = []
+    for t in cands:
+        if t.invalid_reason(hidden) is None and t not in out:
+            out.append(t)
     return out[:limit]
 
 

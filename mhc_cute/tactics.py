@@ -30,8 +30,9 @@ class FmaTactic:
     positions (``4 * chunk_h`` K elements). Its threads form ``24 / tile_n`` column groups; in each group a
     thread owns one 4-wide K vector of the chunk and ``tile_n`` mix columns for every token, so the
     register tile is ``tokens_per_cta x tile_n`` accumulators and ``chunk_h = threads * tile_n / 24``.
-    ``stages`` is the depth of the chunk pipeline: with 2, the loads of chunk c + 1 are in flight while
-    chunk c is computed.
+    ``stages`` is the depth of the weight pipeline: with 2, the weights of chunk c + 1 are in flight while
+    chunk c is computed. ``burst`` chunks are post-mapped at once (activations of ``burst * chunk_h``
+    positions loaded in one step).
     """
 
     path: str  # "half_fma" (projection + big-fuse kernel) | "all_fma" (one launch, last CTA runs the big fuse)
@@ -40,6 +41,7 @@ class FmaTactic:
     tile_n: int
     threads: int
     stages: int = 1
+    burst: int = 1
 
     @property
     def chunk_h(self) -> int:
@@ -48,11 +50,11 @@ class FmaTactic:
     @property
     def name(self) -> str:
         return (f"{self.path}:k{self.split_k}:t{self.tokens_per_cta}:n{self.tile_n}:"
-                f"w{self.threads}:s{self.stages}")
+                f"w{self.threads}:s{self.stages}:b{self.burst}")
 
     def smem_bytes(self) -> int:
         """Shared memory of the projection phase: the fp32 chunk of the post-map output plus the reduction."""
-        activations = self.tokens_per_cta * HC_MULT * self.chunk_h * 4
+        activations = self.tokens_per_cta * HC_MULT * self.chunk_h * self.burst * 4
         reduction = (self.threads // 32) * self.tokens_per_cta * (self.tile_n + 1) * 4
         return activations + reduction
 
@@ -78,6 +80,8 @@ class FmaTactic:
             return "stages must be 1 or 2"
         if self.stages == 2 and hidden // self.split_k == self.chunk_h:
             return "stages = 2 needs at least two chunks per CTA"
+        if self.burst < 1 or (hidden // self.split_k) % (self.chunk_h * self.burst):
+            return "burst must divide the chunks of a CTA"
         if self.smem_bytes() > MAX_SMEM_BYTES:
             return f"shared memory {self.smem_bytes()} B > {MAX_SMEM_BYTES} B"
         return None
@@ -89,7 +93,7 @@ class FmaTactic:
         return self
 
 
-_FMA_NAME = re.compile(r"^(half_fma|all_fma):k(\d+):t(\d+):n(\d+):w(\d+):s(\d+)$")
+_FMA_NAME = re.compile(r"^(half_fma|all_fma):k(\d+):t(\d+):n(\d+):w(\d+):s(\d+):b(\d+)$")
 
 
 def parse_tactic(name: str):
@@ -110,20 +114,25 @@ def largest_split(hidden: int, chunk_h: int, target: int) -> int:
     return best
 
 
-# M buckets of the default FMA tactic: (largest M of the bucket, tokens per CTA). One tactic per bucket keeps
-# the number of compiled variants small; the split is sized for the bucket's largest M.
-FMA_BUCKETS = ((4, 4), (32, 8), (256, 8), (1024, 8))
 FMA_THREADS, FMA_TILE_N = 256, 6  # chunk_h = 64: every H % 64 == 0 works
+# M buckets of the default FMA tactic: (largest M of the bucket, tokens per CTA); the split is a function of the
+# bucket too (see default_fma_tactic), so there is one compiled variant per bucket. From an H200 sweep at
+# H = 7168 (bench/bench_fma.py).
+FMA_BUCKETS = ((2, 1), (4, 4), (16, 8), (32, 8), (128, 8), (256, 8), (1 << 30, 8))
+FMA_SPLIT_M = 512  # the largest bucket sizes its split for this many tokens
 
 
 def default_fma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> FmaTactic:
     """A sensible FMA tactic for M tokens at hidden size H (before any tuning).
 
-    Small M is latency bound: spread the weight read over about two waves of CTAs, up to one chunk per CTA.
-    Larger M amortises each weight element over more tokens per CTA and needs fewer splits to fill the GPU.
+    Up to 16 tokens the op is latency bound: one chunk per CTA, so that the weight read is spread over as many
+    CTAs as possible. Beyond, each token block gets about one wave's share of splits.
     """
-    bucket_m, tokens = next((b for b in FMA_BUCKETS if m <= b[0]), FMA_BUCKETS[-1])
+    bucket_m, tokens = next(b for b in FMA_BUCKETS if m <= b[0])
     chunk_h = FMA_THREADS * FMA_TILE_N // N_MIXES
-    blocks = -(-bucket_m // tokens)
-    split_k = largest_split(hidden, chunk_h, max(1, 2 * sm_count // blocks))
+    if bucket_m <= 16:
+        target = hidden // chunk_h
+    else:
+        target = max(1, sm_count // -(-min(bucket_m, FMA_SPLIT_M) // tokens))
+    split_k = largest_split(hidden, chunk_h, target)
     return FmaTactic(path, split_k, tokens, FMA_TILE_N, FMA_THREADS, 1).check(hidden)

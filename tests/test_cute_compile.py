@@ -25,18 +25,17 @@ NORMS = (None, "torch.bfloat16", "torch.float32")
 def variants() -> list:
     specs = []
     for path in tac.FMA_PATHS:
-        for bucket_m, _ in tac.FMA_BUCKETS:
-            specs.append((tac.default_fma_tactic(path, bucket_m, 512).name, 512, None))
-            for norm in NORMS:
-                specs.append((tac.default_fma_tactic(path, bucket_m, 7168).name, 7168, norm))
+        for i, (bucket_m, _) in enumerate(tac.FMA_BUCKETS):  # every bucket, H and norm flag in turn
+            h = (7168, 512)[i % 2]
+            specs.append((tac.default_fma_tactic(path, min(bucket_m, 1 << 20), h).name, h, NORMS[i % 3]))
         extra = [
-            (FmaTactic(path, 7, 16, 3, 256, 2), 7168),  # 16 tokens, tile_n 3, pipelined, split 7 (uneven warps)
+            (FmaTactic(path, 7, 16, 3, 256, 2, 4), 7168),  # 16 tokens, tile_n 3, pipelined, burst, split 7 (uneven)
             (FmaTactic(path, 28, 1, 12, 256), 7168),  # tile_n 12: chunk 128
             (FmaTactic(path, 5, 2, 6, 128, 2), 5120),  # 128 threads: chunk 32
             (FmaTactic(path, 4, 2, 24, 512), 4096),  # tile_n 24: one column group
             (FmaTactic(path, 1, 8, 6, 256, 2), 256),  # split 1
         ]
-        specs += [(t.name, h, norm) for t, h in extra for norm in (None, "torch.bfloat16")]
+        specs += [(t.name, h, NORMS[i % 2]) for i, (t, h) in enumerate(extra)]
     return specs
 
 

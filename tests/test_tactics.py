@@ -30,7 +30,7 @@ def test_small_m_spreads_the_weight_read():
     assert 7168 // t.split_k == t.chunk_h  # one chunk each
 
 
-@pytest.mark.parametrize("t", [FmaTactic("all_fma", 112, 4, 6, 256), FmaTactic("half_fma", 7, 8, 3, 128, 2)])
+@pytest.mark.parametrize("t", [FmaTactic("all_fma", 112, 4, 6, 256), FmaTactic("half_fma", 7, 8, 3, 128, 2, 4)])
 def test_name_round_trip(t):
     assert tac.parse_tactic(t.name) == t
     assert hash(t) == hash(tac.parse_tactic(t.name))
@@ -54,6 +54,7 @@ def test_parse_rejects_garbage():
         (FmaTactic("all_fma", 1, 1, 6, 256, 3), 512, "stages"),
         (FmaTactic("all_fma", 8, 1, 6, 256, 2), 512, "two chunks"),
         (FmaTactic("all_fma", 1, 8, 24, 1024), 4096, "tokens_per_cta"),
+        (FmaTactic("all_fma", 56, 1, 6, 256, 1, 4), 7168, "burst"),
     ],
 )
 def test_invalid(t, h, why):
@@ -68,3 +69,4 @@ def test_chunk_and_smem():
     assert t.chunk_h == 64
     assert t.smem_bytes() == 8 * 4 * 64 * 4 + 8 * 8 * 7 * 4
     assert t.invalid_reason(4096) is None
+    assert FmaTactic("half_fma", 8, 8, 6, 256, 1, 4).smem_bytes() == 8 * 4 * 256 * 4 + 8 * 8 * 7 * 4

@@ -3,9 +3,10 @@
 The projection kernel, grid ``(ceil(M / tokens_per_cta), split_k)``: a CTA owns ``tokens_per_cta`` tokens
 and one H range of all 4 streams, walked in chunks of ``chunk_h`` positions. Per chunk:
 
-1. post-map (SPEC step 1): a thread per (token, 8 positions) loads ``x_prev`` and the 4 ``residual_prev``
-   vectors (16-byte loads), runs the exact chain ``acc = post[j] * x; acc = fma(comb[k][j], res[k], acc)``,
-   stores ``residual_cur`` (bf16) and puts the rounded values, widened to fp32, in shared memory;
+1. post-map (SPEC step 1), every ``burst`` chunks: a thread per (token, 8 positions) loads ``x_prev`` and the
+   4 ``residual_prev`` vectors (16-byte loads), runs the exact chain ``acc = post[j] * x; acc = fma(comb[k][j],
+   res[k], acc)``, stores ``residual_cur`` (bf16) and puts the rounded values, widened to fp32, in shared
+   memory (a larger burst keeps more threads busy and more bytes in flight per step);
 2. projection: thread (column group g, K vector v) multiplies the chunk's 4 activations of v by its
    ``tile_n`` weight rows (16-byte loads from L2, issued before step 1 so they overlap it), for every token,
    and group 0 also accumulates the sum of squares.
@@ -59,7 +60,9 @@ class FmaFusedHc:
         self.warps_per_group = self.group_threads // du.WARP
         self.chunk_h = tactic.chunk_h
         self.quads = self.chunk_h // QUAD  # K vectors per stream in a chunk
-        self.octets = self.chunk_h // du.VEC_BF16  # post-map tasks per token in a chunk
+        self.burst = tactic.burst  # chunks per post-map step
+        self.load_h = self.chunk_h * tactic.burst  # hidden positions per post-map step
+        self.octets = self.load_h // du.VEC_BF16  # post-map tasks per token per step
         self.split_k = tactic.split_k
         self.split_h = hidden // tactic.split_k
         self.n_chunks = self.split_h // self.chunk_h
@@ -135,7 +138,7 @@ class FmaFusedHc:
         if cutlass.const_expr(not self.fused):
             cute.arch.griddepcontrol_launch_dependents()  # the big-fuse CTAs start early and wait for this grid
         smem = cutlass.utils.SmemAllocator()
-        sAct = smem.allocate_tensor(Float32, du.row_major(self.tokens, HC_MULT, self.chunk_h), 16)
+        sAct = smem.allocate_tensor(Float32, du.row_major(self.tokens, HC_MULT, self.load_h), 16)
         sRed = smem.allocate_tensor(Float32, du.row_major(self.warps, self.red_cols), 16)
         if cutlass.const_expr(self.fused):
             storage = self.phase.allocate(smem)
@@ -156,28 +159,33 @@ class FmaFusedHc:
         weights = cute.make_rmem_tensor((self.tile_n, QUAD), Float32)
         self.load_weights(weights, mFn, group, fn_quad0)
         for c in cutlass.range(self.n_chunks, unroll=1):
-            h0 = split * self.split_h + c * self.chunk_h
             if cutlass.const_expr(self.tactic.stages == 2):
                 next_weights = cute.make_rmem_tensor((self.tile_n, QUAD), Float32)
                 if c + 1 < self.n_chunks:
                     self.load_weights(next_weights, mFn, group, fn_quad0 + (c + 1) * self.quads)
             elif c > 0:
                 self.load_weights(weights, mFn, group, fn_quad0 + c * self.quads)
-            self.post_map(m0, h0, coefs, mX, mRes, mResCur, sAct)
-            cute.arch.sync_threads()
+            sub = c % self.burst
+            if sub == 0:
+                if c > 0:
+                    cute.arch.sync_threads()  # the previous step's projections are done with sAct
+                self.post_map(m0, split * self.split_h + c * self.chunk_h, coefs, mX, mRes, mResCur, sAct)
+                cute.arch.sync_threads()
             for t in cutlass.range_constexpr(self.tokens):
-                act = sAct[t, stream_j, None]
-                a = cute.local_tile(act, (QUAD,), (quad,)).load()
+                a = cute.local_tile(sAct[t, stream_j, None], (QUAD,), (sub * self.quads + quad,)).load()
+                # a 4-term dot first, then one rounding into the long accumulator (halves its rounding error)
                 for i in cutlass.range_constexpr(self.tile_n):
-                    for e in cutlass.range_constexpr(QUAD):
-                        acc[t, i] = cute.math.fma(a[e], weights[i, e], acc[t, i])
+                    dot = a[0] * weights[i, 0]
+                    for e in cutlass.range_constexpr(1, QUAD):
+                        dot = cute.math.fma(a[e], weights[i, e], dot)
+                    acc[t, i] = acc[t, i] + dot
                 if group == 0:
-                    for e in cutlass.range_constexpr(QUAD):
-                        sumsq[t] = cute.math.fma(a[e], a[e], sumsq[t])
+                    sq = a[0] * a[0]
+                    for e in cutlass.range_constexpr(1, QUAD):
+                        sq = cute.math.fma(a[e], a[e], sq)
+                    sumsq[t] = sumsq[t] + sq
             if cutlass.const_expr(self.tactic.stages == 2):
                 weights.store(next_weights.load())
-            if cutlass.const_expr(self.n_chunks > 1):
-                cute.arch.sync_threads()  # sAct is rewritten by the next chunk
         self.write_partials(m0, split, group, acc, sumsq, sRed, mPartials)
 
         if cutlass.const_expr(self.fused):
@@ -219,7 +227,7 @@ class FmaFusedHc:
 
     @cute.jit
     def post_map(self, m0: Int32, h0: Int32, coefs: cute.Tensor, mX, mRes, mResCur, sAct: cute.Tensor):
-        """SPEC step 1 for the chunk at h0: residual_cur to global memory, its fp32 values to ``sAct``."""
+        """SPEC step 1 for the ``burst`` chunks at h0: residual_cur to global memory, fp32 values to ``sAct``."""
         tidx, _, _ = cute.arch.thread_idx()
         m_total = mX.shape[0]
         octets_h = self.hidden // du.VEC_BF16
