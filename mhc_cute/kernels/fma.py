@@ -19,9 +19,11 @@ big fuse in the same launch: each CTA publishes its partials (release fence, ato
 counter); the CTA that arrives last (acquire fence) runs ``BigFusePhase`` for the block and resets the
 counter to zero, so counters need no zeroing launch. No CTA ever waits for another.
 
-Weights and activations are plain 16-byte loads (no TMA): at decode sizes each CTA moves a few KiB per
-chunk and the loads of a chunk are all in flight at once. With ``stages=2`` the next chunk's weight vectors
-are loaded while the current chunk is computed.
+Weights and activations are plain 16-byte loads (no TMA yet): at decode sizes each CTA moves a few KiB per
+step and all loads of a step are in flight at once. ``stages=2`` loads the next chunk's weights while the
+current chunk is computed; ``burst`` widens the post-map step. ``post_map`` is the seam for a TMA pipeline:
+a TMA-fed version would fill the step's bf16 source tiles in shared memory from descriptors (inline
+``make_tiled_tma_atom``, or ``tma_cache``) instead of loading them into registers.
 """
 
 
