@@ -302,7 +302,7 @@ class MmaFusedHcKernel:
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, stages * 2]
-            is_last: Int32
+            is_last: cute.struct.MemRange[Int32, 1]
             sW: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(w_layout)], 1024]
             sRes: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(res_layout)], 128]
             sX: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(x_layout)], 128]
@@ -385,25 +385,27 @@ class MmaFusedHcKernel:
                          split, blk_begin, n_blk)
 
         if const_expr(self.fused):
-            # last-arriver election: every thread fences its partial stores (release) before the barrier; the
-            # CTA whose arrival completes the tile's count runs the big fuse for it, the others just exit
-            is_last = True
-            if const_expr(self.split_k > 1):
+            # last-arriver election: every thread fences its partial and residual stores (release) before the
+            # barrier; the CTA whose arrival completes the tile's count runs the big fuse for it, the others exit
+            if const_expr(self.split_k == 1):
+                self.finish_tile(finish_storage, m_tile, mPartials, mScale, mBase, mNormW, flat, scalars)
+            else:
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.sync_threads()
+                is_last = storage.is_last.get_tensor(cute.make_layout(1))
                 if tidx == 0:
-                    arrived = cute.arch.atomic_add(
-                        counters.iterator + m_tile, Int32(1), sem="acq_rel", scope="gpu"
-                    )
-                    storage.is_last = Int32(arrived == self.split_k - 1)
+                    arrived = cute.arch.atomic_add(counters.iterator + m_tile, Int32(1), sem="acq_rel", scope="gpu")
+                    is_last[0] = Int32(arrived == self.split_k - 1)
                 cute.arch.sync_threads()
-                is_last = storage.is_last != 0
-            if is_last:
-                cute.arch.fence_acq_rel_gpu()
-                self.finish(finish_storage, m_tile * self.tile_m, mPartials, mScale, mBase, mNormW, *flat, scalars)
-                if const_expr(self.split_k > 1):
+                if is_last[0] != 0:
+                    cute.arch.fence_acq_rel_gpu()  # acquire: the other splits' stores are visible
+                    self.finish_tile(finish_storage, m_tile, mPartials, mScale, mBase, mNormW, flat, scalars)
                     if tidx == 0:
                         counters[m_tile] = Int32(0)  # ready for the next call without a zeroing launch
+
+    @cute.jit
+    def finish_tile(self, finish_storage, m_tile, mPartials, mScale, mBase, mNormW, flat, scalars):
+        self.finish(finish_storage, m_tile * self.tile_m, mPartials, mScale, mBase, mNormW, *flat, scalars)
 
     @cute.jit
     def produce(self, ab_pipeline, tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, sRes, sX, sW, m_tile,
@@ -443,9 +445,12 @@ class MmaFusedHcKernel:
         thr_mma = tiled_mma.get_slice(wg_tid)
         tCrA = thr_mma.make_fragment_A(thr_mma.partition_shape_A((64, self.k_stage)))
         tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sW))
+        # the tensor cores accumulate one stage (128 K) into acc; the stage sums (hi + lo) are added into
+        # dots with fp32 FADD. A long accumulation inside the tensor cores loses precision (Hopper's
+        # accumulator is not a full fp32 adder); a 128-deep one does not matter.
         acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((64, self.n)), Float32)
-        acc.fill(0.0)
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # the atom starts with D = A B (no C)
+        dots = cute.make_rmem_tensor((N_MIXES // 2,), Float32)  # columns 2 t + a + 8 c of rows g, g + 8
+        dots.fill(0.0)
 
         # post_mix[m, j] and comb_mix[m, k, j] of this thread's two rows (zero past M: those rows are not stored)
         post = cute.make_rmem_tensor((2, HC_MULT), Float32)
@@ -492,14 +497,22 @@ class MmaFusedHcKernel:
                         # H offset 8 t + e is K column t (e even) or t + 4 (e odd) of k8 step 4 j + e // 2
                         tCrA[(r + 2 * (e % 2), 0, j * 4 + e // 2)] = xf[e]
             warpgroup.fence()
+            mma_atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom per stage: its ACCUMULATE flag changes
+            mma_atom.set(warpgroup.Field.ACCUMULATE, False)
             for ks in cutlass.range_constexpr(self.k_stage // 8):
-                cute.gemm(tiled_mma, acc, tCrA[(None, None, ks)], tCrB[(None, None, ks, si)], acc)
+                cute.gemm(mma_atom, acc, tCrA[(None, None, ks)], tCrB[(None, None, ks, si)], acc)
+                mma_atom.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)  # the A registers are rewritten and the stage's weight is released next
             ab_pipeline.consumer_release(state)
             state.advance()
+            for i in cutlass.range_constexpr(N_MIXES // 2):
+                if const_expr(self.n_parts == 2):
+                    dots[i] = dots[i] + (acc[i] + acc[i + N_MIXES // 2])  # hi rows 0..23, lo rows 24..47
+                else:
+                    dots[i] = dots[i] + acc[i]
 
-        # epilogue: partials[split, m, c] = hi + lo dots (columns 2 t, 2 t + 1 of each 8-column block), sumsq
+        # epilogue: partials[split, m, c] = dots (columns 2 t, 2 t + 1 of each 8-column block), sumsq
         for r in cutlass.range_constexpr(2):
             sumsq[r] = sumsq[r] + cute.arch.shuffle_sync_bfly(sumsq[r], offset=1)
             sumsq[r] = sumsq[r] + cute.arch.shuffle_sync_bfly(sumsq[r], offset=2)
@@ -508,10 +521,7 @@ class MmaFusedHcKernel:
             if m < m_total:
                 for c in cutlass.range_constexpr(N_MIXES // 8):
                     for a in cutlass.range_constexpr(2):
-                        v = acc[a + 2 * r + 4 * c]
-                        if const_expr(self.n_parts == 2):
-                            v = v + acc[a + 2 * r + 4 * (c + N_MIXES // 8)]
-                        mPartials[split, m, 8 * c + 2 * quad + a] = v
+                        mPartials[split, m, 8 * c + 2 * quad + a] = dots[a + 2 * r + 4 * c]
                 if quad == 0:
                     mPartials[split, m, SUMSQ_COL] = sumsq[r]
 
