@@ -8,9 +8,10 @@ interpreter) use ``FALLBACK``.
 How the numbers were chosen: at small M the op is latency bound and the K splits spread one token block over
 every CU (the whole GPU reads its share of ``fn`` and of the 4H row once); at large M each program takes a large
 token block so that ``fn`` (read from L2 once per token block and K step) is reused, and the splits only keep a
-few programs per CU resident to hide memory latency. The Hopper entries were measured on an H200 (see README);
-the AMD entries follow the same rules with the CU counts of MI355X (gfx950, 256 CUs) and MI300X (gfx942,
-304 CUs) and have not been run on AMD hardware.
+few programs per CU resident to hide memory latency. The Hopper entries come from one H200 sweep of the
+first kernel version and from ptxas register/spill reports of the current one (no spills at any entry); the
+AMD entries follow the same rules with the CU counts of MI355X (gfx950, 256 CUs) and MI300X (gfx942, 304 CUs),
+compile for those targets, and have not been run on AMD hardware.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-H_ALIGN = 64  # every H the backend accepts is a multiple of this (the smallest block_h)
 PARTIAL_COLS = 32  # partials row: 24 dot products, the sum of squares at column 24, padding
 
 

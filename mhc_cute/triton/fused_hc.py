@@ -3,8 +3,11 @@
 
 Main kernel, grid (K splits, token blocks): SPEC step 1 (fp32 FMA chain, one bf16 rounding) for its tokens and
 its H range of all 4 streams, the ``residual_cur`` store, and the split's share of steps 2-3 on the rounded
-values: 24 IEEE fp32 dot products and the sum of squares, written to partials ``[split_k, M, 32]`` (columns
-0-23 the dots, column 24 the sum of squares).
+values: 24 fp32-accurate dot products and the sum of squares, written to partials ``[split_k, M, 32]``
+(columns 0-23 the dots, column 24 the sum of squares). Small token blocks project with fp32 FMAs; blocks of 16+
+tokens on tensor cores with ``fn`` split exactly into three bf16 terms (exact products, fp32 accumulation;
+Triton's FFMA ``tl.dot`` ran at ~10% of FP32 peak on an H200, which made the op compute bound). The K loop
+accumulates with compensation, so the mixes stay within ~1e-7 of float64.
 
 Reduce kernel, one program per token block: sums the partials over the splits in a fixed order, then RMS,
 mixes, gates, Sinkhorn (steps 2-5), the collapse re-reading ``residual_cur`` (step 6) and the optional RMSNorm
