@@ -61,7 +61,7 @@ def mhc_fused_hc(
     ``comb_mix_prev [..., 4, 4]`` (or ``[..., 16]``) fp32, ``fn [24, 4H]`` fp32, ``hc_scale [3]`` fp32,
     ``hc_base [24]`` fp32, ``norm_weight [H]`` bf16/fp32 or None. Returns ``MhcFusedHcOutput(residual_cur
     [..., 4, H] bf16, post_mix_cur [..., 4, 1] fp32, comb_mix_cur [..., 4, 4] fp32, layer_input [..., H] bf16)``;
-    outputs are fresh tensors. Non-contiguous inputs are copied to contiguous ones first.
+    outputs are fresh tensors. Non-contiguous or misaligned (not 16-byte) inputs are copied first.
 
     ``backend``: ``"auto"`` (tuned choice for this GPU, the reference on a CPU), ``"torch"``, ``"triton"``,
     ``"half_fma"``, ``"all_fma"``, ``"half_mma"``, ``"all_mma"``. ``precision``: ``"fp32"`` (fp32-accurate
@@ -83,6 +83,8 @@ def mhc_fused_hc(
     else:
         # eager: call the implementation directly; the custom-op boundary costs host time per call
         out = _dispatch(problem, backend, tactic)
+    if len(lead) == 1:  # already [M, ...]
+        return out
     h = problem.hidden
     return MhcFusedHcOutput(
         out.residual_cur.view(*lead, HC_MULT, h),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -74,29 +73,23 @@ def _module_missing(kind: str) -> str | None:
     return None
 
 
-def _implemented(backend: Backend) -> bool:
-    try:
-        return importlib.util.find_spec(backend.entry.split(":")[0]) is not None
-    except ModuleNotFoundError:  # its parent package is not there either
-        return False
-
-
 def unavailable_reason(name: str, device: torch.device) -> str | None:
-    """None if backend ``name`` can run on ``device``, else a short reason."""
+    """None if backend ``name`` can run on ``device``, else a short reason (cached: it is on the hot path)."""
+    return _unavailable_reason(name, device.type, device.index, os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@functools.lru_cache(maxsize=None)
+def _unavailable_reason(name: str, device_type: str, device_index, interpret: bool) -> str | None:
     b = BACKENDS[name]
     if b.kind == "reference":
         return None
-    if not _implemented(b):
-        return "not built in this version"
     if b.kind == "cute":
-        if device.type != "cuda" or torch.version.hip is not None:
+        if device_type != "cuda" or torch.version.hip is not None:
             return "needs an NVIDIA GPU"
-        if torch.cuda.get_device_capability(device) != (9, 0):
+        if torch.cuda.get_device_capability(device_index) != (9, 0):
             return "needs sm_90 (Hopper)"
-    if b.kind == "triton":
-        interpret = os.environ.get("TRITON_INTERPRET") == "1"
-        if device.type != "cuda" and not (device.type == "cpu" and interpret):
-            return "needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 for CPU tensors"
+    if b.kind == "triton" and device_type != "cuda" and not (device_type == "cpu" and interpret):
+        return "needs a CUDA/ROCm GPU, or TRITON_INTERPRET=1 for CPU tensors"
     return _module_missing(b.kind)
 
 

@@ -238,3 +238,28 @@ def test_kernel_backend_needs_h_multiple_of_64():
         pytest.skip("the Triton backend runs on CPU tensors only under TRITON_INTERPRET=1")
     with pytest.raises(ValueError, match="H % 64"):
         call(make_inputs(2, 96), backend="triton")
+
+
+def test_misaligned_inputs_are_copied_not_misread():
+    inp = make_inputs(4, 64)
+    want = call(inp)
+    store = torch.empty(inp["x_prev"].numel() + 1, dtype=torch.bfloat16)
+    x = store[1:].view(4, 64)  # contiguous, base 2 bytes past a 16-byte boundary
+    x.copy_(inp["x_prev"])
+    assert x.data_ptr() % 16 != 0
+    from mhc_cute.problem import Scalars, validate
+
+    problem, _ = validate(x, *[inp[k] for k in ("residual_prev", "post_mix_prev", "comb_mix_prev", "fn", "hc_scale",
+                                                "hc_base")], None, Scalars(), "fp32")
+    assert problem.x.data_ptr() % 16 == 0 and torch.equal(problem.x, x)
+    for a, b in zip(want, call({**inp, "x_prev": x})):
+        assert torch.equal(a, b)
+
+
+def test_validation_cache_does_not_hide_errors():
+    inp = make_inputs(3, 64)
+    call(inp)  # caches this signature
+    with pytest.raises(ValueError, match="`hc_base`"):
+        call({**inp, "hc_base": inp["hc_base"].double()})
+    with pytest.raises(ValueError, match="`rms_eps`"):
+        call(inp, rms_eps=-1.0)
