@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import backends
+from . import autotune, backends
 from .problem import MhcFusedHcOutput, Problem, Scalars, validate
 from .reference import HC_MULT
 
@@ -17,7 +17,8 @@ def _dispatch(problem: Problem, backend: str, tactic=None, out: MhcFusedHcOutput
         return out
     dev = problem.x.device
     if backend == "auto":
-        backend = backends.pick_auto(dev, problem.m, problem.hidden)
+        backend, tactic = autotune.SELECTOR.resolve(dev, problem.m, problem.hidden, problem.precision,
+                                                    problem.norm_weight is not None)
     if backend not in backends.BACKENDS:
         raise ValueError(
             f"mhc_fused_hc: unknown backend {backend!r}; available here: {['auto'] + backends.available(dev)}"

@@ -149,6 +149,7 @@ class Selector:
     def __init__(self):
         self._tables: dict[str, dict[int, Choice]] | None = None
         self._keys: dict[tuple, str] = {}
+        self._resolved: dict[tuple, tuple] = {}
 
     def tables(self) -> dict[str, dict[int, Choice]]:
         if self._tables is None:
@@ -158,7 +159,9 @@ class Selector:
         return self._tables
 
     def reload(self) -> None:
+        """Forget the tables and the memoised choices (after tuning, or a change of MHC_CUTE_* variables)."""
         self._tables = None
+        self._resolved.clear()
 
     def choose(self, device: torch.device, m: int, hidden: int, precision: str, norm: bool) -> Choice | None:
         kk = (device.index, hidden, precision, norm)
@@ -166,6 +169,40 @@ class Selector:
         if key is None:
             key = self._keys[kk] = TuneKey.for_device(device, hidden, precision, norm).as_str()
         return nearest(self.tables().get(key, {}), bucket_of(m))
+
+    def resolve(self, device: torch.device, m: int, hidden: int, precision: str, norm: bool):
+        """(backend, tactic) for ``backend="auto"``: the env override, the tuned tables, else the heuristic.
+
+        Memoised per (device, bucket, H, precision, norm), so the hot path is one dictionary lookup.
+        """
+        from . import backends
+
+        key = (device.type, device.index, bucket_of(m), hidden, precision, norm)
+        hit = self._resolved.get(key)
+        if hit is not None:
+            return hit
+        forced = os.environ.get("MHC_CUTE_BACKEND")
+        if forced:
+            hit = (forced, parse_tactic(forced, os.environ.get("MHC_CUTE_TACTIC")))
+        else:
+            choice = None
+            if device.type == "cuda" and torch.version.hip is None:
+                choice = self.choose(device, m, hidden, precision, norm)
+            if choice is not None and backends.unavailable_reason(choice.backend, device) is None:
+                hit = (choice.backend, parse_tactic(choice.backend, choice.tactic))
+            else:
+                hit = (backends.pick_auto(device, m, hidden), None)
+        self._resolved[key] = hit
+        return hit
+
+
+def parse_tactic(backend: str, name: str | None):
+    """The tactic object of ``backend`` named ``name`` (None: the backend's own default)."""
+    if name is None:
+        return None
+    from . import tactics
+
+    return tactics.parse_tactic(name)
 
 
 SELECTOR = Selector()
@@ -178,3 +215,57 @@ def progress(i: int, n: int, label: str) -> None:
     if i == n:
         sys.stderr.write("\n")
     sys.stderr.flush()
+
+
+
+def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
+    """What the tuner times for ``backend`` at M = ``m``: its default tactic and its neighbours in split_k
+    (half and double) and, for the FMA paths, in tokens per CTA; only valid ones. None stands for a backend
+    without tactics of its own (the reference, Triton's table)."""
+    from dataclasses import replace
+
+    from . import tactics
+
+    if backend in tactics.FMA_PATHS:
+        base = tactics.default_fma_tactic(backend, m, hidden, sm_count)
+        variants = [base] + [replace(base, split_k=k) for k in (base.split_k // 2, base.split_k * 2) if k >= 1]
+        variants += [replace(base, tokens_per_cta=t) for t in (1, 2, 4, 8) if t != base.tokens_per_cta]
+    elif backend in tactics.MMA_PATHS:
+        base = tactics.default_mma_tactic(backend, m, hidden, sm_count)
+        variants = [base] + [replace(base, split_k=k) for k in (base.split_k // 2, base.split_k * 2) if k >= 1]
+        variants += [replace(base, tile_m=t) for t in (64, 128) if t != base.tile_m]
+    else:
+        return [None]
+    return list(dict.fromkeys(v for v in variants if v.invalid_reason(hidden) is None))
+
+
+def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, log=progress) -> dict:
+    """Time every candidate (backend, tactic) per M bucket with CUDA-graph replay over rotated inputs and keep
+    the fastest; tactics that fail are skipped. Returns {TuneKey string: {bucket: Choice}}."""
+    from . import benchmark as bm
+
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    buckets = sorted({bucket_of(m) for m in ms})
+    plan = [(h, b, name, t) for h in hiddens for b in buckets for name in names
+            for t in candidate_tactics(name, b, h, sm_count)]
+    tables: dict[str, dict[int, Choice]] = {}
+    best: dict[tuple, Choice] = {}
+    sets_key, sets = None, None
+    for i, (h, b, name, t) in enumerate(plan):
+        log(i, len(plan), f"H={h} M={b} {name} {getattr(t, 'name', '')}")
+        if sets_key != (h, b):
+            sets_key, sets = (h, b), None
+            torch.cuda.empty_cache()
+            sets = bm.make_sets(b, h, bm.n_rotation_sets(b, h), device, norm)
+        try:
+            us = bm.time_graph(bm.mhc_cute_call(name, precision, t), sets)
+        except Exception:  # an invalid or failing tactic is not a candidate
+            continue
+        cur = best.get((h, b))
+        if cur is None or us < cur.us:
+            best[(h, b)] = Choice(name, getattr(t, "name", None), us)
+    log(len(plan), len(plan), "done")
+    for (h, b), choice in best.items():
+        key = TuneKey.for_device(device, h, precision, norm).as_str()
+        tables.setdefault(key, {})[b] = choice
+    return tables

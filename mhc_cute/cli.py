@@ -1,4 +1,4 @@
-"""The ``mhc-cute`` command: ``info``, ``check``, ``bench``."""
+"""The ``mhc-cute`` command: ``info``, ``check``, ``bench``, ``tune``."""
 
 from __future__ import annotations
 
@@ -110,6 +110,27 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    import torch
+
+    from . import autotune, backends
+
+    if not torch.cuda.is_available():
+        print("mhc-cute tune needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    names = args.backends or [n for n in backends.available(dev) if n != "torch"]
+    tables = autotune.tune(dev, args.hidden, args.m, args.precision, args.norm, names)
+    path = autotune.save_user_tables(tables, args.out)
+    autotune.SELECTOR.reload()
+    for key, rows in tables.items():
+        print(key)
+        for b, c in sorted(rows.items()):
+            print(f"  M<={b:6d}  {c.backend:9s} {c.tactic or '(default)':32s} {c.us:8.2f} us")
+    print(f"written to {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="mhc-cute", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -128,7 +149,19 @@ def main(argv=None) -> int:
     b.add_argument("--json", help="write the results here")
     b.add_argument("--plot", help="write a PNG plot (time vs M) here")
     b.set_defaults(fn=cmd_bench)
+    t = sub.add_parser("tune", help="time every valid tactic per M bucket and cache the winners")
+    t.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
+    t.add_argument("--m", type=int, nargs="+", default=None, help="default: one M per bucket up to 16384")
+    t.add_argument("--backends", nargs="*")
+    t.add_argument("--precision", default="fp32", choices=["fp32", "tf32"])
+    t.add_argument("--norm", action="store_true")
+    t.add_argument("--out", help="cache file (default: the user cache, see mhc_cute.autotune)")
+    t.set_defaults(fn=cmd_tune)
     args = p.parse_args(argv)
+    if args.cmd == "tune" and args.m is None:
+        from .autotune import all_buckets
+
+        args.m = all_buckets(16384)
     return args.fn(args)
 
 
