@@ -1,6 +1,6 @@
 """Paths B (``half_mma``) and D (``all_mma``): the mHC projection on tensor cores (TF32 wgmma), sm_90a.
 
-Kernel 1 (``MmaProjectionKernel``) streams one M tile x one K split per CTA through a TMA + mbarrier pipeline:
+Kernel 1 (``MmaFusedHcKernel``) streams one M tile x one K split per CTA through a TMA + mbarrier pipeline:
 
 * a producer warp loads, per stage, the ``residual_prev [tile_m, 4, 32]`` and ``x_prev [tile_m, 32]`` tiles of
   one 32-wide block of H and the matching ``[n, 4 x 32]`` tile of the prepared weight (below);
@@ -15,11 +15,14 @@ weight is permuted the same way when it is prepared (``prepare_weight``). A dot 
 order of K, only the rounding of the tensor core's sums does.
 
 ``precision="fp32"``: the weight is split into TF32 hi + lo (``hi = tf32_rn(fn)``, ``lo = tf32_rn(fn - hi)``)
-and stacked along N, so one ``m64n48k8`` wgmma per K step computes both products; hi and lo columns are added
-in the epilogue. ``precision="tf32"``: hi only, ``m64n24k8``.
+and stacked along N, so one ``m64n48k8`` wgmma per K step computes both products. ``precision="tf32"``: hi
+only, ``m64n24k8``. Either way the tensor cores accumulate one stage (K = 128) from zero and the stage sums
+(hi + lo) are added in fp32 registers: a long accumulation inside HGMMA drifts by ~2e-5 relative at K = 28672.
 
-Output of kernel 1: the split-K partials ``[split_k, M, 32]`` (columns 0..23 the unscaled dots of the split,
-column 24 the sum of squares) consumed by the big fuse.
+Kernel 1 writes the split-K partials ``[split_k, M, 32]`` (columns 0..23 the unscaled dots of the split,
+column 24 the sum of squares). Path B then launches the standalone big fuse (``big_fuse.BigFuseKernel``) from
+the same compiled call; path D runs ``big_fuse.BigFusePhase`` in the CTA whose arrival completes its M tile's
+counter (atomic election, no waiting; the counter is reset by that CTA).
 """
 
 from __future__ import annotations
