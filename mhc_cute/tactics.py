@@ -3,7 +3,7 @@ default per problem size.
 
 A tactic is a frozen dataclass, so it is hashable (the compiled-kernel caches key on it) and printable (the
 benchmark and the autotuner log it). ``FmaTactic`` describes paths E (``half_fma``) and F (``all_fma``); the
-tensor-core paths B and D get their own dataclass here (``MmaTactic``, added with those kernels), and
+tensor-core paths B and D have ``MmaTactic`` (in ``kernels.mma``, next to its shared-memory model), and
 ``parse_tactic`` turns a tactic's ``name`` back into the object.
 """
 
@@ -19,6 +19,7 @@ MAX_SMEM_BYTES = 48 * 1024  # static smem budget per CTA (no opt-in carve-out ne
 MAX_ACCUMULATORS = 64  # fp32 accumulators per thread (tokens_per_cta * tile_n) before register spills
 
 FMA_PATHS = ("half_fma", "all_fma")
+MMA_PATHS = ("half_mma", "all_mma")  # their tactic, MmaTactic, lives in kernels.mma for now
 
 
 @dataclass(frozen=True)
@@ -97,11 +98,15 @@ _FMA_NAME = re.compile(r"^(half_fma|all_fma):k(\d+):t(\d+):n(\d+):w(\d+):s(\d+):
 
 
 def parse_tactic(name: str):
-    """The tactic object whose ``name`` is ``name``."""
+    """The tactic object whose ``name`` is ``name`` (FMA paths here, MMA paths in ``kernels.mma``)."""
     match = _FMA_NAME.match(name)
     if match:
         path, *nums = match.groups()
         return FmaTactic(path, *map(int, nums))
+    if name.startswith(MMA_PATHS):
+        from .kernels.mma import parse_mma_tactic  # imports the CuTe DSL: only when an MMA tactic is named
+
+        return parse_mma_tactic(name)
     raise ValueError(f"unknown tactic name {name!r}")
 
 

@@ -61,3 +61,42 @@ def test_corrupt_cache_is_ignored_with_a_warning(tmp_path, content):
 def test_cache_dir_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("MHC_CUTE_CACHE_DIR", str(tmp_path))
     assert autotune.cache_path() == str(tmp_path / "tuned.json")
+
+
+def test_resolve_on_cpu_is_the_reference(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("MHC_CUTE_BACKEND", raising=False)
+    sel = autotune.Selector()
+    assert sel.resolve(torch.device("cpu"), 17, 512, "fp32", False) == ("torch", None)
+
+
+def test_resolve_env_override_and_memo(monkeypatch):
+    import torch
+
+    sel = autotune.Selector()
+    monkeypatch.setenv("MHC_CUTE_BACKEND", "half_fma")
+    monkeypatch.setenv("MHC_CUTE_TACTIC", "half_fma:k56:t1:n6:w256:s1:b1")
+    backend, tactic = sel.resolve(torch.device("cpu"), 3, 7168, "fp32", True)
+    assert backend == "half_fma" and tactic.split_k == 56 and tactic.tokens_per_cta == 1
+    monkeypatch.delenv("MHC_CUTE_BACKEND")
+    assert sel.resolve(torch.device("cpu"), 4, 7168, "fp32", True)[0] == "half_fma"  # same bucket: memoised
+    sel.reload()
+    assert sel.resolve(torch.device("cpu"), 4, 7168, "fp32", True)[0] == "torch"
+
+
+@pytest.mark.parametrize("backend", ["half_fma", "all_fma"])
+@pytest.mark.parametrize("m", [1, 16, 256, 4096])
+@pytest.mark.parametrize("h", [512, 7168])
+def test_fma_candidates_are_valid_and_include_the_default(backend, m, h):
+    from mhc_cute import tactics
+
+    cands = autotune.candidate_tactics(backend, m, h, 132)
+    assert tactics.default_fma_tactic(backend, m, h, 132) == cands[0]
+    assert len(cands) == len(set(cands)) >= 2
+    assert all(c.invalid_reason(h) is None for c in cands)
+    assert all(tactics.parse_tactic(c.name) == c for c in cands)
+
+
+def test_candidates_of_a_backend_without_tactics():
+    assert autotune.candidate_tactics("triton", 64, 4096, 132) == [None]

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import os
 import threading
+import warnings
 from pathlib import Path
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the first `import cutlass` anywhere
@@ -137,4 +138,9 @@ class CompiledKernels:
             tmp = path.with_suffix(f".{os.getpid()}.tmp.o")
             compiled.export_to_c(str(tmp), function_name=name)
             os.replace(tmp, path)  # atomic: concurrent builders of the same kernel are harmless
-        return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), name)
+        try:
+            return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), name)
+        except Exception as e:  # a stale or corrupt file is rebuilt, never fatal
+            warnings.warn(f"mhc_cute: recompiling {path.name} ({type(e).__name__}: {e})", stacklevel=2)
+            path.unlink(missing_ok=True)
+            return self._load_or_build(key, build)

@@ -1,0 +1,64 @@
+"""Compile ahead, in parallel processes, the CuTe kernel variants that the default tactics reach for a grid of
+M and H, into ``$MHC_CUTE_KERNEL_CACHE`` (object files that later processes load in about a millisecond).
+
+A GPU is not needed: compile on a CPU machine, pack the folder, and unpack it on the GPU machine beside the
+same checkout (the file names carry a digest of the kernel sources and the CuTe DSL version).
+
+    MHC_CUTE_KERNEL_CACHE=.kcache python bench/precompile.py --m 1 17 1000 --hidden 4096 7168 --norm both
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+FMA_PATHS = ("half_fma", "all_fma")
+MMA_PATHS = ("half_mma", "all_mma")
+
+
+def specs_for(backends, ms, hiddens, norms, precisions, sm_count):
+    from mhc_cute import tactics
+    from mhc_cute.kernels.mma import default_mma_tactic
+
+    fma, mma = [], []
+    for h in hiddens:
+        for m in ms:
+            for norm in norms:
+                for b in backends:
+                    if b in FMA_PATHS:
+                        fma.append((tactics.default_fma_tactic(b, m, h, sm_count).name, h, norm))
+                    elif b in MMA_PATHS:
+                        for p in precisions:
+                            mma.append((default_mma_tactic(b, m, h, sm_count).name, h, p, norm))
+    return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", type=int, nargs="+", required=True)
+    ap.add_argument("--hidden", type=int, nargs="+", required=True)
+    ap.add_argument("--norm", choices=["off", "on", "both"], default="both")
+    ap.add_argument("--precision", nargs="+", default=["fp32"])
+    ap.add_argument("--backends", nargs="+", default=list(FMA_PATHS + MMA_PATHS))
+    ap.add_argument("--sm-count", type=int, default=132, help="the target GPU's SM count (H100/H200 SXM: 132)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    if not os.environ.get("MHC_CUTE_KERNEL_CACHE"):
+        print("set MHC_CUTE_KERNEL_CACHE to the folder to fill", file=sys.stderr)
+        return 2
+    norms = {"off": [None], "on": ["bfloat16"], "both": [None, "bfloat16"]}[args.norm]
+    fma_specs, mma_specs = specs_for(args.backends, args.m, args.hidden, norms, args.precision, args.sm_count)
+    from mhc_cute.kernels import fma, mma
+
+    for name, module, specs in (("FMA", fma, fma_specs), ("MMA", mma, mma_specs)):
+        if specs:
+            t0 = time.perf_counter()
+            module.precompile(specs, processes=min(args.workers, len(specs)))
+            print(f"{name}: {len(specs)} variants in {time.perf_counter() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
