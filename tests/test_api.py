@@ -263,3 +263,32 @@ def test_validation_cache_does_not_hide_errors():
         call({**inp, "hc_base": inp["hc_base"].double()})
     with pytest.raises(ValueError, match="`rms_eps`"):
         call(inp, rms_eps=-1.0)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_accuracy_check_catches_errors(norm):
+    """The contract check fails on a flipped residual bit, a 2-ulp layer_input error, a 1e-4 mix error."""
+    problem = problem_of(make_inputs(8, 256, norm=norm, seed=5))
+    good = run_backend(problem, "torch")
+    check_outputs(good, problem)
+
+    def broken(field, fn):
+        out = MhcFusedHcOutput(*(t.clone() for t in good))
+        fn(getattr(out, field))
+        return out
+
+    def flip_bit(t):
+        t.view(torch.int16)[3, 1, 7] ^= 1
+
+    def two_ulps(t):
+        i = t.float().abs().argmax()  # a large, well-conditioned element
+        v = t.view(-1)[i].float()
+        t.view(-1)[i] = (v + 2 * 2.0 ** (torch.floor(torch.log2(v.abs())) - 7) * torch.sign(v)).bfloat16()
+
+    def mix_err(t):
+        t.mul_(1 + 1e-4)
+
+    for field, fn, msg in (("residual_cur", flip_bit, "bitwise"), ("layer_input", two_ulps, "bf16 ulp"),
+                           ("comb_mix_cur", mix_err, "comb_mix_cur"), ("post_mix_cur", mix_err, "post_mix_cur")):
+        with pytest.raises(AssertionError, match=msg):
+            check_outputs(broken(field, fn), problem)

@@ -171,15 +171,15 @@ def split_tf32(fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
-def block_permutation() -> torch.Tensor:
+def block_permutation(device=None) -> torch.Tensor:
     """``perm[p]`` = the H offset (inside a 32-wide block) that MMA K position ``p`` of that block reads.
 
     K position ``8 s + c`` is column ``c`` of k8 step ``s``; wgmma gives thread ``t`` (of a quad) columns ``t``
     and ``t + 4``, which we map to H offsets ``8 t + 2 s`` and ``8 t + 2 s + 1``: thread ``t`` then holds the
     contiguous H range ``[8 t, 8 t + 8)``.
     """
-    s = torch.arange(4)[:, None]
-    c = torch.arange(8)[None, :]
+    s = torch.arange(4, device=device)[:, None]  # built on the device: no host copy (legal during capture)
+    c = torch.arange(8, device=device)[None, :]
     t = c % 4
     return (8 * t + 2 * s + c // 4).reshape(-1)
 
@@ -194,11 +194,12 @@ def prepare_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
     parts = [hi, lo] if precision == "fp32" else [hi]
     w = torch.cat(parts, dim=0)  # [n, 4H], column j*H + h
     n = w.shape[0]
-    w = w.view(n, HC_MULT, hidden // BLOCK_H, BLOCK_H)[..., block_permutation().to(w.device)]
+    w = w.view(n, HC_MULT, hidden // BLOCK_H, BLOCK_H)[..., block_permutation(w.device)]
     return w.permute(2, 1, 0, 3).contiguous()
 
 
-_weight_cache: dict = {}
+_weight_cache: dict = {}  # insertion-ordered: the oldest entry goes first when full
+WEIGHT_CACHE_ENTRIES = 256  # V4-Pro has 122 boundary weights; every one stays prepared
 
 
 def cached_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
@@ -212,10 +213,15 @@ def cached_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
     hit = _weight_cache.get(key)
     if hit is not None and hit[0]() is not None:
         return hit[1]
-    if len(_weight_cache) >= 64:
-        for k in [k for k, (owner, _) in _weight_cache.items() if owner() is None] or list(_weight_cache):
-            del _weight_cache[k]
     w = prepare_weight(fn, precision)
+    if fn.is_cuda and torch.cuda.is_current_stream_capturing():
+        # prepared inside the graph (redone on every replay, always right); caching it would hand eager calls
+        # a tensor that holds the right values only after a replay. Call once eagerly before capture to avoid it.
+        return w
+    for k in [k for k, (owner, _) in _weight_cache.items() if owner() is None]:
+        del _weight_cache[k]
+    while len(_weight_cache) >= WEIGHT_CACHE_ENTRIES:
+        del _weight_cache[next(iter(_weight_cache))]
     _weight_cache[key] = (weakref.ref(fn if fn._base is None else fn._base), w)
     return w
 
