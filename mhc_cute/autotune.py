@@ -164,11 +164,17 @@ class Selector:
         self._resolved.clear()
 
     def choose(self, device: torch.device, m: int, hidden: int, precision: str, norm: bool) -> Choice | None:
-        kk = (device.index, hidden, precision, norm)
-        key = self._keys.get(kk)
-        if key is None:
-            key = self._keys[kk] = TuneKey.for_device(device, hidden, precision, norm).as_str()
-        return nearest(self.tables().get(key, {}), bucket_of(m))
+        """The tuned choice; a table tuned without the fused norm stands in for one with it (and back), since
+        the norm adds the same small epilogue to every backend."""
+        tables = self.tables()
+        for n in (norm, not norm):
+            kk = (device.index, hidden, precision, n)
+            key = self._keys.get(kk)
+            if key is None:
+                key = self._keys[kk] = TuneKey.for_device(device, hidden, precision, n).as_str()
+            if key in tables:
+                return nearest(tables[key], bucket_of(m))
+        return None
 
     def resolve(self, device: torch.device, m: int, hidden: int, precision: str, norm: bool):
         """(backend, tactic) for ``backend="auto"``: the env override, the tuned tables, else the heuristic.

@@ -109,8 +109,8 @@ def _is_rocm() -> bool:
 def pick_auto(device: torch.device, m: int, hidden: int) -> str:
     """The backend that ``backend="auto"`` uses when no tuned table applies: a heuristic by M.
 
-    ``MHC_CUTE_BACKEND`` overrides it. On Hopper the one-launch FMA path wins at decode sizes, the two-launch
-    FMA path at mid sizes and the tensor-core path at prefill sizes (measured on an H200, see the README).
+    ``MHC_CUTE_BACKEND`` overrides it. The ranking measured on an H200 (README): the two-launch FMA path at
+    decode sizes, the Triton path in between, the tensor-core path at prefill sizes.
     """
     forced = os.environ.get("MHC_CUTE_BACKEND")
     if forced:
@@ -118,12 +118,12 @@ def pick_auto(device: torch.device, m: int, hidden: int) -> str:
     if device.type == "cuda" and hidden % 64 == 0:
         if _is_rocm():
             order = ("triton",)
-        elif m <= 64:
-            order = ("all_fma", "half_fma", "triton")
+        elif m <= 32:
+            order = ("half_fma", "triton")
         elif m <= 512:
-            order = ("half_fma", "half_mma", "triton")
+            order = ("triton", "half_fma")
         else:
-            order = ("half_mma", "triton", "half_fma")
+            order = ("half_mma", "triton")
         for name in order:
             if unavailable_reason(name, device) is None:
                 return name

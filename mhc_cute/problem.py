@@ -135,15 +135,15 @@ def validate(
     if hit is None:
         problem, lead = _validate_all(*tensors, scalars, precision)
         if sig is not None and len(_VALIDATED) < _MAX_SIGNATURES:
-            flat = all(a is b for a, b in zip(tensors, (problem.x, problem.residual, problem.post_mix,
-                                                         problem.comb_mix, problem.fn, problem.hc_scale,
-                                                         problem.hc_base, problem.norm_weight)))
-            _VALIDATED[sig] = (lead, flat, problem.scalars)
+            flat = (problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, problem.hc_scale,
+                    problem.hc_base, problem.norm_weight)
+            # per argument: None when it is used as it is, else the flat shape to reshape (and copy) it to
+            shapes = tuple(None if a is b or a is None else tuple(b.shape) for a, b in zip(tensors, flat))
+            _VALIDATED[sig] = (lead, shapes, problem.scalars)
         return problem, lead
-    lead, flat, checked_scalars = hit
-    if not flat:
-        return _flatten(*tensors, lead, checked_scalars, precision), lead
-    return Problem(*map(_aligned, tensors), checked_scalars, precision), lead
+    lead, shapes, checked_scalars = hit
+    flat = [t if shape is None else _aligned(t.reshape(shape).contiguous()) for t, shape in zip(tensors, shapes)]
+    return Problem(*map(_aligned, flat), checked_scalars, precision), lead
 
 
 def _flatten(x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight, lead,

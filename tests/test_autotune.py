@@ -100,3 +100,13 @@ def test_fma_candidates_are_valid_and_include_the_default(backend, m, h):
 
 def test_candidates_of_a_backend_without_tactics():
     assert autotune.candidate_tactics("triton", 64, 4096, 132) == [None]
+
+
+def test_shipped_tables_parse_and_name_real_backends():
+    from mhc_cute import backends
+
+    tables = autotune.load_shipped_tables()
+    assert any(k.startswith("NVIDIA H200|132|H7168|fp32|") for k in tables)
+    for rows in tables.values():
+        assert rows and all(bucket_of(b) == b for b in rows)
+        assert all(c.backend in backends.BACKENDS for c in rows.values())
