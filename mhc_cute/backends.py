@@ -109,12 +109,9 @@ def _is_rocm() -> bool:
 def pick_auto(device: torch.device, m: int, hidden: int) -> str:
     """The backend that ``backend="auto"`` uses when no tuned table applies: a heuristic by M.
 
-    ``MHC_CUTE_BACKEND`` overrides it. The ranking measured on an H200 (README): the two-launch FMA path at
-    decode sizes, the Triton path in between, the tensor-core path at prefill sizes.
+    The ranking measured on an H200 (README): the FMA paths at decode sizes, the Triton path in between, the
+    tensor-core path at prefill sizes. (``MHC_CUTE_BACKEND`` overrides it, in ``autotune.Selector.resolve``.)
     """
-    forced = os.environ.get("MHC_CUTE_BACKEND")
-    if forced:
-        return forced
     if device.type == "cuda" and hidden % 64 == 0:
         if _is_rocm():
             order = ("triton",)

@@ -70,3 +70,18 @@ def test_chunk_and_smem():
     assert t.smem_bytes() == 8 * 4 * 64 * 4 + 8 * 8 * 7 * 4
     assert t.invalid_reason(4096) is None
     assert FmaTactic("half_fma", 8, 8, 6, 256, 1, 4).smem_bytes() == 8 * 4 * 256 * 4 + 8 * 8 * 7 * 4
+
+
+def test_resolve_tactic_default_name_object_and_wrong_path(monkeypatch):
+    from mhc_cute import kernels
+    from mhc_cute.accuracy import make_inputs, problem_of
+    from mhc_cute.tactics import FmaTactic, default_fma_tactic, parse_tactic
+
+    monkeypatch.setattr(kernels, "sm_count", lambda index: 132)
+    problem = problem_of(make_inputs(3, 512))
+    want = default_fma_tactic("all_fma", 3, 512, 132)
+    assert kernels.resolve_tactic("all_fma", None, problem, FmaTactic, parse_tactic, default_fma_tactic) == want
+    assert kernels.resolve_tactic("all_fma", want.name, problem, FmaTactic, parse_tactic, default_fma_tactic) == want
+    assert kernels.resolve_tactic("all_fma", want, problem, FmaTactic, parse_tactic, default_fma_tactic) is want
+    with pytest.raises(ValueError, match="needs a FmaTactic with path 'half_fma'"):
+        kernels.resolve_tactic("half_fma", want, problem, FmaTactic, parse_tactic, default_fma_tactic)

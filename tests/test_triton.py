@@ -146,8 +146,10 @@ def test_nvidia_auto_prefers_cute_but_triton_is_selectable(monkeypatch):
 
 
 def test_forced_backend(rocm, monkeypatch):
+    from mhc_cute.autotune import Selector
+
     monkeypatch.setenv("MHC_CUTE_BACKEND", "torch")
-    assert backends.pick_auto(rocm, 16, 7168) == "torch"
+    assert Selector().resolve(rocm, 16, 7168, "fp32", False) == ("torch", None)
 
 
 # --- interpreter runs (CPU) -----------------------------------------------------------------------------------

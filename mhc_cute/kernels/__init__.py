@@ -144,3 +144,50 @@ class CompiledKernels:
             warnings.warn(f"mhc_cute: recompiling {path.name} ({type(e).__name__}: {e})", stacklevel=2)
             path.unlink(missing_ok=True)
             return self._load_or_build(key, build)
+
+
+# --- host-side helpers shared by the kernel paths ---------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def resolve_tactic(path: str, tactic, problem, tactic_type, parse, default):
+    """The tactic a path runs: ``default(path, M, H, SMs)`` (memoised by the caller) when ``tactic`` is None, a
+    parsed name, or the given ``tactic_type`` object, checked to belong to ``path``."""
+    if tactic is None:
+        return default(path, problem.m, problem.hidden, sm_count(problem.x.device.index))
+    if isinstance(tactic, str):
+        tactic = parse(tactic)
+    if not isinstance(tactic, tactic_type) or tactic.path != path:
+        raise ValueError(f"backend {path!r} needs a {tactic_type.__name__} with path {path!r}; got {tactic!r}")
+    return tactic
+
+
+def spec_problem(hidden: int, precision: str, norm: str | None):
+    """A one-token CPU ``Problem`` with the dtypes of a variant: enough to compile it (no GPU needed)."""
+    import torch
+
+    from ..problem import Problem, Scalars
+    from ..reference import HC_MULT, N_MIXES
+
+    bf16 = torch.bfloat16
+    norm_weight = None if norm is None else torch.empty(hidden, dtype=getattr(torch, norm.removeprefix("torch.")))
+    return Problem(
+        torch.empty(1, hidden, dtype=bf16), torch.empty(1, HC_MULT, hidden, dtype=bf16), torch.empty(1, HC_MULT),
+        torch.empty(1, HC_MULT, HC_MULT), torch.empty(N_MIXES, HC_MULT * hidden), torch.empty(3),
+        torch.empty(N_MIXES), norm_weight, Scalars(), precision,
+    )
+
+
+def compile_in_processes(worker, specs, processes: int | None = None) -> list:
+    """``worker(spec)`` for each distinct spec in spawned processes (``cute.compile`` is not thread-safe); with
+    ``$MHC_CUTE_KERNEL_CACHE`` set the workers persist what they compile for later processes to load."""
+    import multiprocessing as mp
+
+    specs = list(dict.fromkeys(specs))
+    with mp.get_context("spawn").Pool(processes or min(len(specs), os.cpu_count() or 1)) as pool:
+        return pool.map(worker, specs, chunksize=1)

@@ -39,7 +39,10 @@ from cutlass import Float32, Int32  # noqa: E402
 from .. import tactics as tac  # noqa: E402
 from ..tactics import HC_MULT, N_MIXES, FmaTactic  # noqa: E402
 from ..workspace import get_workspace  # noqa: E402
-from . import CompiledKernels, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, scalar_args  # noqa: E402
+from . import (  # noqa: E402
+    CompiledKernels, compile_in_processes, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, resolve_tactic,
+    scalar_args, spec_problem,
+)
 from . import device_utils as du  # noqa: E402
 from .big_fuse import BigFuseKernel, BigFusePhase, BigFuseScalars, big_fuse_threads, flat_outputs, partials_view  # noqa: E402,E501
 
@@ -319,25 +322,8 @@ def _default_tactic(path: str, m: int, hidden: int, sm_count: int) -> FmaTactic:
     return tac.default_fma_tactic(path, m, hidden, sm_count)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _resolve_tactic(path: str, tactic, problem) -> FmaTactic:
-    if tactic is None:
-        return _default_tactic(path, problem.m, problem.hidden, _sm_count(problem.x.device.index))
-    if isinstance(tactic, str):
-        tactic = tac.parse_tactic(tactic)
-    if not isinstance(tactic, FmaTactic) or tactic.path != path:
-        raise ValueError(f"backend {path!r} needs an FmaTactic with path {path!r}; got {tactic!r}")
-    return tactic
-
-
 def _run(path: str, problem, tactic, out) -> None:
-    tactic = _resolve_tactic(path, tactic, problem)
+    tactic = resolve_tactic(path, tactic, problem, FmaTactic, tac.parse_tactic, _default_tactic)
     fn = compiled_fma(tactic, problem, out)
     ws = get_workspace(problem.x.device)
     partials = ws.partials(tactic.split_k * problem.m * tac.PARTIAL_COLS)
@@ -358,32 +344,12 @@ def run_all_fma(problem, tactic, out) -> None:
 
 def _compile_spec(spec) -> str:
     """Process-pool worker of ``precompile``: compile (and persist) one (tactic name, H, norm dtype)."""
-    import torch
-
-    from ..problem import Problem, Scalars
-
     name, hidden, norm = spec
-    tactic = tac.parse_tactic(name)
-    cpu = dict(device="cpu")
-    problem = Problem(
-        torch.empty(1, hidden, dtype=torch.bfloat16, **cpu), torch.empty(1, HC_MULT, hidden, dtype=torch.bfloat16, **cpu),
-        torch.empty(1, HC_MULT, **cpu), torch.empty(1, HC_MULT, HC_MULT, **cpu),
-        torch.empty(N_MIXES, HC_MULT * hidden, **cpu), torch.empty(3, **cpu), torch.empty(N_MIXES, **cpu),
-        None if norm is None else torch.empty(hidden, dtype=getattr(torch, norm.removeprefix("torch.")), **cpu),
-        Scalars(), "fp32",
-    )
-    compiled_fma(tactic, problem, problem.empty_outputs())
+    problem = spec_problem(hidden, "fp32", norm)
+    compiled_fma(tac.parse_tactic(name), problem, problem.empty_outputs())
     return name
 
 
 def precompile(specs, processes: int | None = None) -> list[str]:
-    """Compile (tactic name, H, norm dtype str or None) variants in parallel worker processes.
-
-    With ``$MHC_CUTE_KERNEL_CACHE`` set the workers persist the kernels there and the calling process then
-    loads them in about a millisecond each instead of compiling; without it this only checks that they compile.
-    """
-    import multiprocessing as mp
-
-    specs = list(dict.fromkeys(specs))
-    with mp.get_context("spawn").Pool(processes or min(len(specs), os.cpu_count() or 1)) as pool:
-        return pool.map(_compile_spec, specs, chunksize=1)
+    """Compile (tactic name, H, norm dtype name or None) variants in parallel worker processes."""
+    return compile_in_processes(_compile_spec, specs, processes)

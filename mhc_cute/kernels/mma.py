@@ -46,7 +46,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 
 from ..tactics import HC_MULT, N_MIXES, PARTIAL_COLS  # noqa: E402
 from ..workspace import get_workspace  # noqa: E402
-from . import CompiledKernels, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, scalar_args  # noqa: E402
+from . import (  # noqa: E402
+    CompiledKernels, compile_in_processes, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, resolve_tactic,
+    scalar_args, spec_problem,
+)
 from .big_fuse import (  # noqa: E402
     BigFuseKernel, BigFusePhase, BigFuseScalars, big_fuse_threads, flat_outputs, partials_view,
 )
@@ -579,23 +582,8 @@ def _default_tactic(path: str, m: int, hidden: int, sm_count: int) -> MmaTactic:
     return default_mma_tactic(path, m, hidden, sm_count)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _resolve_tactic(path: str, tactic, problem) -> MmaTactic:
-    if tactic is None:
-        return _default_tactic(path, problem.m, problem.hidden, _sm_count(problem.x.device.index))
-    if isinstance(tactic, str):
-        tactic = parse_mma_tactic(tactic)
-    if not isinstance(tactic, MmaTactic) or tactic.path != path:
-        raise ValueError(f"backend {path!r} needs an MmaTactic with path {path!r}; got {tactic!r}")
-    return tactic
-
-
 def _run(path: str, problem, tactic, out) -> None:
-    tactic = _resolve_tactic(path, tactic, problem)
+    tactic = resolve_tactic(path, tactic, problem, MmaTactic, parse_mma_tactic, _default_tactic)
     fn = compiled_mma(tactic, problem, out)
     ws = get_workspace(problem.x.device)
     partials = ws.partials(tactic.split_k * problem.m * PARTIAL_COLS)
@@ -614,19 +602,6 @@ def run_all_mma(problem, tactic, out) -> None:
     _run("all_mma", problem, tactic, out)
 
 
-def spec_problem(hidden: int, precision: str, norm: str | None):
-    """A one-token CPU ``Problem`` with the dtypes of a variant: enough to compile it (``compile_mma``)."""
-    from ..problem import Problem, Scalars
-
-    bf16 = torch.bfloat16
-    return Problem(
-        torch.empty(1, hidden, dtype=bf16), torch.empty(1, HC_MULT, hidden, dtype=bf16), torch.empty(1, HC_MULT),
-        torch.empty(1, HC_MULT, HC_MULT), torch.empty(N_MIXES, HC_MULT * hidden), torch.empty(3),
-        torch.empty(N_MIXES), None if norm is None else torch.empty(hidden, dtype=getattr(torch, norm)),
-        Scalars(), precision,
-    )
-
-
 def _compile_spec(spec) -> str:
     """Process-pool worker of ``precompile``: compile (and persist) one (tactic name, H, precision, norm)."""
     name, hidden, precision, norm = spec
@@ -636,10 +611,5 @@ def _compile_spec(spec) -> str:
 
 
 def precompile(specs, processes: int | None = None) -> list[str]:
-    """Compile (tactic name, H, precision, norm dtype name or None) variants in parallel worker processes;
-    with ``$MHC_CUTE_KERNEL_CACHE`` set they are persisted there for later processes to load."""
-    import multiprocessing as mp
-
-    specs = list(dict.fromkeys(specs))
-    with mp.get_context("spawn").Pool(processes or min(len(specs), os.cpu_count() or 1)) as pool:
-        return pool.map(_compile_spec, specs, chunksize=1)
+    """Compile (tactic name, H, precision, norm dtype name or None) variants in parallel worker processes."""
+    return compile_in_processes(_compile_spec, specs, processes)
