@@ -110,3 +110,38 @@ def test_shipped_tables_parse_and_name_real_backends():
     for rows in tables.values():
         assert rows and all(bucket_of(b) == b for b in rows)
         assert all(c.backend in backends.BACKENDS for c in rows.values())
+
+
+def test_tuner_keeps_the_fastest_and_skips_failures(monkeypatch):
+    """The tuning loop with the GPU parts stood in for: times come from a table, one candidate raises."""
+    import types
+
+    import torch
+
+    from mhc_cute import benchmark as bm
+
+    props = types.SimpleNamespace(name="Fake GPU", multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bm, "make_sets", lambda m, h, n, dev, norm: [m])
+    fake_us = {"half_fma": 5.0, "all_fma": 4.0, "triton": 7.0}
+
+    def call(name, precision, tactic):
+        return (name, tactic)
+
+    def time_graph(c, sets):
+        name, tactic = c
+        if name == "all_fma" and sets[0] >= 64:
+            raise RuntimeError("this candidate fails")
+        return fake_us[name] + (0.5 if tactic is not None and tactic.split_k % 2 else 0.0) + sets[0] / 1000
+
+    monkeypatch.setattr(bm, "mhc_cute_call", call)
+    monkeypatch.setattr(bm, "time_graph", time_graph)
+    tables = autotune.tune(torch.device("cuda", 0), [512], [1, 3, 100], "fp32", False,
+                           ["half_fma", "all_fma", "triton"], log=lambda *a: None)
+    (key, rows), = tables.items()
+    assert key.startswith("Fake GPU|132|H512|fp32|norm0|")
+    assert sorted(rows) == [1, 4, 128]
+    assert rows[1].backend == "all_fma" and rows[4].backend == "all_fma"
+    assert rows[128].backend == "half_fma"  # all_fma failed there
+    assert all(r.tactic is not None and r.us is not None for r in rows.values())
