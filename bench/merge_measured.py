@@ -1,0 +1,50 @@
+"""Merge `mhc-cute bench --json` files (a later file overrides an earlier one for the same H, M and name) into
+the README's markdown tables and a PNG plot.
+
+    python bench/merge_measured.py bench/measured/h200_bench_*.json --plot bench/measured/h200.png
+"""
+
+import argparse
+import json
+import sys
+
+from mhc_cute.benchmark import Result, plot
+
+KERNELS = ("half_fma", "all_fma", "triton", "half_mma", "all_mma")
+COLUMNS = (("auto", "auto"), ("half_fma", "E half_fma"), ("all_fma", "F all_fma"), ("triton", "triton"),
+           ("half_mma", "B half_mma"), ("all_mma", "D all_mma"), ("tilekernels", "TileKernels"),
+           ("torch-compile", "torch.compile"), ("torch-eager", "torch eager"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("json", nargs="+")
+    ap.add_argument("--plot")
+    args = ap.parse_args()
+    merged, gpu = {}, None
+    for path in args.json:
+        data = json.load(open(path))
+        gpu = data["gpu"]
+        for r in data["results"]:
+            if r["graph_us"]:
+                merged[(r["hidden"], r["m"], r["name"])] = r
+    for h in sorted({k[0] for k in merged}, reverse=True):
+        print(f"\n**H = {h}** (µs per call, CUDA-graph replay; the fastest mhc_cute backend in bold)\n")
+        print("| M | " + " | ".join(c[1] for c in COLUMNS) + " | auto % of floor | auto vs TileKernels |")
+        print("|---:|" + "---:|" * (len(COLUMNS) + 2))
+        for m in sorted({k[1] for k in merged if k[0] == h}):
+            row = {name: merged.get((h, m, name)) for name, _ in COLUMNS}
+            best = min((r["graph_us"], n) for n, r in row.items() if n in KERNELS and r)[1]
+            cells = ["—" if r is None else (f"**{r['graph_us']:.1f}**" if n == best else f"{r['graph_us']:.1f}")
+                     for n, r in row.items()]
+            auto, tk = row["auto"], row["tilekernels"]
+            floor = f"{100 * auto['floor_frac']:.0f}%" if auto else "—"
+            speedup = f"{tk['graph_us'] / auto['graph_us']:.2f}x" if auto and tk else "—"
+            print(f"| {m} | " + " | ".join(cells) + f" | {floor} | {speedup} |")
+    if args.plot:
+        plot([Result(r["name"], r["m"], r["hidden"], r["graph_us"]) for r in merged.values()], args.plot, gpu)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
