@@ -18,7 +18,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # common.check_outputs: the correctness contract
 
 import torch  # noqa: E402
 
@@ -50,7 +49,7 @@ def sweep_tactics(path: str, m: int, hidden: int, sm_count: int, limit: int = 6)
 
 def check_tactic(path: str, tactic, inputs: dict) -> str | None:
     """None if ``tactic`` meets the correctness contract on ``inputs`` (twice, bit-identically), else why not."""
-    from common import check_outputs, problem_of, run_backend
+    from mhc_cute.accuracy import check_outputs, problem_of, run_backend
 
     problem = problem_of(inputs)
     try:
@@ -68,7 +67,7 @@ def check_tactic(path: str, tactic, inputs: dict) -> str | None:
 
 def direct_host_us(path: str, tactic, inputs: dict) -> float:
     """Host µs per call of the backend entry itself (``run_*`` on a ready ``Problem``), no API layer."""
-    from common import problem_of
+    from mhc_cute.accuracy import problem_of
 
     from mhc_cute.kernels import fma
 

@@ -19,11 +19,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # common.check_outputs: the correctness contract
+sys.path.insert(0, str(ROOT / "tests"))  # test_correctness: the GPU test grid and its tolerances
 
 import torch  # noqa: E402
 
 from mhc_cute import benchmark as mb  # noqa: E402
+from mhc_cute.tactics import parse_tactic  # noqa: E402
 from mhc_cute.kernels import KERNEL_CACHE_ENV  # noqa: E402
 
 PATHS = ("half_mma", "all_mma")
@@ -33,7 +34,7 @@ TILEKERNELS_SPEEDUP = 1.8  # at M = 8192 (issue 5)
 
 def sweep_tactics(path: str, m: int, hidden: int, sm_count: int) -> list:
     """The default plus splits for about 1 and 2 waves, both tiles (path B) and the deepest pipelines."""
-    from mhc_cute.kernels.mma import BLOCK_H, MmaTactic, default_mma_tactic
+    from mhc_cute.tactics import MMA_BLOCK_H as BLOCK_H, MmaTactic, default_mma_tactic
 
     out = {default_mma_tactic(path, m, hidden, sm_count)}
     for tile_m in ((64, 128) if path == "half_mma" else (64,)):
@@ -49,7 +50,7 @@ def sweep_tactics(path: str, m: int, hidden: int, sm_count: int) -> list:
 
 def test_grid_specs(sm_count: int) -> list:
     """(tactic, H, precision, norm) of every default tactic the GPU correctness tests reach."""
-    from mhc_cute.kernels.mma import default_mma_tactic
+    from mhc_cute.tactics import default_mma_tactic
 
     from test_correctness import GPU_HS, GPU_MS
 
@@ -73,7 +74,7 @@ def test_grid_specs(sm_count: int) -> list:
 
 def check_tactic(path: str, tactic, inputs: dict, precision: str) -> str | None:
     """None if ``tactic`` meets the correctness contract on ``inputs`` (twice, bit-identically), else why not."""
-    from common import check_outputs, problem_of, run_backend
+    from mhc_cute.accuracy import check_outputs, problem_of, run_backend
     from test_correctness import tolerances
 
     problem = problem_of(inputs, precision)
@@ -116,7 +117,7 @@ def main(argv=None):
 
     def tactics_for(h, m, p):
         if args.tactics:
-            return [t for t in map(mma.parse_mma_tactic, args.tactics) if t.path == p]
+            return [t for t in map(parse_tactic, args.tactics) if t.path == p]
         return sweep_tactics(p, m, h, sms) if args.sweep else [mma.default_mma_tactic(p, m, h, sms)]
 
     plan = {(h, m, p): tactics_for(h, m, p) for h in args.hidden for m in args.m for p in PATHS}

@@ -14,24 +14,21 @@ import time
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-FMA_PATHS = ("half_fma", "all_fma")
-MMA_PATHS = ("half_mma", "all_mma")
 
 
 def specs_for(backends, ms, hiddens, norms, precisions, sm_count):
     from mhc_cute import tactics
-    from mhc_cute.kernels.mma import default_mma_tactic
 
     fma, mma = [], []
     for h in hiddens:
         for m in ms:
             for norm in norms:
                 for b in backends:
-                    if b in FMA_PATHS:
+                    if b in tactics.FMA_PATHS:
                         fma.append((tactics.default_fma_tactic(b, m, h, sm_count).name, h, norm))
-                    elif b in MMA_PATHS:
+                    elif b in tactics.MMA_PATHS:
                         for p in precisions:
-                            mma.append((default_mma_tactic(b, m, h, sm_count).name, h, p, norm))
+                            mma.append((tactics.default_mma_tactic(b, m, h, sm_count).name, h, p, norm))
     return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
 
 
@@ -41,7 +38,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, nargs="+", required=True)
     ap.add_argument("--norm", choices=["off", "on", "both"], default="both")
     ap.add_argument("--precision", nargs="+", default=["fp32"])
-    ap.add_argument("--backends", nargs="+", default=list(FMA_PATHS + MMA_PATHS))
+    ap.add_argument("--backends", nargs="+", default=["half_fma", "all_fma", "half_mma", "all_mma"])
     ap.add_argument("--sm-count", type=int, default=132, help="the target GPU's SM count (H100/H200 SXM: 132)")
     ap.add_argument("--workers", type=int, default=os.cpu_count())
     args = ap.parse_args()

@@ -237,9 +237,7 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
         variants = [base] + [replace(base, split_k=k) for k in (base.split_k // 2, base.split_k * 2) if k >= 1]
         variants += [replace(base, tokens_per_cta=t) for t in (1, 2, 4, 8) if t != base.tokens_per_cta]
     elif backend in tactics.MMA_PATHS:
-        from .kernels.mma import default_mma_tactic
-
-        base = default_mma_tactic(backend, m, hidden, sm_count)
+        base = tactics.default_mma_tactic(backend, m, hidden, sm_count)
         variants = [base] + [replace(base, split_k=k) for k in (base.split_k // 2, base.split_k * 2) if k >= 1]
         variants += [replace(base, tile_m=t) for t in (64, 128) if t != base.tile_m]
     else:

@@ -152,7 +152,6 @@ def mhc_cute_call(backend: str, precision: str = "fp32", tactic=None) -> Callabl
 
 def torch_fp32_boundary(x, res, post, comb, fn, scale, base, norm_weight=None, eps=1e-6, post_mult=2.0, repeat=20):
     """The boundary op as a user would write it in plain fp32 torch (the "torch" peers)."""
-    h = x.shape[-1]
     rc = (post * x.float()[:, None, :] + torch.einsum("mkj,mkh->mjh", comb, res.float())).bfloat16()
     xf = rc.float().flatten(1)
     rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)

@@ -3,7 +3,7 @@ default per problem size.
 
 A tactic is a frozen dataclass, so it is hashable (the compiled-kernel caches key on it) and printable (the
 benchmark and the autotuner log it). ``FmaTactic`` describes paths E (``half_fma``) and F (``all_fma``); the
-tensor-core paths B and D have ``MmaTactic`` (in ``kernels.mma``, next to its shared-memory model), and
+tensor-core paths B and D ``MmaTactic``, and
 ``parse_tactic`` turns a tactic's ``name`` back into the object.
 """
 
@@ -19,7 +19,10 @@ MAX_SMEM_BYTES = 48 * 1024  # static smem budget per CTA (no opt-in carve-out ne
 MAX_ACCUMULATORS = 64  # fp32 accumulators per thread (tokens_per_cta * tile_n) before register spills
 
 FMA_PATHS = ("half_fma", "all_fma")
-MMA_PATHS = ("half_mma", "all_mma")  # their tactic, MmaTactic, lives in kernels.mma for now
+MMA_PATHS = ("half_mma", "all_mma")
+MMA_BLOCK_H = 32  # H positions per pipeline stage (per stream): one 128-byte swizzle row of fp32 weight
+MMA_WG_THREADS = 128
+MMA_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per CTA on sm_90
 
 
 @dataclass(frozen=True)
@@ -98,15 +101,15 @@ _FMA_NAME = re.compile(r"^(half_fma|all_fma):k(\d+):t(\d+):n(\d+):w(\d+):s(\d+):
 
 
 def parse_tactic(name: str):
-    """The tactic object whose ``name`` is ``name`` (FMA paths here, MMA paths in ``kernels.mma``)."""
+    """The tactic object whose ``name`` is ``name``."""
     match = _FMA_NAME.match(name)
     if match:
         path, *nums = match.groups()
         return FmaTactic(path, *map(int, nums))
-    if name.startswith(MMA_PATHS):
-        from .kernels.mma import parse_mma_tactic  # imports the CuTe DSL: only when an MMA tactic is named
-
-        return parse_mma_tactic(name)
+    match = _MMA_NAME.match(name)
+    if match:
+        path, *nums = match.groups()
+        return MmaTactic(path, *map(int, nums))
     raise ValueError(f"unknown tactic name {name!r}")
 
 
@@ -141,3 +144,82 @@ def default_fma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> F
         target = max(1, sm_count // -(-min(bucket_m, FMA_SPLIT_M) // tokens))
     split_k = largest_split(hidden, chunk_h, target)
     return FmaTactic(path, split_k, tokens, FMA_TILE_N, FMA_THREADS, 1).check(hidden)
+
+
+# --- tensor-core paths (B, D) -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MmaTactic:
+    """One configuration of the tensor-core paths.
+
+    The grid is ``ceil(M / tile_m) * split_k`` CTAs, the splits of one M tile adjacent in launch order (they
+    run together, so the tile's partials complete together). A CTA owns ``tile_m`` tokens (64 per MMA
+    warpgroup) and a contiguous range of the ``H / 32`` blocks of 32 hidden positions (all 4 streams), and
+    streams it through a ``stages``-deep TMA pipeline.
+    """
+
+    path: str  # "half_mma" (kernel 1 + big-fuse kernel) | "all_mma" (one launch, last CTA runs the big fuse)
+    split_k: int
+    tile_m: int = 128
+    stages: int = 3
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}:k{self.split_k}:m{self.tile_m}:s{self.stages}"
+
+    @property
+    def threads(self) -> int:
+        return self.tile_m // 64 * MMA_WG_THREADS + 32  # MMA warpgroups + the TMA producer warp
+
+    def smem_bytes(self, hidden: int, n_parts: int = 2) -> int:
+        """Shared memory at ``n_parts`` weight parts (2: fp32, the larger; 1: tf32)."""
+        total = self.stages * mma_stage_bytes(self.tile_m, n_parts) + 1024
+        if self.path == "all_mma":  # the big-fuse phase's own model lives with the kernel (imports the DSL)
+            from .kernels.mma import finish_phase
+
+            total += finish_phase(self, hidden, None).smem_bytes()
+        return total
+
+    def invalid_reason(self, hidden: int) -> str | None:
+        """None if this tactic can run at hidden size ``hidden`` (in both precisions), else why not."""
+        if self.path not in MMA_PATHS:
+            return f"path must be one of {MMA_PATHS}"
+        if hidden % 64:
+            return "H must be a multiple of 64"
+        if self.tile_m not in (64, 128):
+            return "tile_m must be 64 or 128"
+        if not 1 <= self.split_k <= hidden // MMA_BLOCK_H:
+            return f"split_k must be in [1, H / 32 = {hidden // MMA_BLOCK_H}]"
+        if not 2 <= self.stages <= 8:
+            return "stages must be in [2, 8]"
+        if self.smem_bytes(hidden) > MMA_SMEM_LIMIT:
+            return f"shared memory {self.smem_bytes(hidden)} B > {MMA_SMEM_LIMIT} B"
+        return None
+
+    def check(self, hidden: int) -> "MmaTactic":
+        why = self.invalid_reason(hidden)
+        if why is not None:
+            raise ValueError(f"invalid tactic {self.name} for H = {hidden}: {why}")
+        return self
+
+
+_MMA_NAME = re.compile(r"^(half_mma|all_mma):k(\d+):m(\d+):s(\d+)$")
+
+
+def default_mma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> MmaTactic:
+    """About one wave of CTAs (one CTA per SM: the pipeline takes most of the shared memory), the deepest
+    pipeline that fits. split_k is a power of two, so that few variants cover all M. The one-launch path
+    keeps 64-token tiles: its last CTA also holds the big fuse."""
+    tile_m = 64 if (m <= 64 or path == "all_mma") else 128
+    m_tiles = -(-m // tile_m)
+    split_k = 1 << max(0, min(hidden // MMA_BLOCK_H, sm_count // m_tiles).bit_length() - 1)
+    for stages in range(8, 1, -1):
+        tactic = MmaTactic(path, split_k, tile_m, stages)
+        if tactic.invalid_reason(hidden) is None:
+            return tactic
+    return MmaTactic(path, split_k, tile_m, 2).check(hidden)
+
+
+def mma_stage_bytes(tile_m: int, n_parts: int) -> int:
+    """Bytes one pipeline stage receives: residual + x tiles (bf16) and the weight tile (fp32)."""
+    return tile_m * (HC_MULT + 1) * MMA_BLOCK_H * 2 + N_MIXES * n_parts * HC_MULT * MMA_BLOCK_H * 4

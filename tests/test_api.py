@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from common import check_outputs, make_inputs, problem_of, run_backend
+from mhc_cute.accuracy import check_outputs, make_inputs, problem_of, run_backend
 from mhc_cute import MhcFusedHcOutput, mhc_fused_hc, reference
 
 

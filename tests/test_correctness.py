@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from common import check_outputs, make_inputs, problem_of, run_backend
+from mhc_cute.accuracy import check_outputs, make_inputs, problem_of, run_backend
 from mhc_cute import backends
 
 KERNEL_BACKENDS = ["triton", "half_fma", "all_fma", "half_mma", "all_mma"]

@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from common import check_outputs, make_inputs, problem_of
+from mhc_cute.accuracy import check_outputs, make_inputs, problem_of
 from mhc_cute import backends, mhc_fused_hc
 
 pytestmark = pytest.mark.gpu

@@ -17,8 +17,8 @@ import weakref
 import pytest
 import torch
 
-from common import check_outputs, make_inputs, problem_of, run_backend
-from mhc_cute import reference
+from mhc_cute.accuracy import check_outputs, make_inputs, problem_of, run_backend
+from mhc_cute import reference, tactics
 
 mma = pytest.importorskip("mhc_cute.kernels.mma", reason="needs CuTe DSL")
 
@@ -107,21 +107,21 @@ def test_weight_cache_never_serves_a_freed_weight_at_the_same_address():
 @pytest.mark.parametrize("h", HS + [64, 128, 192])
 def test_default_tactics_are_valid(path, h):
     for m in [1, 3, 17, 64, 100, 1000, 4096, 8192, 100000]:
-        t = mma.default_mma_tactic(path, m, h)
+        t = tactics.default_mma_tactic(path, m, h)
         assert t.path == path and t.invalid_reason(h) is None, (m, t)
-        assert mma.parse_mma_tactic(t.name) == t
+        assert tactics.parse_tactic(t.name) == t
 
 
 def test_tactic_validity_rules():
-    ok = mma.MmaTactic("half_mma", 2, 128, 3)
+    ok = tactics.MmaTactic("half_mma", 2, 128, 3)
     assert ok.invalid_reason(7168) is None
-    assert "multiple of 64" in mma.MmaTactic("half_mma", 1, 64, 2).invalid_reason(96)
-    assert "split_k" in mma.MmaTactic("half_mma", 17, 64, 2).invalid_reason(512)
-    assert "tile_m" in mma.MmaTactic("half_mma", 1, 96, 2).invalid_reason(512)
-    assert "shared memory" in mma.MmaTactic("half_mma", 1, 128, 4).invalid_reason(512)
-    assert "path" in mma.MmaTactic("half_fma", 1, 64, 2).invalid_reason(512)
+    assert "multiple of 64" in tactics.MmaTactic("half_mma", 1, 64, 2).invalid_reason(96)
+    assert "split_k" in tactics.MmaTactic("half_mma", 17, 64, 2).invalid_reason(512)
+    assert "tile_m" in tactics.MmaTactic("half_mma", 1, 96, 2).invalid_reason(512)
+    assert "shared memory" in tactics.MmaTactic("half_mma", 1, 128, 4).invalid_reason(512)
+    assert "path" in tactics.MmaTactic("half_fma", 1, 64, 2).invalid_reason(512)
     with pytest.raises(ValueError):
-        mma.parse_mma_tactic("half_mma:k2")
+        tactics.parse_tactic("half_mma:k2")
 
 
 # --- compile report: every variant compiles for sm_90a, HGMMA TF32 in the SASS, no local memory ----------------
@@ -138,7 +138,7 @@ REPORT_H = 7168
 
 
 def _variant_tactic(path, tile_m, h):
-    return mma.default_mma_tactic(path, 1, h) if tile_m == 64 else mma.MmaTactic(path, 2, 128, 3)
+    return tactics.default_mma_tactic(path, 1, h) if tile_m == 64 else tactics.MmaTactic(path, 2, 128, 3)
 
 
 def _compile_variants(out_dir: str, h: int, indices) -> None:
@@ -229,7 +229,7 @@ def _cuda_problem(m, h, norm=False, precision="fp32", seed=0):
 ])
 def test_gpu_partials_against_float64(m, h, tactic, precision):
     problem = _cuda_problem(m, h, precision=precision, seed=m)
-    t = mma.parse_mma_tactic(tactic)
+    t = tactics.parse_tactic(tactic)
     out = run_backend(problem, "half_mma", t)
     rc = reference.post(problem.x, problem.residual, problem.post_mix, problem.comb_mix)
     assert torch.equal(out.residual_cur.view(torch.int16), rc.view(torch.int16))
@@ -252,7 +252,7 @@ def test_gpu_partials_against_float64(m, h, tactic, precision):
 ])
 @pytest.mark.parametrize("m", [1, 65, 333])
 def test_gpu_explicit_tactics(m, tactic, norm):
-    t = mma.parse_mma_tactic(tactic)
+    t = tactics.parse_tactic(tactic)
     problem = _cuda_problem(m, 7168, norm=norm, seed=3 * m)
     out = run_backend(problem, t.path, t)
     check_outputs(out, problem, mix_tol=2e-5)

@@ -106,7 +106,7 @@ def module_fake():
 
 def test_lru_order_and_eviction():
     c, enc, _ = make_cache(capacity=3)
-    a, b, cc = raw(c, 0), raw(c, 1), raw(c, 2)
+    a, b, _ = raw(c, 0), raw(c, 1), raw(c, 2)
     assert enc.calls == 3 and len(c) == 3
     assert raw(c, 0) is a  # hit: a becomes most recent; b is now least recent
     d = raw(c, 3)  # evicts b

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from common import check_outputs, make_inputs, problem_of, run_backend
+from mhc_cute.accuracy import check_outputs, make_inputs, problem_of, run_backend
 from mhc_cute import backends
 from mhc_cute.api import mhc_fused_hc
 from mhc_cute.triton import configs

@@ -32,9 +32,7 @@ import os
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import functools  # noqa: E402
-import re  # noqa: E402
 import weakref  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -44,7 +42,9 @@ import cutlass.pipeline as pipeline  # noqa: E402
 from cutlass import BFloat16, Float32, Int32, const_expr  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 
-from ..tactics import HC_MULT, N_MIXES, PARTIAL_COLS  # noqa: E402
+from .. import tactics as tac  # noqa: E402
+from ..tactics import HC_MULT, MMA_BLOCK_H as BLOCK_H, MMA_WG_THREADS as WG_THREADS, N_MIXES, PARTIAL_COLS  # noqa: E402,E501
+from ..tactics import MmaTactic, default_mma_tactic, mma_stage_bytes as stage_bytes  # noqa: E402
 from ..workspace import get_workspace  # noqa: E402
 from . import (  # noqa: E402
     CompiledKernels, compile_in_processes, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, resolve_tactic,
@@ -55,97 +55,8 @@ from .big_fuse import (  # noqa: E402
 )
 from .wgmma_tf32 import make_tf32_tiled_mma  # noqa: E402
 
-BLOCK_H = 32  # H positions per pipeline stage (per stream): one 128-byte swizzle row of fp32 weight
 VEC = 8  # contiguous H positions per thread and row: one 16-byte bf16 vector
 SUMSQ_COL = N_MIXES  # partials column of the sum of squares
-WG_THREADS = 128
-
-
-MMA_PATHS = ("half_mma", "all_mma")
-SMEM_LIMIT = 227 * 1024  # opt-in shared memory per CTA on sm_90
-
-
-@dataclass(frozen=True)
-class MmaTactic:
-    """One configuration of the tensor-core paths.
-
-    The grid is ``ceil(M / tile_m) * split_k`` CTAs, the splits of one M tile adjacent in launch order (they
-    run together, so the tile's partials complete together). A CTA owns ``tile_m`` tokens (64 per MMA
-    warpgroup) and a contiguous range of the ``H / 32`` blocks of 32 hidden positions (all 4 streams), and
-    streams it through a ``stages``-deep TMA pipeline.
-    """
-
-    path: str  # "half_mma" (kernel 1 + big-fuse kernel) | "all_mma" (one launch, last CTA runs the big fuse)
-    split_k: int
-    tile_m: int = 128
-    stages: int = 3
-
-    @property
-    def name(self) -> str:
-        return f"{self.path}:k{self.split_k}:m{self.tile_m}:s{self.stages}"
-
-    @property
-    def threads(self) -> int:
-        return self.tile_m // 64 * WG_THREADS + 32  # MMA warpgroups + the TMA producer warp
-
-    def smem_bytes(self, hidden: int, n_parts: int = 2) -> int:
-        """Shared memory at ``n_parts`` weight parts (2: fp32, the larger; 1: tf32)."""
-        total = self.stages * stage_bytes(self.tile_m, n_parts) + 1024
-        if self.path == "all_mma":
-            total += finish_phase(self, hidden, None).smem_bytes()
-        return total
-
-    def invalid_reason(self, hidden: int) -> str | None:
-        """None if this tactic can run at hidden size ``hidden`` (in both precisions), else why not."""
-        if self.path not in MMA_PATHS:
-            return f"path must be one of {MMA_PATHS}"
-        if hidden % 64:
-            return "H must be a multiple of 64"
-        if self.tile_m not in (64, 128):
-            return "tile_m must be 64 or 128"
-        if not 1 <= self.split_k <= hidden // BLOCK_H:
-            return f"split_k must be in [1, H / 32 = {hidden // BLOCK_H}]"
-        if not 2 <= self.stages <= 8:
-            return "stages must be in [2, 8]"
-        if self.smem_bytes(hidden) > SMEM_LIMIT:
-            return f"shared memory {self.smem_bytes(hidden)} B > {SMEM_LIMIT} B"
-        return None
-
-    def check(self, hidden: int) -> "MmaTactic":
-        why = self.invalid_reason(hidden)
-        if why is not None:
-            raise ValueError(f"invalid tactic {self.name} for H = {hidden}: {why}")
-        return self
-
-
-_MMA_NAME = re.compile(r"^(half_mma|all_mma):k(\d+):m(\d+):s(\d+)$")
-
-
-def parse_mma_tactic(name: str) -> MmaTactic:
-    match = _MMA_NAME.match(name)
-    if not match:
-        raise ValueError(f"not an MMA tactic name: {name!r}")
-    path, *nums = match.groups()
-    return MmaTactic(path, *map(int, nums))
-
-
-def default_mma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> MmaTactic:
-    """About one wave of CTAs (one CTA per SM: the pipeline takes most of the shared memory), the deepest
-    pipeline that fits. split_k is a power of two, so that few variants cover all M. The one-launch path
-    keeps 64-token tiles: its last CTA also holds the big fuse."""
-    tile_m = 64 if (m <= 64 or path == "all_mma") else 128
-    m_tiles = -(-m // tile_m)
-    split_k = 1 << max(0, min(hidden // BLOCK_H, sm_count // m_tiles).bit_length() - 1)
-    for stages in range(8, 1, -1):
-        tactic = MmaTactic(path, split_k, tile_m, stages)
-        if tactic.invalid_reason(hidden) is None:
-            return tactic
-    return MmaTactic(path, split_k, tile_m, 2).check(hidden)
-
-
-def stage_bytes(tile_m: int, n_parts: int) -> int:
-    """Bytes one pipeline stage receives: residual + x tiles (bf16) and the weight tile (fp32)."""
-    return tile_m * (HC_MULT + 1) * BLOCK_H * 2 + N_MIXES * n_parts * HC_MULT * BLOCK_H * 4
 
 
 def finish_phase(tactic: MmaTactic, hidden: int, norm_dtype) -> BigFusePhase:
@@ -583,7 +494,7 @@ def _default_tactic(path: str, m: int, hidden: int, sm_count: int) -> MmaTactic:
 
 
 def _run(path: str, problem, tactic, out) -> None:
-    tactic = resolve_tactic(path, tactic, problem, MmaTactic, parse_mma_tactic, _default_tactic)
+    tactic = resolve_tactic(path, tactic, problem, MmaTactic, tac.parse_tactic, _default_tactic)
     fn = compiled_mma(tactic, problem, out)
     ws = get_workspace(problem.x.device)
     partials = ws.partials(tactic.split_k * problem.m * PARTIAL_COLS)
@@ -606,7 +517,7 @@ def _compile_spec(spec) -> str:
     """Process-pool worker of ``precompile``: compile (and persist) one (tactic name, H, precision, norm)."""
     name, hidden, precision, norm = spec
     problem = spec_problem(hidden, precision, norm)
-    compiled_mma(parse_mma_tactic(name), problem, problem.empty_outputs())
+    compiled_mma(tac.parse_tactic(name), problem, problem.empty_outputs())
     return name
 
 
