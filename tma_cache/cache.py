@@ -81,18 +81,37 @@ class _Entry:
 # --------------------------------------------------------------------------------------------------
 
 
-class _TorchSlotPool:
+class _SlotPool:
+    """Free-list bookkeeping of a pool of descriptor slots; subclasses own the memory (``_grow``, ``fill``,
+    ``read``) and fill ``_addr`` (slot -> device address) and ``_free``."""
+
+    def __init__(self, device: int, chunk: int):
+        self.device = device
+        self._chunk = max(1, chunk)
+        self._addr: List[int] = []
+        self._free: collections.deque = collections.deque()
+
+    def acquire(self) -> int:
+        if not self._free:
+            self._grow()
+        return self._free.popleft()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def address(self, slot: int) -> int:
+        return self._addr[slot]
+
+
+class _TorchSlotPool(_SlotPool):
     """Slots on one CUDA device: chunks of a uint8 torch tensor, 128-byte aligned."""
 
     def __init__(self, torch, device: int, chunk: int):
+        super().__init__(device, chunk)
         self._torch = torch
-        self.device = device
-        self._chunk = max(1, chunk)
         self._views: List[Any] = []
-        self._addr: List[int] = []
         self._slabs: List[Any] = []
         self._host: List[Any] = []  # per chunk: pinned host slab for capture-time fills
-        self._free: collections.deque = collections.deque()
         self._grow()
 
     def _grow(self) -> None:
@@ -115,17 +134,6 @@ class _TorchSlotPool:
     @property
     def nslots(self) -> int:
         return len(self._views)
-
-    def acquire(self) -> int:
-        if not self._free:
-            self._grow()
-        return self._free.popleft()
-
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
-
-    def address(self, slot: int) -> int:
-        return self._addr[slot]
 
     def fill(self, slot: int, data: bytes, capturing: bool):
         """Async H2D copy of ``data`` into ``slot`` on the current stream. Returns what must stay alive."""
@@ -165,16 +173,13 @@ class TorchCudaBackend:
         return self._torch.cuda.current_device()
 
 
-class _FakeSlotPool:
+class _FakeSlotPool(_SlotPool):
     _next_base = itertools.count(1)
 
     def __init__(self, backend: "FakeBackend", device: int, chunk: int):
+        super().__init__(device, chunk)
         self.backend = backend
-        self.device = device
-        self._chunk = max(1, chunk)
         self._mem: List[bytearray] = []
-        self._addr: List[int] = []
-        self._free: collections.deque = collections.deque()
         self._grow()
 
     def _grow(self):
@@ -188,17 +193,6 @@ class _FakeSlotPool:
     @property
     def nslots(self) -> int:
         return len(self._mem)
-
-    def acquire(self) -> int:
-        if not self._free:
-            self._grow()
-        return self._free.popleft()
-
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
-
-    def address(self, slot: int) -> int:
-        return self._addr[slot]
 
     def fill(self, slot: int, data: bytes, capturing: bool):
         self.backend.fills.append((self.device, slot, capturing))
