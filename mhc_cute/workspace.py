@@ -1,9 +1,10 @@
 """Scratch buffers of the kernel paths: split-K partials and last-CTA election counters.
 
 One ``Workspace`` per (device, stream): calls on one stream run in order and may share it, calls on two
-streams may run concurrently and never do. Buffers only grow. A buffer that a larger one replaces is kept
-alive (``retired``), because a CUDA graph captured earlier may still point at it. Buffers never alias
-outputs (they are allocated here, outputs by the dispatcher).
+streams may run concurrently and never do; a call captured into a CUDA graph gets its own
+(``get_workspace``), so no graph ever points at a cached buffer. Buffers only grow (a replaced buffer is
+freed in stream order, after the kernels already queued on it). Buffers never alias outputs (they are
+allocated here, outputs by the dispatcher).
 
 * ``partials(n)``: at least ``n`` fp32, a flat buffer; a kernel views its start as ``[split_k, M, 32]``.
   Contents are scratch: every element a kernel reads was written earlier in the same call.
@@ -33,17 +34,14 @@ class Workspace:
         self.device = device
         self._partials = torch.empty(0, dtype=torch.float32, device=device)
         self._counters = torch.zeros(0, dtype=torch.int32, device=device)
-        self.retired: list[torch.Tensor] = []
 
     def partials(self, n: int) -> torch.Tensor:
         if self._partials.numel() < n:
-            self.retired.append(self._partials)
             self._partials = torch.empty(_grown(n), dtype=torch.float32, device=self.device)
         return self._partials
 
     def counters(self, n: int) -> torch.Tensor:
         if self._counters.numel() < n:
-            self.retired.append(self._counters)
             self._counters = torch.zeros(_grown(n), dtype=torch.int32, device=self.device)
         return self._counters
 
@@ -58,7 +56,14 @@ _lock = threading.Lock()
 
 
 def get_workspace(device: torch.device) -> Workspace:
-    """The workspace of ``device``'s current stream."""
+    """The workspace of ``device``'s current stream; during CUDA-graph capture, a fresh one.
+
+    Graphs captured with torch's defaults all share one capture stream, yet may be replayed concurrently on
+    different streams: a call being captured gets buffers of its own from the graph's private pool (its
+    counters zeroed by a memset node at every replay), which live exactly as long as the graph.
+    """
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return Workspace(device)  # (a CPU device: Triton's interpreter, nothing to reuse)
     key = (device.index, _current_stream_handle(device))
     ws = _workspaces.get(key)
     if ws is None:

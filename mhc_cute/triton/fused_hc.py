@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..problem import MhcFusedHcOutput, Problem
+from ..workspace import get_workspace
 from .configs import PARTIAL_COLS, TritonTactic, arch_of, fit, select_tactic
 
 # Under Triton's CPU interpreter: fp32 -> bf16 casts truncate (its explicit RTNE mode rounds ties up), so the
@@ -379,29 +380,6 @@ def _default_tactic(device: torch.device, m: int, hidden: int) -> TritonTactic:
     return select_tactic(arch, cus, m, hidden)
 
 
-class _Workspace:
-    """Partials buffers, one per (device, stream), grown on demand and reused call after call (stream order
-    makes reuse safe). A buffer that must grow during CUDA-graph capture belongs to that graph, so it is
-    not cached."""
-
-    def __init__(self):
-        self._buffers: dict[tuple, torch.Tensor] = {}
-
-    def get(self, device: torch.device, numel: int) -> torch.Tensor:
-        if device.type != "cuda":
-            return torch.empty(numel, dtype=torch.float32, device=device)
-        key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=torch.float32, device=device)
-            if not torch.cuda.is_current_stream_capturing():
-                self._buffers[key] = buf
-        return buf
-
-
-_workspace = _Workspace()
-
-
 def run(problem: Problem, tactic: TritonTactic | None, out: MhcFusedHcOutput) -> None:
     """Backend entry (see ``mhc_cute.backends``): the main kernel, then the reduce kernel (per chunk of tokens
     when the tactic says so)."""
@@ -409,7 +387,7 @@ def run(problem: Problem, tactic: TritonTactic | None, out: MhcFusedHcOutput) ->
     dev = problem.x.device
     t = _default_tactic(dev, m, h) if tactic is None else fit(tactic, h)
     chunk = t.chunk_m or m
-    part = _workspace.get(dev, t.split_k * min(chunk, m) * PARTIAL_COLS)
+    part = get_workspace(dev).partials(t.split_k * min(chunk, m) * PARTIAL_COLS)
     if chunk >= m:
         _launch(problem.x, problem.residual, problem.post_mix, problem.comb_mix, out, part, problem, t)
         return
