@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from mhc_cute import benchmark as mb  # noqa: E402
+from mhc_cute.accuracy import failure_of, problem_of  # noqa: E402
 from mhc_cute import tactics as tac  # noqa: E402
 from mhc_cute.kernels import KERNEL_CACHE_ENV  # noqa: E402
 
@@ -47,27 +48,8 @@ def sweep_tactics(path: str, m: int, hidden: int, sm_count: int, limit: int = 6)
     return out[:limit]
 
 
-def check_tactic(path: str, tactic, inputs: dict) -> str | None:
-    """None if ``tactic`` meets the correctness contract on ``inputs`` (twice, bit-identically), else why not."""
-    from mhc_cute.accuracy import check_outputs, problem_of, run_backend
-
-    problem = problem_of(inputs)
-    try:
-        first = run_backend(problem, path, tactic)
-        check_outputs(first, problem)
-        again = run_backend(problem, path, tactic)
-        for name, a, b in zip(first._fields, first, again):
-            if not torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
-                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b):
-                return f"{name} differs between two runs"
-    except AssertionError as e:
-        return str(e).splitlines()[0][:200]
-    return None
-
-
 def direct_host_us(path: str, tactic, inputs: dict) -> float:
     """Host µs per call of the backend entry itself (``run_*`` on a ready ``Problem``), no API layer."""
-    from mhc_cute.accuracy import problem_of
 
     from mhc_cute.kernels import fma
 
@@ -111,7 +93,7 @@ def main(argv=None):
             for p in PATHS:
                 default = tac.default_fma_tactic(p, m, h, sms)
                 for t in plan[(h, m, p)]:
-                    why = check_tactic(p, t, sets[0]) if args.check else None
+                    why = failure_of(problem_of(sets[0]), p, t) if args.check else None
                     if why:
                         print(f"H={h} M={m} {t.name}: WRONG: {why}", flush=True)
                     r = mb.bench_one(t.name, mb.mhc_cute_call(p, tactic=t), m, h, dev, args.norm, bandwidth, sets,

@@ -19,11 +19,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # test_correctness: the GPU test grid and its tolerances
+sys.path.insert(0, str(ROOT / "tests"))  # test_correctness: the GPU test grid
 
 import torch  # noqa: E402
 
 from mhc_cute import benchmark as mb  # noqa: E402
+from mhc_cute.accuracy import failure_of, problem_of  # noqa: E402
 from mhc_cute.tactics import parse_tactic  # noqa: E402
 from mhc_cute.kernels import KERNEL_CACHE_ENV  # noqa: E402
 
@@ -70,24 +71,6 @@ def test_grid_specs(sm_count: int) -> list:
                  "all_mma:k56:m64:s3"):
         specs += [(name, 7168, "fp32", norm) for norm in (None, "bfloat16")]
     return specs
-
-
-def check_tactic(path: str, tactic, inputs: dict, precision: str) -> str | None:
-    """None if ``tactic`` meets the correctness contract on ``inputs`` (twice, bit-identically), else why not."""
-    from mhc_cute.accuracy import check_outputs, problem_of, run_backend
-    from test_correctness import tolerances
-
-    problem = problem_of(inputs, precision)
-    try:
-        first = run_backend(problem, path, tactic)
-        check_outputs(first, problem, **tolerances(path, precision))
-        again = run_backend(problem, path, tactic)
-        for name, a, b in zip(first._fields, first, again):
-            if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
-                return f"{name} differs between two runs"
-    except AssertionError as e:
-        return str(e).splitlines()[0][:200]
-    return None
 
 
 def main(argv=None):
@@ -142,7 +125,7 @@ def main(argv=None):
                 best = None
                 for p in PATHS:
                     for t in plan[(h, m, p)]:
-                        why = check_tactic(p, t, sets[0], prec) if args.check else None
+                        why = failure_of(problem_of(sets[0], prec), p, t) if args.check else None
                         r = mb.bench_one(f"{t.name}:{prec}", mb.mhc_cute_call(p, prec, t), m, h, dev, False,
                                          bandwidth, sets, eager=False)
                         r.extra["wrong"] = why

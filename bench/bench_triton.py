@@ -24,6 +24,7 @@ import time
 import torch
 
 from mhc_cute import benchmark as bm
+from mhc_cute.accuracy import failure_of, problem_of
 from mhc_cute.triton.configs import TritonTactic as T
 
 # candidates per M (H = 7168 sizes; select/fit clamps them for other H)
@@ -70,18 +71,6 @@ def _run_once(job):
     except Exception as e:  # reported, and the variant's timing will show the error again
         return f"precompile M={m} H={h} norm={norm} {tactic}: {type(e).__name__}: {str(e)[:2000]}"
     return None
-
-
-def _check(inputs, tactic) -> str:
-    """"ok" or the first line of the accuracy failure of ``tactic`` on ``inputs`` (float64 reference)."""
-    from mhc_cute.accuracy import check_outputs, problem_of, run_backend
-
-    problem = problem_of(inputs)
-    try:
-        check_outputs(run_backend(problem, "triton", tactic), problem)
-    except AssertionError as e:
-        return f"FAIL {str(e).splitlines()[0][:200]}"
-    return "ok"
 
 
 def _compile_key(m, h, norm, tactic):
@@ -156,7 +145,7 @@ def main() -> int:
             for t in candidates(m, h):
                 r = bm.bench_one("sweep", bm.mhc_cute_call("triton", tactic=t), m, h, dev, args.norm, bandwidth,
                                  sets=sets, eager=False)
-                check = _check(sets[0], t) if m <= CHECK_MAX_M else "unchecked"
+                check = (failure_of(problem_of(sets[0]), "triton", t) or "ok") if m <= CHECK_MAX_M else "unchecked"
                 sweep.append(dict(m=m, h=h, tactic=repr(t), graph_us=r.graph_us, error=r.error, check=check))
                 print(f"  sweep H={h} M={m} {r.graph_us} {r.error or ''} {check} {t}", file=sys.stderr, flush=True)
             for r in row:

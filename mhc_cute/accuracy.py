@@ -156,3 +156,39 @@ def check_outputs(
 def _mixes64(residual_cur, problem):
     return reference.mixes(residual_cur, problem.fn, problem.hc_scale, problem.hc_base,
                             problem.scalars.rms_eps, torch.float64)
+
+
+def tolerances(backend: str, precision: str) -> dict:
+    """The contract's tolerances for ``backend`` at ``precision`` (keyword arguments of ``check_outputs``)."""
+    if backend in ("half_mma", "all_mma"):
+        return dict(mix_tol=2e-5) if precision == "fp32" else dict(mix_tol=1e-3, li_normwise=1e-2)
+    return dict(mix_tol=1e-5)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def same_bits(a: MhcFusedHcOutput, b: MhcFusedHcOutput) -> bool:
+    """Whether two sets of outputs are bit-for-bit identical."""
+    return all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b))
+
+
+def check_backend(problem: Problem, backend: str, tactic=None) -> dict:
+    """Run ``backend`` twice on ``problem`` (outputs poisoned), check the contract and that the two runs are
+    bit-identical; return the errors of ``check_outputs``, raise AssertionError with the first failure."""
+    first = run_backend(problem, backend, tactic)
+    errs = check_outputs(first, problem, **tolerances(backend, problem.precision))
+    again = run_backend(problem, backend, tactic)
+    for name, a, b in zip(first._fields, first, again):
+        assert torch.equal(_bits(a), _bits(b)), f"{name} differs between two runs"
+    return errs
+
+
+def failure_of(problem: Problem, backend: str, tactic=None) -> str | None:
+    """None if ``check_backend`` passes, else its first failure line (for sweeps that report, not raise)."""
+    try:
+        check_backend(problem, backend, tactic)
+    except AssertionError as e:
+        return str(e).splitlines()[0][:200]
+    return None

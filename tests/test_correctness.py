@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mhc_cute.accuracy import check_outputs, make_inputs, problem_of, run_backend
+from mhc_cute.accuracy import check_backend, make_inputs, problem_of
 from mhc_cute import backends
 
 KERNEL_BACKENDS = ["triton", "half_fma", "all_fma", "half_mma", "all_mma"]
@@ -11,22 +11,11 @@ GPU_MS = [1, 2, 3, 16, 17, 64, 100, 256, 1000, 4096, 8192]
 GPU_HS = [512, 4096, 5120, 7168]
 
 
-def tolerances(backend: str, precision: str) -> dict:
-    if backend in ("half_mma", "all_mma"):
-        return dict(mix_tol=2e-5) if precision == "fp32" else dict(mix_tol=1e-3, li_normwise=1e-2)
-    return dict(mix_tol=1e-5)
-
-
 def _run_and_check(backend, m, h, norm, device, precision="fp32", seed=0):
     why = backends.unavailable_reason(backend, torch.device(device))
     if why is not None:
         pytest.skip(f"{backend} unavailable: {why}")
-    problem = problem_of(make_inputs(m, h, seed=seed + m + h, device=device, norm=norm), precision)
-    out = run_backend(problem, backend)
-    check_outputs(out, problem, **tolerances(backend, precision))
-    again = run_backend(problem, backend)
-    for name, a, b in zip(out._fields, out, again):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a, b.view(torch.uint8) if b.dtype == torch.bfloat16 else b), f"{name} differs between two runs"
+    check_backend(problem_of(make_inputs(m, h, seed=seed + m + h, device=device, norm=norm), precision), backend)
 
 
 @pytest.mark.parametrize("norm", [False, True])

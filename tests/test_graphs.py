@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from mhc_cute.accuracy import check_outputs, make_inputs, problem_of
+from mhc_cute.accuracy import check_outputs, make_inputs, problem_of, same_bits, tolerances
 from mhc_cute import backends, mhc_fused_hc
 
 pytestmark = pytest.mark.gpu
@@ -17,14 +17,6 @@ def _need(backend):
     why = backends.unavailable_reason(backend, torch.device("cuda"))
     if why is not None:
         pytest.skip(f"{backend} unavailable: {why}")
-
-
-def _bits(t):
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
-
-
-def _same(a, b):
-    return all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("m", [3, 200])
@@ -44,7 +36,7 @@ def test_graph_replay_equals_eager(backend, m):
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
-        assert _same(captured, eager)
+        assert same_bits(captured, eager)
 
 
 @pytest.mark.parametrize("backend", PATHS)
@@ -78,12 +70,12 @@ def test_three_chained_layers_in_one_graph(backend):
     graph.replay()
     torch.cuda.synchronize()
     for e, c in zip(eager, captured):
-        assert _same(e, c)
+        assert same_bits(e, c)
     # and the chain's last layer is right on its own inputs
     last_in = dict(layers[2], x_prev=(captured[1].layer_input.float() * 0.5).bfloat16(),
                    residual_prev=captured[1].residual_cur, post_mix_prev=captured[1].post_mix_cur,
                    comb_mix_prev=captured[1].comb_mix_cur)
-    check_outputs(captured[2], problem_of(last_in), **({"mix_tol": 2e-5} if "mma" in backend else {}))
+    check_outputs(captured[2], problem_of(last_in), **tolerances(backend, "fp32"))
 
 
 @pytest.mark.parametrize("backend", PATHS)
@@ -102,7 +94,7 @@ def test_two_streams_concurrently(backend):
     torch.cuda.synchronize()
     for i in range(2):
         for rep in range(8):
-            assert _same(got[i][rep], want[i]), f"stream {i} call {rep} differs"
+            assert same_bits(got[i][rep], want[i]), f"stream {i} call {rep} differs"
 
 
 @pytest.mark.parametrize("backend", PATHS)
@@ -120,7 +112,7 @@ def test_two_host_threads(backend):
                 for _ in range(20):
                     out = mhc_fused_hc(**inputs[i], backend=backend)
                     s.synchronize()
-                    if not _same(out, want[i]):
+                    if not same_bits(out, want[i]):
                         errors.append(f"thread {i}: mismatch")
                         return
         except Exception as e:  # reported below with the thread's name
