@@ -150,8 +150,10 @@ def _flatten(x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, 
              scalars, precision, align: bool = True) -> Problem:
     m, h = math.prod(lead), x_prev.shape[-1]
 
-    def flat(t, *shape):
-        t = t.reshape(*shape).contiguous()
+    def flat(t, *shape):  # the tensor itself when it already has the shape (so validate() can tell)
+        if tuple(t.shape) != shape:
+            t = t.reshape(shape)
+        t = t.contiguous()
         return _aligned(t) if align else t
 
     return Problem(
