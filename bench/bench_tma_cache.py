@@ -25,6 +25,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tma_cache  # noqa: E402
+from mhc_cute.benchmark import replay_us  # noqa: E402
 from tma_cache import DescriptorKey, Swizzle  # noqa: E402
 
 
@@ -50,17 +51,7 @@ def device_us(fn, launches=50, reps=20):
     with torch.cuda.graph(g):
         for _ in range(launches):
             fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / launches)
-    times.sort()
+    times = replay_us(g, launches, reps)
     return times[0], times[len(times) // 2]
 
 

@@ -97,6 +97,11 @@ def time_graph(call: Callable[[dict], object], sets: list[dict], reps: int = 20)
     with torch.cuda.graph(graph):
         for s in sets:
             call(s)
+    return statistics.median(replay_us(graph, len(sets), reps))
+
+
+def replay_us(graph, calls_per_replay: int, reps: int = 20) -> list[float]:
+    """µs per call of ``reps`` timed replays of ``graph`` (which makes ``calls_per_replay`` calls), sorted."""
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -106,9 +111,8 @@ def time_graph(call: Callable[[dict], object], sets: list[dict], reps: int = 20)
         graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(sets))
-    del graph
-    return statistics.median(times)
+        times.append(a.elapsed_time(b) * 1e3 / calls_per_replay)
+    return sorted(times)
 
 
 def time_eager(call: Callable[[dict], object], sets: list[dict], reps: int = 7) -> float:
