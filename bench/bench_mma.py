@@ -64,11 +64,11 @@ def test_grid_specs(sm_count: int) -> list:
         for h in (4096, 7168):
             for m in (1, 17, 1000, 8192):
                 specs.append((default_mma_tactic(p, m, h, sm_count).name, h, "tf32", "bfloat16"))
-    explicit = ["half_mma:k16:m64:s2", "half_mma:k5:m64:s4", "half_mma:k3:m128:s3", "half_mma:k1:m128:s2"]
+    explicit = ["half_mma:k16:m64:s2:flat", "half_mma:k5:m64:s4:fbw", "half_mma:k3:m128:s3:fbw", "half_mma:k1:m128:s2:flat"]
     for name, h in zip(explicit, (512, 4096, 7168, 5120)):
         specs += [(name, h, prec, None) for prec in ("fp32", "tf32")]
-    for name in ("half_mma:k7:m128:s3", "half_mma:k28:m64:s5", "all_mma:k1:m64:s2", "all_mma:k9:m64:s4",
-                 "all_mma:k56:m64:s3"):
+    for name in ("half_mma:k7:m128:s3:fbw", "half_mma:k28:m64:s5:flat", "all_mma:k1:m64:s2:fbw", "all_mma:k9:m64:s4:fbw",
+                 "all_mma:k56:m64:s3:fbw"):
         specs += [(name, 7168, "fp32", norm) for norm in (None, "bfloat16")]
     return specs
 

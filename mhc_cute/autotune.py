@@ -226,7 +226,8 @@ def progress(i: int, n: int, label: str) -> None:
 
 def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
     """What the tuner times for ``backend`` at M = ``m``: its default tactic and its neighbours in split_k
-    (half and double) and, for the FMA paths, in tokens per CTA; only valid ones. None stands for a backend
+    (half and double), in the big-fuse shape (two-launch paths) and, for the FMA paths, in tokens per CTA;
+    only valid ones. None stands for a backend
     without tactics of its own (the reference, Triton's table)."""
     from dataclasses import replace
 
@@ -242,7 +243,30 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
         variants += [replace(base, tile_m=t) for t in (64, 128) if t != base.tile_m]
     else:
         return [None]
+    variants += [replace(base, fuse=f) for f in tactics.FUSE_SHAPES if f != base.fuse]
     return list(dict.fromkeys(v for v in variants if v.invalid_reason(hidden) is None))
+
+
+def precompile_candidates(candidates, precision: str, norm: bool) -> None:
+    """Compile the CuTe kernels of (H, tactic) ``candidates`` in parallel worker processes before timing them
+    (compiling one takes seconds); they persist in ``$MHC_CUTE_KERNEL_CACHE``, a temporary folder if unset."""
+    import tempfile
+
+    from . import tactics
+    from .kernels import KERNEL_CACHE_ENV
+
+    os.environ.setdefault(KERNEL_CACHE_ENV, tempfile.mkdtemp(prefix="mhc_cute_kernels_"))
+    norm_name = "bfloat16" if norm else None  # the dtype of benchmark.make_sets' norm weight
+    fma_specs = [(t.name, h, norm_name) for h, t in candidates if t.path in tactics.FMA_PATHS]
+    mma_specs = [(t.name, h, precision, norm_name) for h, t in candidates if t.path in tactics.MMA_PATHS]
+    if fma_specs:
+        from .kernels import fma
+
+        fma.precompile(fma_specs)
+    if mma_specs:
+        from .kernels import mma
+
+        mma.precompile(mma_specs)
 
 
 def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, log=progress) -> dict:
@@ -254,6 +278,7 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
     buckets = sorted({bucket_of(m) for m in ms})
     plan = [(h, b, name, t) for h in hiddens for b in buckets for name in names
             for t in candidate_tactics(name, b, h, sm_count)]
+    precompile_candidates([(h, t) for h, _, _, t in plan if t is not None], precision, norm)
     tables: dict[str, dict[int, Choice]] = {}
     best: dict[tuple, Choice] = {}
     sets_key, sets = None, None

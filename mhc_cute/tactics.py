@@ -23,6 +23,25 @@ MMA_PATHS = ("half_mma", "all_mma")
 MMA_BLOCK_H = 32  # H positions per pipeline stage (per stream): one 128-byte swizzle row of fp32 weight
 MMA_WG_THREADS = 128
 MMA_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per CTA on sm_90
+# Shapes of the standalone big-fuse kernel of the two-launch paths (E, B), ``fuse`` in a tactic: "lat" gives a
+# token enough threads that the collapse is one memory round trip (fastest when a few CTAs run: small M),
+# "bw" keeps CTAs small so that many share an SM (fastest when the kernel streams: large M). Measured on an
+# H200 at H = 7168 (README): "lat" wins up to M = 32, "bw" from M = 256 on.
+FUSE_SHAPES = ("lat", "bw")
+LATENCY_FUSE_MAX_M = 32
+ONE_LAUNCH_PATHS = ("all_fma", "all_mma")
+
+
+def default_fuse(path: str, m: int) -> str:
+    return "lat" if m <= LATENCY_FUSE_MAX_M and path not in ONE_LAUNCH_PATHS else "bw"
+
+
+def fuse_invalid_reason(path: str, fuse: str) -> str | None:
+    if fuse not in FUSE_SHAPES:
+        return f"fuse must be one of {FUSE_SHAPES}"
+    if path in ONE_LAUNCH_PATHS and fuse != "bw":
+        return "fuse (the standalone big fuse's shape) applies to the two-launch paths only"
+    return None
 
 
 @dataclass(frozen=True)
@@ -46,6 +65,7 @@ class FmaTactic:
     threads: int
     stages: int = 1
     burst: int = 1
+    fuse: str = "bw"
 
     @property
     def chunk_h(self) -> int:
@@ -54,7 +74,7 @@ class FmaTactic:
     @property
     def name(self) -> str:
         return (f"{self.path}:k{self.split_k}:t{self.tokens_per_cta}:n{self.tile_n}:"
-                f"w{self.threads}:s{self.stages}:b{self.burst}")
+                f"w{self.threads}:s{self.stages}:b{self.burst}:f{self.fuse}")
 
     def smem_bytes(self) -> int:
         """Shared memory of the projection phase: the fp32 chunk of the post-map output plus the reduction."""
@@ -66,6 +86,8 @@ class FmaTactic:
         """None if this tactic can run at hidden size ``hidden``, else why not."""
         if self.path not in FMA_PATHS:
             return f"path must be one of {FMA_PATHS}"
+        if fuse_invalid_reason(self.path, self.fuse):
+            return fuse_invalid_reason(self.path, self.fuse)
         if N_MIXES % self.tile_n:
             return "tile_n must divide 24"
         if self.threads % 32 or not 64 <= self.threads <= 1024:
@@ -97,19 +119,19 @@ class FmaTactic:
         return self
 
 
-_FMA_NAME = re.compile(r"^(half_fma|all_fma):k(\d+):t(\d+):n(\d+):w(\d+):s(\d+):b(\d+)$")
+_FMA_NAME = re.compile(r"^(half_fma|all_fma):k(\d+):t(\d+):n(\d+):w(\d+):s(\d+):b(\d+):f(lat|bw)$")
 
 
 def parse_tactic(name: str):
     """The tactic object whose ``name`` is ``name``."""
     match = _FMA_NAME.match(name)
     if match:
-        path, *nums = match.groups()
-        return FmaTactic(path, *map(int, nums))
+        path, *nums, fuse = match.groups()
+        return FmaTactic(path, *map(int, nums), fuse)
     match = _MMA_NAME.match(name)
     if match:
-        path, *nums = match.groups()
-        return MmaTactic(path, *map(int, nums))
+        path, *nums, fuse = match.groups()
+        return MmaTactic(path, *map(int, nums), fuse)
     raise ValueError(f"unknown tactic name {name!r}")
 
 
@@ -143,7 +165,7 @@ def default_fma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> F
     else:
         target = max(1, sm_count // -(-min(bucket_m, FMA_SPLIT_M) // tokens))
     split_k = largest_split(hidden, chunk_h, target)
-    return FmaTactic(path, split_k, tokens, FMA_TILE_N, FMA_THREADS, 1).check(hidden)
+    return FmaTactic(path, split_k, tokens, FMA_TILE_N, FMA_THREADS, 1, fuse=default_fuse(path, m)).check(hidden)
 
 
 # --- tensor-core paths (B, D) -------------------------------------------------------------------------------
@@ -155,17 +177,19 @@ class MmaTactic:
     The grid is ``ceil(M / tile_m) * split_k`` CTAs, the splits of one M tile adjacent in launch order (they
     run together, so the tile's partials complete together). A CTA owns ``tile_m`` tokens (64 per MMA
     warpgroup) and a contiguous range of the ``H / 32`` blocks of 32 hidden positions (all 4 streams), and
-    streams it through a ``stages``-deep TMA pipeline.
+    streams it through a ``stages``-deep TMA pipeline. ``fuse``: the shape of path B's big-fuse kernel
+    (``FUSE_SHAPES``).
     """
 
     path: str  # "half_mma" (kernel 1 + big-fuse kernel) | "all_mma" (one launch, last CTA runs the big fuse)
     split_k: int
     tile_m: int = 128
     stages: int = 3
+    fuse: str = "bw"
 
     @property
     def name(self) -> str:
-        return f"{self.path}:k{self.split_k}:m{self.tile_m}:s{self.stages}"
+        return f"{self.path}:k{self.split_k}:m{self.tile_m}:s{self.stages}:f{self.fuse}"
 
     @property
     def threads(self) -> int:
@@ -184,6 +208,8 @@ class MmaTactic:
         """None if this tactic can run at hidden size ``hidden`` (in both precisions), else why not."""
         if self.path not in MMA_PATHS:
             return f"path must be one of {MMA_PATHS}"
+        if fuse_invalid_reason(self.path, self.fuse):
+            return fuse_invalid_reason(self.path, self.fuse)
         if hidden % 64:
             return "H must be a multiple of 64"
         if self.tile_m not in (64, 128):
@@ -203,7 +229,7 @@ class MmaTactic:
         return self
 
 
-_MMA_NAME = re.compile(r"^(half_mma|all_mma):k(\d+):m(\d+):s(\d+)$")
+_MMA_NAME = re.compile(r"^(half_mma|all_mma):k(\d+):m(\d+):s(\d+):f(lat|bw)$")
 
 
 def default_mma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> MmaTactic:
@@ -213,11 +239,12 @@ def default_mma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> M
     tile_m = 64 if (m <= 64 or path == "all_mma") else 128
     m_tiles = -(-m // tile_m)
     split_k = 1 << max(0, min(hidden // MMA_BLOCK_H, sm_count // m_tiles).bit_length() - 1)
+    fuse = default_fuse(path, m)
     for stages in range(8, 1, -1):
-        tactic = MmaTactic(path, split_k, tile_m, stages)
+        tactic = MmaTactic(path, split_k, tile_m, stages, fuse)
         if tactic.invalid_reason(hidden) is None:
             return tactic
-    return MmaTactic(path, split_k, tile_m, 2).check(hidden)
+    return MmaTactic(path, split_k, tile_m, 2, fuse).check(hidden)
 
 
 def mma_stage_bytes(tile_m: int, n_parts: int) -> int:

@@ -76,7 +76,7 @@ def test_resolve_env_override_and_memo(monkeypatch):
 
     sel = autotune.Selector()
     monkeypatch.setenv("MHC_CUTE_BACKEND", "half_fma")
-    monkeypatch.setenv("MHC_CUTE_TACTIC", "half_fma:k56:t1:n6:w256:s1:b1")
+    monkeypatch.setenv("MHC_CUTE_TACTIC", "half_fma:k56:t1:n6:w256:s1:b1:flat")
     backend, tactic = sel.resolve(torch.device("cpu"), 3, 7168, "fp32", True)
     assert backend == "half_fma" and tactic.split_k == 56 and tactic.tokens_per_cta == 1
     monkeypatch.delenv("MHC_CUTE_BACKEND")
@@ -137,6 +137,8 @@ def test_tuner_keeps_the_fastest_and_skips_failures(monkeypatch):
 
     monkeypatch.setattr(bm, "mhc_cute_call", call)
     monkeypatch.setattr(bm, "time_graph", time_graph)
+    compiled = []  # compiled ahead in parallel processes: the (H, tactic) of every CuTe candidate, once
+    monkeypatch.setattr(autotune, "precompile_candidates", lambda cands, precision, norm: compiled.extend(cands))
     tables = autotune.tune(torch.device("cuda", 0), [512], [1, 3, 100], "fp32", False,
                            ["half_fma", "all_fma", "triton"], log=lambda *a: None)
     (key, rows), = tables.items()
@@ -145,3 +147,4 @@ def test_tuner_keeps_the_fastest_and_skips_failures(monkeypatch):
     assert rows[1].backend == "all_fma" and rows[4].backend == "all_fma"
     assert rows[128].backend == "half_fma"  # all_fma failed there
     assert all(r.tactic is not None and r.us is not None for r in rows.values())
+    assert compiled and all(h == 512 and t.path in ("half_fma", "all_fma") for h, t in compiled)

@@ -52,15 +52,13 @@ def test_every_fma_variant_compiles(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("*.o"))) == len(set(specs))
 
 
+@pytest.mark.parametrize("fuse", ["lat", "bw"])
 @pytest.mark.parametrize("norm", [None, torch.float32])
-def test_standalone_big_fuse_compiles(norm):
-    from mhc_cute.kernels import big_fuse
-    from mhc_cute.problem import Problem, Scalars
+def test_standalone_big_fuse_shapes_compile(norm, fuse):
+    """Path E with each shape of its big-fuse kernel, at an H whose 8-vectors do not fill the last batch."""
+    from mhc_cute.kernels import fma, spec_problem
+    from mhc_cute.tactics import FmaTactic
 
-    h, m = 1024, 3
-    problem = Problem(
-        torch.empty(m, h, dtype=torch.bfloat16), torch.empty(m, 4, h, dtype=torch.bfloat16), torch.empty(m, 4),
-        torch.empty(m, 4, 4), torch.empty(24, 4 * h), torch.empty(3), torch.empty(24),
-        None if norm is None else torch.empty(h, dtype=norm), Scalars(), "fp32",
-    )
-    assert big_fuse.compiled_big_fuse(problem, 5, problem.empty_outputs()) is not None  # running needs a GPU
+    problem = spec_problem(1088, "fp32", None if norm is None else "float32")
+    tactic = FmaTactic("half_fma", 17, 2, 6, 256, fuse=fuse)
+    assert fma.compile_fma(tactic, problem, problem.empty_outputs()) is not None  # running needs a GPU

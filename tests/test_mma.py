@@ -222,10 +222,10 @@ def _cuda_problem(m, h, norm=False, precision="fp32", seed=0):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 @pytest.mark.parametrize("m,h,tactic", [
-    (1, 512, "half_mma:k16:m64:s2"),
-    (77, 4096, "half_mma:k5:m64:s4"),
-    (300, 7168, "half_mma:k3:m128:s3"),
-    (130, 5120, "half_mma:k1:m128:s2"),
+    (1, 512, "half_mma:k16:m64:s2:flat"),
+    (77, 4096, "half_mma:k5:m64:s4:fbw"),
+    (300, 7168, "half_mma:k3:m128:s3:fbw"),
+    (130, 5120, "half_mma:k1:m128:s2:flat"),
 ])
 def test_gpu_partials_against_float64(m, h, tactic, precision):
     problem = _cuda_problem(m, h, precision=precision, seed=m)
@@ -248,7 +248,7 @@ def test_gpu_partials_against_float64(m, h, tactic, precision):
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("tactic", [
-    "half_mma:k7:m128:s3", "half_mma:k28:m64:s5", "all_mma:k1:m64:s2", "all_mma:k9:m64:s4", "all_mma:k56:m64:s3",
+    "half_mma:k7:m128:s3:fbw", "half_mma:k28:m64:s5:flat", "all_mma:k1:m64:s2:fbw", "all_mma:k9:m64:s4:fbw", "all_mma:k56:m64:s3:fbw",
 ])
 @pytest.mark.parametrize("m", [1, 65, 333])
 def test_gpu_explicit_tactics(m, tactic, norm):

@@ -30,7 +30,7 @@ def test_small_m_spreads_the_weight_read():
     assert 7168 // t.split_k == t.chunk_h  # one chunk each
 
 
-@pytest.mark.parametrize("t", [FmaTactic("all_fma", 112, 4, 6, 256), FmaTactic("half_fma", 7, 8, 3, 128, 2, 4)])
+@pytest.mark.parametrize("t", [FmaTactic("all_fma", 112, 4, 6, 256), FmaTactic("half_fma", 7, 8, 3, 128, 2, 4, "lat")])
 def test_name_round_trip(t):
     assert tac.parse_tactic(t.name) == t
     assert hash(t) == hash(tac.parse_tactic(t.name))
@@ -55,6 +55,8 @@ def test_parse_rejects_garbage():
         (FmaTactic("all_fma", 8, 1, 6, 256, 2), 512, "two chunks"),
         (FmaTactic("all_fma", 1, 8, 24, 1024), 4096, "tokens_per_cta"),
         (FmaTactic("all_fma", 56, 1, 6, 256, 1, 4), 7168, "burst"),
+        (FmaTactic("all_fma", 1, 1, 6, 256, fuse="lat"), 512, "two-launch paths only"),
+        (FmaTactic("half_fma", 1, 1, 6, 256, fuse="fast"), 512, "fuse must be"),
     ],
 )
 def test_invalid(t, h, why):
@@ -85,3 +87,13 @@ def test_resolve_tactic_default_name_object_and_wrong_path(monkeypatch):
     assert kernels.resolve_tactic("all_fma", want, problem, FmaTactic, parse_tactic, default_fma_tactic) is want
     with pytest.raises(ValueError, match="needs a FmaTactic with path 'half_fma'"):
         kernels.resolve_tactic("half_fma", want, problem, FmaTactic, parse_tactic, default_fma_tactic)
+
+
+def test_big_fuse_shape_follows_m_on_the_two_launch_paths():
+    for m, want in ((1, "lat"), (32, "lat"), (33, "bw"), (8192, "bw")):
+        assert tac.default_fma_tactic("half_fma", m, 7168).fuse == want
+        assert tac.default_mma_tactic("half_mma", m, 7168).fuse == want
+        assert tac.default_fma_tactic("all_fma", m, 7168).fuse == "bw"
+        assert tac.default_mma_tactic("all_mma", m, 7168).fuse == "bw"
+    assert "two-launch" in tac.MmaTactic("all_mma", 1, 64, 2, "lat").invalid_reason(512)
+    assert tac.parse_tactic("half_mma:k8:m128:s3:flat") == tac.MmaTactic("half_mma", 8, 128, 3, "lat")

@@ -13,8 +13,8 @@ Two ways in:
   code that depends on it, ``storage = phase.allocate(smem_allocator)``; later
   ``phase(storage, m0, partials, scale, base, norm_weight, residual_cur, post_out, comb_out, layer_input,
   scalars)`` with the flattened tensors of ``flat_outputs`` and ``BigFuseScalars``.
-* ``BigFuseKernel`` (standalone, one CTA per token block) and its host entry ``launch_big_fuse(problem,
-  partials, split_k, out)``, used by the two-launch paths (E here, B in ``mma.py``).
+* ``BigFuseKernel`` (standalone, one CTA per token block; ``standalone_big_fuse`` shapes it), launched by the
+  two-launch paths (E in ``fma.py``, B in ``mma.py``) from their compiled call.
 
 Partials are summed in a fixed order (split s round-robin over warps, then warps in order): deterministic.
 """
@@ -27,11 +27,9 @@ from typing import NamedTuple  # noqa: E402
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-import torch  # noqa: E402
 from cutlass import BFloat16, Float32, Int32  # noqa: E402
 
 from ..tactics import HC_MULT, N_MIXES, PARTIAL_COLS  # noqa: E402
-from . import CompiledKernels, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, scalar_args  # noqa: E402
 from . import device_utils as du  # noqa: E402
 
 SUMSQ_COL = N_MIXES  # column of the sum of squares in a partial row
@@ -57,11 +55,12 @@ class BigFusePhase:
 
     Order: sum the partials (all threads); collapse and norm, the warps split into ``groups`` token groups
     that work on different tokens at once (each thread derives the pre gates of its token from the summed
-    row, so no barrier is needed before the collapse); last, one thread per token computes the post gates and
-    runs the Sinkhorn, the only long serial chain, off the other warps' path.
+    row, so no barrier is needed before the collapse). The collapse is latency bound at small M: each thread
+    issues the loads of ``batch`` 8-vectors (all 4 streams) before it uses any, and the one long serial chain,
+    the post gates and the Sinkhorn (one thread per token), runs while the first batch is in flight.
     """
 
-    def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype):
+    def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4):
         assert hidden % du.VEC_BF16 == 0 and threads % du.WARP == 0 and tokens <= threads
         self.hidden = hidden
         self.split_k = split_k
@@ -75,6 +74,8 @@ class BigFusePhase:
         self.rounds = -(-tokens // self.groups)
         self.octets = hidden // du.VEC_BF16
         self.slots = -(-self.octets // self.group_threads)  # 8-vectors of a token per thread
+        self.batch = batch  # 8-vectors per thread whose loads are in flight together (16 registers each)
+        self.batches = -(-self.slots // batch)
         # with the norm, the rounded collapse is kept in registers for the second pass when it fits, else it
         # is stored (bf16, exact) and read back by the same thread
         self.keep_rounded = self.slots <= 8
@@ -105,8 +106,7 @@ class BigFusePhase:
         scalars: BigFuseScalars,
     ):
         self.sum_partials(storage, m0, mPartials)
-        self.collapse(storage, m0, mScale, mBase, mNormW, mResCur, mLayerIn, scalars)
-        self.post_and_sinkhorn(storage, m0, mScale, mBase, mPostOut, mCombOut, scalars)
+        self.collapse(storage, m0, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars)
 
     @cute.jit
     def sum_partials(self, storage: BigFuseStorage, m0: Int32, mPartials: cute.Tensor):
@@ -154,79 +154,113 @@ class BigFusePhase:
         mBase: cute.Tensor,
         mNormW,
         mResCur: cute.Tensor,
+        mPostOut: cute.Tensor,
+        mCombOut: cute.Tensor,
         mLayerIn: cute.Tensor,
         scalars: BigFuseScalars,
     ):
         """layer_input = bf16(sum_j pre[j] * residual_cur[j]) (j in order), then the optional RMSNorm over the
-        rounded values. Token group g handles tokens g, g + groups, ..."""
+        rounded values. Token group g handles tokens g, g + groups, ...; the post gates and the Sinkhorn run
+        while the first batch of the first round is loading."""
         tidx, _, _ = cute.arch.thread_idx()
         group = cute.arch.warp_idx() // self.group_warps
         gtid = tidx % self.group_threads
         n_valid = cutlass.min(mLayerIn.shape[0] - m0, self.tokens)
         for r in cutlass.range_constexpr(self.rounds):
             t = r * self.groups + group
+            valid = t < n_valid
+            tc = cutlass.min(t, n_valid - 1)  # a valid row for every thread; the invalid ones load nothing
             sumsq = Float32(0.0)
             rounded = cute.make_rmem_tensor((self.slots if self.keep_rounded else 1, du.VEC_BF16), Float32)
-            if t < n_valid:
-                rstd = self.rstd(storage, t, scalars.rms_eps)
-                pre = [du.sigmoid(storage.mixes[t, j] * rstd * mScale[0] + mBase[j]) + scalars.hc_pre_eps
-                       for j in range(HC_MULT)]
-                row_res, row_out = mResCur[m0 + t, None], mLayerIn[m0 + t, None]
-                if cutlass.const_expr(self.slots <= 8):
-                    for u in cutlass.range_constexpr(self.slots):
-                        sumsq = self.collapse_vector(gtid + u * self.group_threads, u, pre, row_res, row_out,
-                                                     rounded, sumsq)
-                else:
-                    for u in cutlass.range(self.slots, unroll=2):
-                        sumsq = self.collapse_vector(gtid + u * self.group_threads, u, pre, row_res, row_out,
-                                                     rounded, sumsq)
+            rstd = self.rstd(storage, tc, scalars.rms_eps)
+            pre = [du.sigmoid(storage.mixes[tc, j] * rstd * mScale[0] + mBase[j]) + scalars.hc_pre_eps
+                   for j in range(HC_MULT)]
+            row_res, row_out = mResCur[m0 + tc, None], mLayerIn[m0 + tc, None]
+            if cutlass.const_expr(self.batches <= 2):
+                for b in cutlass.range_constexpr(self.batches):
+                    res = self.load_batch(b, gtid, valid, row_res)
+                    if cutlass.const_expr(r == 0 and b == 0):
+                        self.post_and_sinkhorn(storage, m0, mScale, mBase, mPostOut, mCombOut, scalars)
+                    sumsq = self.collapse_batch(b, gtid, valid, res, pre, row_out, rounded, sumsq)
+            else:
+                n_batches = Int32(1 if r == 0 else 0)  # a token-less group still runs the Sinkhorn hook
+                if valid:
+                    n_batches = Int32(self.batches)
+                for b in cutlass.range(n_batches, unroll=1):
+                    res = self.load_batch(b, gtid, valid, row_res)
+                    if cutlass.const_expr(r == 0):
+                        if b == 0:
+                            self.post_and_sinkhorn(storage, m0, mScale, mBase, mPostOut, mCombOut, scalars)
+                    sumsq = self.collapse_batch(b, gtid, valid, res, pre, row_out, rounded, sumsq)
             if cutlass.const_expr(self.norm_dtype is not None):
                 total = self.group_sum(sumsq, storage.scratch, group)
-                if t < n_valid:
+                if valid:
                     r_norm = cute.math.rsqrt(total / self.hidden + scalars.norm_eps)
-                    row_out = mLayerIn[m0 + t, None]
-                    if cutlass.const_expr(self.slots <= 8):
-                        for u in cutlass.range_constexpr(self.slots):
-                            self.normalise_vector(gtid + u * self.group_threads, u, r_norm, mNormW, row_out, rounded)
+                    if cutlass.const_expr(self.batches <= 2):
+                        for b in cutlass.range_constexpr(self.batches):
+                            self.normalise_batch(b, gtid, r_norm, mNormW, row_out, rounded)
                     else:
-                        for u in cutlass.range(self.slots, unroll=2):
-                            self.normalise_vector(gtid + u * self.group_threads, u, r_norm, mNormW, row_out, rounded)
+                        for b in cutlass.range(self.batches, unroll=1):
+                            self.normalise_batch(b, gtid, r_norm, mNormW, row_out, rounded)
 
     @cute.jit
-    def collapse_vector(self, o, u, pre, row_res, row_out, rounded, sumsq: Float32) -> Float32:
-        """The collapse of one 8-vector ``o`` of a token; returns ``sumsq`` plus its rounded squares (norm)."""
-        if o < self.octets:
-            li = du.load_bf16x8(cute.local_tile(row_res, (du.VEC_BF16,), (o,))) * pre[0]
-            for j in cutlass.range_constexpr(1, HC_MULT):
-                res_j = du.load_bf16x8(cute.local_tile(row_res, (du.VEC_BF16,), (j * self.octets + o,)))
-                li = li + res_j * pre[j]
-            if cutlass.const_expr(self.norm_dtype is None or not self.keep_rounded):
-                li = du.store_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (o,)), li)
-            else:
-                li = li.to(BFloat16).to(Float32)
-                rounded[u, None].store(li)
-            if cutlass.const_expr(self.norm_dtype is not None):
-                for i in cutlass.range_constexpr(du.VEC_BF16):
-                    sumsq = sumsq + li[i] * li[i]
+    def load_batch(self, b, gtid, valid, row_res):
+        """The 4 stream vectors of this thread's 8-vectors ``batch * b ...`` of a token, all loads in flight."""
+        res = cute.make_rmem_tensor(du.row_major(self.batch, HC_MULT, du.VEC_BF16), BFloat16)
+        for i in cutlass.range_constexpr(self.batch):
+            o = gtid + (b * self.batch + i) * self.group_threads
+            if valid:
+                if o < self.octets:
+                    for j in cutlass.range_constexpr(HC_MULT):
+                        src = cute.local_tile(row_res, (du.VEC_BF16,), (j * self.octets + o,))
+                        cute.autovec_copy(src, res[i, j, None])
+        return res
+
+    @cute.jit
+    def collapse_batch(self, b, gtid, valid, res, pre, row_out, rounded, sumsq: Float32) -> Float32:
+        """The collapse of one loaded batch; returns ``sumsq`` plus its rounded squares (norm)."""
+        for i in cutlass.range_constexpr(self.batch):
+            u = b * self.batch + i
+            o = gtid + u * self.group_threads
+            if valid & (o < self.octets):
+                li = res[i, 0, None].load().to(Float32) * pre[0]
+                for j in cutlass.range_constexpr(1, HC_MULT):
+                    li = li + res[i, j, None].load().to(Float32) * pre[j]
+                if cutlass.const_expr(self.norm_dtype is None or not self.keep_rounded):
+                    li = du.store_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (o,)), li)
+                else:  # keep_rounded: slots <= 8, so b (and u) are compile-time here
+                    li = li.to(BFloat16).to(Float32)
+                    if cutlass.const_expr(u < self.slots):
+                        rounded[u, None].store(li)
+                if cutlass.const_expr(self.norm_dtype is not None):
+                    for e in cutlass.range_constexpr(du.VEC_BF16):
+                        sumsq = sumsq + li[e] * li[e]
         return sumsq
 
     @cute.jit
-    def normalise_vector(self, o, u, r_norm: Float32, mNormW: cute.Tensor, row_out, rounded):
-        """Second pass of the norm for 8-vector ``o``: bf16(li * r * w)."""
-        if o < self.octets:
-            out = cute.local_tile(row_out, (du.VEC_BF16,), (o,))
-            if cutlass.const_expr(self.keep_rounded):
-                li = rounded[u, None].load()
-            else:
-                li = du.load_bf16x8(out)  # this thread's own unnormalised store (exact: already rounded)
-            w = cute.local_tile(mNormW, (du.VEC_BF16,), (o,))
-            if cutlass.const_expr(self.norm_dtype is BFloat16):
-                wv = du.load_bf16x8(w)
-            else:
-                frag = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
-                cute.autovec_copy(w, frag)
-                wv = frag.load()
-            du.store_bf16x8(out, li * r_norm * wv)
+    def normalise_batch(self, b, gtid, r_norm: Float32, mNormW: cute.Tensor, row_out, rounded):
+        """Second pass of the norm for one batch of 8-vectors: bf16(li * r * w), every load before any store."""
+        li = cute.make_rmem_tensor(du.row_major(self.batch, du.VEC_BF16), Float32)
+        w = cute.make_rmem_tensor(du.row_major(self.batch, du.VEC_BF16), Float32)
+        for i in cutlass.range_constexpr(self.batch):
+            u = b * self.batch + i
+            o = gtid + u * self.group_threads
+            if o < self.octets:
+                if cutlass.const_expr(self.keep_rounded):  # slots <= 8: b and u are compile-time
+                    if cutlass.const_expr(u < self.slots):
+                        li[i, None].store(rounded[u, None].load())
+                else:  # this thread's own unnormalised store (exact: already rounded)
+                    li[i, None].store(du.load_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (o,))))
+                src = cute.local_tile(mNormW, (du.VEC_BF16,), (o,))
+                if cutlass.const_expr(self.norm_dtype is BFloat16):
+                    w[i, None].store(du.load_bf16x8(src))
+                else:
+                    cute.autovec_copy(src, w[i, None])
+        for i in cutlass.range_constexpr(self.batch):
+            o = gtid + (b * self.batch + i) * self.group_threads
+            if o < self.octets:
+                du.store_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (o,)),
+                                li[i, None].load() * r_norm * w[i, None].load())
 
     @cute.jit
     def group_sum(self, val: Float32, scratch: cute.Tensor, group) -> Float32:
@@ -288,8 +322,8 @@ def partials_view(workspace, split_k: int, m):
 class BigFuseKernel:
     """Standalone big fuse: one CTA of ``threads`` threads per block of ``tokens`` tokens."""
 
-    def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype):
-        self.phase = BigFusePhase(hidden, split_k, tokens, threads, norm_dtype)
+    def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4):
+        self.phase = BigFusePhase(hidden, split_k, tokens, threads, norm_dtype, batch)
 
     @cute.jit
     def launch(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, stream):
@@ -299,30 +333,6 @@ class BigFuseKernel:
         self.kernel(mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars).launch(
             grid=[cute.ceil_div(m, phase.tokens), 1, 1], block=[phase.threads, 1, 1], stream=stream, use_pdl=True
         )
-
-    @cute.jit
-    def __call__(
-        self,
-        workspace: cute.Tensor,
-        hc_scale: cute.Tensor,
-        hc_base: cute.Tensor,
-        norm_weight,
-        residual_cur: cute.Tensor,
-        post_mix_cur: cute.Tensor,
-        comb_mix_cur: cute.Tensor,
-        layer_input: cute.Tensor,
-        rms_eps: Float32,
-        hc_pre_eps: Float32,
-        hc_sinkhorn_eps: Float32,
-        hc_post_mult_value: Float32,
-        sinkhorn_repeat: Int32,
-        norm_eps: Float32,
-        stream,
-    ):
-        m = residual_cur.shape[0]
-        outs = flat_outputs(self.phase.hidden, m, residual_cur, post_mix_cur, comb_mix_cur, layer_input)
-        scalars = BigFuseScalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
-        self.launch(partials_view(workspace, self.phase.split_k, m), hc_scale, hc_base, norm_weight, *outs, scalars, stream)
 
     @cute.kernel
     def kernel(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars: BigFuseScalars):
@@ -335,29 +345,15 @@ class BigFuseKernel:
                    mCombOut, mLayerIn, scalars)
 
 
-def big_fuse_threads(hidden: int) -> int:
-    """Threads of a standalone big-fuse CTA: enough for a few 16-byte vectors per thread per stream."""
-    return 128 if hidden >= 2048 else 64
-
-
-_compiled_big_fuse = CompiledKernels("mhc_big_fuse")
-
-
-def compiled_big_fuse(problem, split_k: int, out):
-    """The compiled standalone big fuse for (H, split_k, norm dtype), compiled (or loaded) on first use."""
-    h = problem.hidden
-
-    def build():
-        kernel = BigFuseKernel(h, split_k, 1, big_fuse_threads(h), norm_dtype_of(problem.norm_weight))
-        return compile_kernel(kernel, fake_buffer(Float32), *fake_tensors(problem.hc_scale, problem.hc_base, align=4),
-                              *fake_tensors(problem.norm_weight), *fake_tensors(*out, tokens=cute.sym_int()))
-
-    norm = None if problem.norm_weight is None else str(problem.norm_weight.dtype)
-    return _compiled_big_fuse.get((h, split_k, norm), build)
-
-
-def launch_big_fuse(problem, partials: torch.Tensor, split_k: int, out) -> None:
-    """Run the standalone big fuse on ``partials`` (a flat fp32 buffer holding ``[split_k, M, 32]`` at its
-    start) and ``out.residual_cur``, writing the other three outputs of ``out``."""
-    fn = compiled_big_fuse(problem, split_k, out)
-    fn(partials, problem.hc_scale, problem.hc_base, problem.norm_weight, *out, *scalar_args(problem.scalars))
+def standalone_big_fuse(hidden: int, split_k: int, norm_dtype, fuse: str) -> BigFuseKernel:
+    """The big-fuse kernel of the two-launch paths (E, B): one token per CTA, shaped by ``fuse`` (see
+    ``tactics.FUSE_SHAPES``). "lat": enough threads that each thread's 8-vectors of the token fit one batch of
+    4 loads in flight, so the collapse costs one memory round trip; "bw": 128 threads, batches of 2 (fewer
+    registers, so that many CTAs share an SM)."""
+    if fuse == "lat":
+        batch = 4
+        per_batch = -(-(hidden // du.VEC_BF16) // batch)
+        threads = min(1024, max(64, -(-per_batch // du.WARP) * du.WARP))
+    else:
+        threads, batch = 128, 2
+    return BigFuseKernel(hidden, split_k, 1, threads, norm_dtype, batch)

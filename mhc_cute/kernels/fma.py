@@ -44,7 +44,7 @@ from . import (  # noqa: E402
     scalar_args, spec_problem,
 )
 from . import device_utils as du  # noqa: E402
-from .big_fuse import BigFuseKernel, BigFusePhase, BigFuseScalars, big_fuse_threads, flat_outputs, partials_view  # noqa: E402,E501
+from .big_fuse import BigFusePhase, BigFuseScalars, flat_outputs, partials_view, standalone_big_fuse  # noqa: E402,E501
 
 SUMSQ_COL = N_MIXES
 QUAD = 4  # fp32 elements in one 16-byte access
@@ -78,7 +78,7 @@ class FmaFusedHc:
         if self.fused:
             self.phase = BigFusePhase(hidden, tactic.split_k, self.tokens, self.threads, norm_dtype)
         else:
-            self.big_fuse = BigFuseKernel(hidden, tactic.split_k, 1, big_fuse_threads(hidden), norm_dtype)
+            self.big_fuse = standalone_big_fuse(hidden, tactic.split_k, norm_dtype, tactic.fuse)
 
     @cute.jit
     def __call__(

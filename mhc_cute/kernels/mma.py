@@ -51,7 +51,7 @@ from . import (  # noqa: E402
     scalar_args, spec_problem,
 )
 from .big_fuse import (  # noqa: E402
-    BigFuseKernel, BigFusePhase, BigFuseScalars, big_fuse_threads, flat_outputs, partials_view,
+    BigFusePhase, BigFuseScalars, flat_outputs, partials_view, standalone_big_fuse,
 )
 from .wgmma_tf32 import make_tf32_tiled_mma  # noqa: E402
 
@@ -168,7 +168,7 @@ class MmaFusedHcKernel:
         if self.fused:
             self.finish = finish_phase(tactic, hidden, norm_dtype)
         else:
-            self.big_fuse = BigFuseKernel(hidden, tactic.split_k, 1, big_fuse_threads(hidden), norm_dtype)
+            self.big_fuse = standalone_big_fuse(hidden, tactic.split_k, norm_dtype, tactic.fuse)
 
     # -------------------------------------------------------------------- host side
     @cute.jit
