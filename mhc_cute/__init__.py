@@ -4,5 +4,5 @@ from .api import mhc_fused_hc
 from .problem import MhcFusedHcOutput
 from .backends import BACKENDS, available
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["mhc_fused_hc", "MhcFusedHcOutput", "BACKENDS", "available", "__version__"]

@@ -194,8 +194,9 @@ class Selector:
             choice = None
             if device.type == "cuda" and torch.version.hip is None:
                 choice = self.choose(device, m, hidden, precision, norm)
+            tactic = _tactic_or_none(choice)
             if choice is not None and backends.unavailable_reason(choice.backend, device) is None:
-                hit = (choice.backend, parse_tactic(choice.backend, choice.tactic))
+                hit = (choice.backend, tactic)
             else:
                 hit = (backends.pick_auto(device, m, hidden), None)
         self._resolved[key] = hit
@@ -209,6 +210,18 @@ def parse_tactic(backend: str, name: str | None):
     from . import tactics
 
     return tactics.parse_tactic(name)
+
+
+def _tactic_or_none(choice: Choice | None):
+    """The tactic of a table entry; one this version cannot parse (a table written by another version) falls
+    back to the backend's default tactic with a warning."""
+    if choice is None:
+        return None
+    try:
+        return parse_tactic(choice.backend, choice.tactic)
+    except ValueError as e:
+        warnings.warn(f"mhc_cute: tuned tactic {choice.tactic!r} not understood ({e}); using the default", stacklevel=3)
+        return None
 
 
 SELECTOR = Selector()

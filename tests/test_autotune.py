@@ -148,3 +148,10 @@ def test_tuner_keeps_the_fastest_and_skips_failures(monkeypatch):
     assert rows[128].backend == "half_fma"  # all_fma failed there
     assert all(r.tactic is not None and r.us is not None for r in rows.values())
     assert compiled and all(h == 512 and t.path in ("half_fma", "all_fma") for h, t in compiled)
+
+
+def test_a_tuned_tactic_this_version_cannot_parse_falls_back_to_the_default():
+    with pytest.warns(UserWarning, match="not understood"):
+        assert autotune._tactic_or_none(autotune.Choice("half_mma", "half_mma:k8:m128:s3")) is None
+    assert autotune._tactic_or_none(autotune.Choice("half_mma", "half_mma:k8:m128:s3:fbw")).split_k == 8
+    assert autotune._tactic_or_none(autotune.Choice("triton", None)) is None
