@@ -100,10 +100,10 @@ def cmd_bench(args) -> int:
                       flush=True)
             del sets
             torch.cuda.empty_cache()
+            if args.json:  # after every shape, so that a run cut short keeps what it measured
+                bm.write_json(results, args.json, bandwidth, gpu, dict(norm=args.norm, precision=args.precision))
     print(bm.format_table(results, bandwidth, gpu))
-    meta = dict(norm=args.norm, precision=args.precision)
-    if args.json:
-        bm.write_json(results, args.json, bandwidth, gpu, meta)
+    print(bm.auto_summary(results, names))
     if args.plot:
         bm.plot(results, args.plot, gpu)
     return 0

@@ -155,3 +155,11 @@ def test_a_tuned_tactic_this_version_cannot_parse_falls_back_to_the_default():
         assert autotune._tactic_or_none(autotune.Choice("half_mma", "half_mma:k8:m128:s3")) is None
     assert autotune._tactic_or_none(autotune.Choice("half_mma", "half_mma:k8:m128:s3:fbw")).split_k == 8
     assert autotune._tactic_or_none(autotune.Choice("triton", None)) is None
+
+
+def test_bench_summary_compares_auto_with_the_fastest_backend_of_the_same_run():
+    from mhc_cute import benchmark as bm
+
+    rows = [bm.Result("auto", 1, 512, graph_us=10.5), bm.Result("half_fma", 1, 512, graph_us=10.0),
+            bm.Result("half_mma", 1, 512, graph_us=12.0), bm.Result("tilekernels", 1, 512, graph_us=5.0)]
+    assert "H=512 M=1: 1.050 (fastest: half_fma)" in bm.auto_summary(rows, ["half_fma", "half_mma"])
