@@ -78,7 +78,7 @@ class BigFusePhase:
         self.batches = -(-self.slots // batch)
         # with the norm, the rounded collapse is kept in registers for the second pass when it fits, else it
         # is stored (bf16, exact) and read back by the same thread
-        self.keep_rounded = self.slots <= 8
+        self.keep_rounded = self.slots <= 8 and self.batches <= 2  # (compile-time slot indices)
 
     def smem_bytes(self) -> int:
         return 4 * (self.warps * self.tokens * PARTIAL_COLS + self.tokens * PARTIAL_COLS + self.warps) + 48
@@ -105,8 +105,24 @@ class BigFusePhase:
         mLayerIn: cute.Tensor,
         scalars: BigFuseScalars,
     ):
+        first = None
+        if cutlass.const_expr(self.batches <= 2):
+            # residual_cur does not depend on the partials: the first batch of the collapse loads while the
+            # partials are summed (two memory round trips overlap)
+            gtid, valid, row = self.round_token(0, m0, mLayerIn.shape[0])
+            first = self.load_batch(0, gtid, valid, mResCur[m0 + row, None])
         self.sum_partials(storage, m0, mPartials)
-        self.collapse(storage, m0, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars)
+        self.collapse(storage, m0, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first)
+
+    @cute.jit
+    def round_token(self, r, m0: Int32, m_total):
+        """This thread's place in the collapse's round ``r``: its index in its token group, whether the group
+        has a token this round, and that token's row in the block (clamped to a valid one when it has none)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        group = cute.arch.warp_idx() // self.group_warps
+        n_valid = cutlass.min(m_total - m0, self.tokens)
+        t = r * self.groups + group
+        return tidx % self.group_threads, t < n_valid, cutlass.min(t, n_valid - 1)
 
     @cute.jit
     def sum_partials(self, storage: BigFuseStorage, m0: Int32, mPartials: cute.Tensor):
@@ -158,18 +174,14 @@ class BigFusePhase:
         mCombOut: cute.Tensor,
         mLayerIn: cute.Tensor,
         scalars: BigFuseScalars,
+        first,
     ):
         """layer_input = bf16(sum_j pre[j] * residual_cur[j]) (j in order), then the optional RMSNorm over the
         rounded values. Token group g handles tokens g, g + groups, ...; the post gates and the Sinkhorn run
-        while the first batch of the first round is loading."""
-        tidx, _, _ = cute.arch.thread_idx()
+        while the first batch of the first round is loading (``first``: that batch, when already loaded)."""
         group = cute.arch.warp_idx() // self.group_warps
-        gtid = tidx % self.group_threads
-        n_valid = cutlass.min(mLayerIn.shape[0] - m0, self.tokens)
         for r in cutlass.range_constexpr(self.rounds):
-            t = r * self.groups + group
-            valid = t < n_valid
-            tc = cutlass.min(t, n_valid - 1)  # a valid row for every thread; the invalid ones load nothing
+            gtid, valid, tc = self.round_token(r, m0, mLayerIn.shape[0])
             sumsq = Float32(0.0)
             rounded = cute.make_rmem_tensor((self.slots if self.keep_rounded else 1, du.VEC_BF16), Float32)
             rstd = self.rstd(storage, tc, scalars.rms_eps)
@@ -178,7 +190,10 @@ class BigFusePhase:
             row_res, row_out = mResCur[m0 + tc, None], mLayerIn[m0 + tc, None]
             if cutlass.const_expr(self.batches <= 2):
                 for b in cutlass.range_constexpr(self.batches):
-                    res = self.load_batch(b, gtid, valid, row_res)
+                    if cutlass.const_expr(r == 0 and b == 0 and first is not None):
+                        res = first
+                    else:
+                        res = self.load_batch(b, gtid, valid, row_res)
                     if cutlass.const_expr(r == 0 and b == 0):
                         self.post_and_sinkhorn(storage, m0, mScale, mBase, mPostOut, mCombOut, scalars)
                     sumsq = self.collapse_batch(b, gtid, valid, res, pre, row_out, rounded, sumsq)
