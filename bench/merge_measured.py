@@ -30,8 +30,9 @@ def main() -> int:
                 merged[(r["hidden"], r["m"], r["name"])] = r
     for h in sorted({k[0] for k in merged}, reverse=True):
         print(f"\n**H = {h}** (µs per call, CUDA-graph replay; the fastest mhc_cute backend in bold)\n")
-        print("| M | " + " | ".join(c[1] for c in COLUMNS) + " | auto % of floor | auto vs TileKernels |")
-        print("|---:|" + "---:|" * (len(COLUMNS) + 2))
+        print("| M | " + " | ".join(c[1] for c in COLUMNS)
+              + " | auto % of floor | auto / fastest | auto vs TileKernels | auto eager |")
+        print("|---:|" + "---:|" * (len(COLUMNS) + 4))
         for m in sorted({k[1] for k in merged if k[0] == h}):
             row = {name: merged.get((h, m, name)) for name, _ in COLUMNS}
             best = min((r["graph_us"], n) for n, r in row.items() if n in KERNELS and r)[1]
@@ -40,7 +41,9 @@ def main() -> int:
             auto, tk = row["auto"], row["tilekernels"]
             floor = f"{100 * auto['floor_frac']:.0f}%" if auto else "—"
             speedup = f"{tk['graph_us'] / auto['graph_us']:.2f}x" if auto and tk else "—"
-            print(f"| {m} | " + " | ".join(cells) + f" | {floor} | {speedup} |")
+            vs_best = f"{auto['graph_us'] / row[best]['graph_us']:.3f}" if auto else "—"
+            eager = f"{auto['eager_us']:.0f}" if auto and auto.get("eager_us") else "—"
+            print(f"| {m} | " + " | ".join(cells) + f" | {floor} | {vs_best} | {speedup} | {eager} |")
     if args.plot:
         plot([Result(r["name"], r["m"], r["hidden"], r["graph_us"]) for r in merged.values()], args.plot, gpu)
     return 0
