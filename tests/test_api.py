@@ -285,10 +285,17 @@ def test_accuracy_check_catches_errors(norm):
         v = t.view(-1)[i].float()
         t.view(-1)[i] = (v + 2 * 2.0 ** (torch.floor(torch.log2(v.abs())) - 7) * torch.sign(v)).bfloat16()
 
+    def two_ulps_typical(t):
+        flat = t.view(-1)
+        i = flat.float().abs().argsort()[flat.numel() // 2]  # a median-sized element
+        v = flat[i].float()
+        flat[i] = (v + 2 * 2.0 ** (torch.floor(torch.log2(v.abs())) - 7) * torch.sign(v)).bfloat16()
+
     def mix_err(t):
         t.mul_(1 + 1e-4)
 
     for field, fn, msg in (("residual_cur", flip_bit, "bitwise"), ("layer_input", two_ulps, "bf16 ulp"),
+                           ("layer_input", two_ulps_typical, "bf16 ulp"),
                            ("comb_mix_cur", mix_err, "comb_mix_cur"), ("post_mix_cur", mix_err, "post_mix_cur")):
         with pytest.raises(AssertionError, match=msg):
             check_outputs(broken(field, fn), problem)
