@@ -163,3 +163,24 @@ def test_bench_summary_compares_auto_with_the_fastest_backend_of_the_same_run():
     rows = [bm.Result("auto", 1, 512, graph_us=10.5), bm.Result("half_fma", 1, 512, graph_us=10.0),
             bm.Result("half_mma", 1, 512, graph_us=12.0), bm.Result("tilekernels", 1, 512, graph_us=5.0)]
     assert "H=512 M=1: 1.050 (fastest: half_fma)" in bm.auto_summary(rows, ["half_fma", "half_mma"])
+
+
+@pytest.mark.parametrize("other_us,want_default", [(4.95, True), (4.5, False)])
+def test_tuner_keeps_the_default_tactic_unless_another_is_clearly_faster(monkeypatch, other_us, want_default):
+    import types
+
+    import torch
+
+    from mhc_cute import benchmark as bm, tactics
+
+    props = types.SimpleNamespace(name="Fake GPU", multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bm, "make_sets", lambda m, h, n, dev, norm: [m])
+    monkeypatch.setattr(autotune, "precompile_candidates", lambda *a: None)
+    default = tactics.default_fma_tactic("half_fma", 1, 512, 132)
+    monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic: tactic)
+    monkeypatch.setattr(bm, "time_graph", lambda tactic, sets: 5.0 if tactic == default else other_us)
+    tables = autotune.tune(torch.device("cuda", 0), [512], [1], "fp32", False, ["half_fma"], log=lambda *a: None)
+    (rows,) = tables.values()
+    assert (rows[1].tactic == default.name) == want_default
