@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One batched GPU session (run from the repository root on the GPU machine, under .devbundle/gpu.sh):
-# unpack kernels precompiled on a CPU machine (bench/precompile.py), warm Triton's cache in parallel, run the
-# GPU tests listed in $TESTS (pytest node ids, one per line; default: every gpu test), then `mhc-cute bench`.
-# Everything is logged under $OUT. Each stage has its own time limit so that one slow stage cannot eat the rest.
+# unpack kernels precompiled on a CPU machine (bench/precompile.py), compile what is missing in parallel (the
+# shipped table's tactics, each backend's default on the bench grid, the explicit tactics of tests/test_mma.py,
+# Triton's test and bench configurations), run the GPU tests listed in $TESTS (pytest node ids, one per line;
+# default: every gpu test), then `mhc-cute bench`. Everything is logged under $OUT. Each stage has its own time
+# limit so that one slow stage cannot eat the rest.
 set -u
 OUT=${OUT:-/tmp/mhc-out}
 mkdir -p "$OUT"
@@ -11,23 +13,46 @@ mkdir -p "$MHC_CUTE_KERNEL_CACHE"
 if [ -f .kcarry/kcache.tar.xz ]; then tar -C "$MHC_CUTE_KERNEL_CACHE" -xJf .kcarry/kcache.tar.xz; fi
 echo "kernels in cache: $(ls "$MHC_CUTE_KERNEL_CACHE" | wc -l)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
+t0=$(date +%s)
 
-[ "${WARM_S:-60}" = 0 ] || timeout "${WARM_S:-60}" python - <<'EOF' 2>&1 | tail -3
+[ "${WARM_S:-180}" = 0 ] || {
+timeout "${WARM_S:-180}" python - <<'EOF_PY' 2>&1 | tail -2
+from mhc_cute import autotune, tactics
+ms = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+cands = []
+for key, rows in autotune.load_shipped_tables().items():
+    h = int(key.split("|")[2][1:])
+    cands += [(h, tactics.parse_tactic(c.tactic)) for c in rows.values() if c.tactic]
+for h in (4096, 7168):
+    for m in ms:
+        cands += [(h, tactics.default_fma_tactic(p, m, h)) for p in tactics.FMA_PATHS]
+        cands += [(h, tactics.default_mma_tactic(p, m, h)) for p in tactics.MMA_PATHS]
+autotune.precompile_candidates(list(dict.fromkeys(cands)), "fp32", False)
+print("precompiled", len(set(cands)), "bench variants")
+EOF_PY
+timeout 120 python bench/bench_mma.py --precompile-tests 2>&1 | tail -1
+timeout 90 python - <<'EOF_PY' 2>&1 | tail -1
 import sys
 sys.path.insert(0, "bench")
 import bench_triton
-jobs = [(m, h, norm, None) for m in (1, 3, 17, 100, 1000, 4096) for h in (512, 4096, 7168) for norm in (False, True)]
-jobs += [(m, h, False, None) for m in (1, 4, 16, 32, 64, 256, 1024, 2048, 4096, 8192) for h in (4096, 7168)]
+jobs = [(m, h, norm, None) for m in (1, 2, 3, 16, 17, 64, 100, 256, 1000, 4096, 8192)
+        for h in (512, 4096, 5120, 7168) for norm in (False, True)]
+jobs += [(m, h, False, None) for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+         for h in (4096, 7168)]
 bench_triton.precompile(jobs, 16)
-EOF
+EOF_PY
+}
+echo "warm $(( $(date +%s) - t0 )) s"
 
 if [ -n "${TESTS:-}" ]; then sel=$(cat "$TESTS"); else sel="-m gpu tests"; fi
-timeout "${TEST_S:-200}" python -m pytest -q -p no:cacheprovider --tb=line -rf $sel > "$OUT/tests.log" 2>&1
-echo "tests rc=$?"; grep -E "passed|failed" "$OUT/tests.log" | tail -1
+timeout "${TEST_S:-240}" python -m pytest -q -p no:cacheprovider --tb=line -rf $sel > "$OUT/tests.log" 2>&1
+echo "tests rc=$? $(( $(date +%s) - t0 )) s"; grep -E "passed|failed" "$OUT/tests.log" | tail -1
 grep -E "^FAILED|Error|assert" "$OUT/tests.log" | head -40
 
-timeout "${BENCH_S:-200}" python -m mhc_cute.cli bench ${BENCH_ARGS:-} --json "$OUT/bench.json" --plot "$OUT/bench.png" \
+[ "${BENCH_S:-300}" = 0 ] || {
+timeout "${BENCH_S:-300}" python -m mhc_cute.cli bench ${BENCH_ARGS:-} --json "$OUT/bench.json" --plot "$OUT/bench.png" \
   > "$OUT/bench.txt" 2> "$OUT/bench.err"
-echo "bench rc=$?"
+echo "bench rc=$? $(( $(date +%s) - t0 )) s"
 cat "$OUT/bench.txt"
 grep -v TileLang "$OUT/bench.err" | tail -5
+}
