@@ -285,41 +285,57 @@ def precompile_candidates(candidates, precision: str, norm: bool) -> None:
 TUNE_MARGIN = 0.02  # a non-default tactic must beat every backend's default by this much to be kept
 
 
+def pick(timed: list) -> tuple | None:
+    """From ``timed`` [(µs, backend, tactic, is the backend's default)], the fastest default, unless a
+    non-default tactic is more than ``TUNE_MARGIN`` faster than it."""
+    defaults = [c for c in timed if c[3]]
+    others = [c for c in timed if not c[3]]
+    best_default = min(defaults, key=lambda c: c[0], default=None)
+    best_other = min(others, key=lambda c: c[0], default=None)
+    if best_default is None or (best_other is not None and best_other[0] < best_default[0] * (1 - TUNE_MARGIN)):
+        return best_other
+    return best_default
+
+
 def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, log=progress) -> dict:
     """Time every candidate (backend, tactic) per M bucket with CUDA-graph replay over rotated inputs and keep
-    the fastest; tactics that fail are skipped. A backend's own default tactic (the first candidate) wins over
-    a non-default one that is less than ``TUNE_MARGIN`` faster: a timing differs by a few percent from run to
-    run at a few µs, and the defaults are what the tests cover most. Returns {TuneKey string: {bucket: Choice}}."""
-    from . import benchmark as bm
+    the fastest that is correct; tactics that fail to run are skipped. A backend's own default tactic (the first
+    candidate) wins over a non-default one that is less than ``TUNE_MARGIN`` faster: a timing differs by a few
+    percent from run to run at a few µs, and the defaults are what the tests cover most. The pick is checked
+    against the float64 contract (``accuracy.failure_of``) on the bucket's first input set; a wrong one is
+    dropped and the next pick checked. Returns {TuneKey string: {bucket: Choice}}."""
+    from . import accuracy, benchmark as bm
 
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     buckets = sorted({bucket_of(m) for m in ms})
-    plan = [(h, b, name, t, i == 0) for h in hiddens for b in buckets for name in names
-            for i, t in enumerate(candidate_tactics(name, b, h, sm_count))]
-    precompile_candidates([(h, t) for h, _, _, t, _ in plan if t is not None], precision, norm)
+    groups = [(h, b, [(name, t, i == 0) for name in names
+                      for i, t in enumerate(candidate_tactics(name, b, h, sm_count))])
+              for h in hiddens for b in buckets]
+    precompile_candidates([(h, t) for h, _, cands in groups for _, t, _ in cands if t is not None], precision, norm)
+    total = sum(len(cands) for _, _, cands in groups)
+    done = 0
     tables: dict[str, dict[int, Choice]] = {}
-    best: dict[tuple, Choice] = {}  # (H, bucket, is a default) -> fastest
-    sets_key, sets = None, None
-    for i, (h, b, name, t, default) in enumerate(plan):
-        log(i, len(plan), f"H={h} M={b} {name} {getattr(t, 'name', '')}")
-        if sets_key != (h, b):
-            sets_key, sets = (h, b), None
-            torch.cuda.empty_cache()
-            sets = bm.make_sets(b, h, bm.n_rotation_sets(b, h), device, norm)
-        try:
-            us = bm.time_graph(bm.mhc_cute_call(name, precision, t), sets)
-        except Exception:  # an invalid or failing tactic is not a candidate
-            continue
-        cur = best.get((h, b, default))
-        if cur is None or us < cur.us:
-            best[(h, b, default)] = Choice(name, getattr(t, "name", None), us)
-    log(len(plan), len(plan), "done")
-    for h in hiddens:
-        for b in buckets:
-            by_default, other = best.get((h, b, True)), best.get((h, b, False))
-            choice = other if by_default is None or (
-                other is not None and other.us < by_default.us * (1 - TUNE_MARGIN)) else by_default
-            if choice is not None:
+    for h, b, cands in groups:
+        torch.cuda.empty_cache()
+        sets = bm.make_sets(b, h, bm.n_rotation_sets(b, h), device, norm)
+        timed = []
+        for name, t, default in cands:
+            log(done, total, f"H={h} M={b} {name} {getattr(t, 'name', '')}")
+            done += 1
+            try:
+                timed.append((bm.time_graph(bm.mhc_cute_call(name, precision, t), sets), name, t, default))
+            except Exception:  # a tactic that fails to run is not a candidate
+                continue
+        problem = accuracy.problem_of(sets[0], precision)
+        while (choice := pick(timed)) is not None:
+            us, name, t, _ = choice
+            why = accuracy.failure_of(problem, name, t)
+            if why is None:
                 key = TuneKey.for_device(device, h, precision, norm).as_str()
-                tables.setdefault(key, {})[b] = choice
+                tables.setdefault(key, {})[b] = Choice(name, getattr(t, "name", None), us)
+                break
+            warnings.warn(f"mhc_cute tune: H={h} M={b} {name} {getattr(t, 'name', '')} is wrong ({why})")
+            timed.remove(choice)
+        del sets
+    log(total, total, "done")
     return tables

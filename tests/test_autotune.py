@@ -139,6 +139,7 @@ def test_tuner_keeps_the_fastest_and_skips_failures(monkeypatch):
     monkeypatch.setattr(bm, "time_graph", time_graph)
     compiled = []  # compiled ahead in parallel processes: the (H, tactic) of every CuTe candidate, once
     monkeypatch.setattr(autotune, "precompile_candidates", lambda cands, precision, norm: compiled.extend(cands))
+    _contract_passes(monkeypatch)
     tables = autotune.tune(torch.device("cuda", 0), [512], [1, 3, 100], "fp32", False,
                            ["half_fma", "all_fma", "triton"], log=lambda *a: None)
     (key, rows), = tables.items()
@@ -178,9 +179,42 @@ def test_tuner_keeps_the_default_tactic_unless_another_is_clearly_faster(monkeyp
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(bm, "make_sets", lambda m, h, n, dev, norm: [m])
     monkeypatch.setattr(autotune, "precompile_candidates", lambda *a: None)
+    _contract_passes(monkeypatch)
     default = tactics.default_fma_tactic("half_fma", 1, 512, 132)
     monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic: tactic)
     monkeypatch.setattr(bm, "time_graph", lambda tactic, sets: 5.0 if tactic == default else other_us)
     tables = autotune.tune(torch.device("cuda", 0), [512], [1], "fp32", False, ["half_fma"], log=lambda *a: None)
     (rows,) = tables.values()
     assert (rows[1].tactic == default.name) == want_default
+
+
+def _contract_passes(monkeypatch, wrong=()):
+    """Stand in for the tuner's float64 check: the (backend, tactic) pairs in ``wrong`` fail it."""
+    from mhc_cute import accuracy
+
+    monkeypatch.setattr(accuracy, "problem_of", lambda inputs, precision: inputs)
+    monkeypatch.setattr(accuracy, "failure_of",
+                        lambda problem, name, tactic: "wrong" if (name, tactic) in wrong else None)
+
+
+def test_tuner_drops_a_fast_but_wrong_pick(monkeypatch):
+    import types
+
+    import torch
+
+    from mhc_cute import benchmark as bm
+
+    props = types.SimpleNamespace(name="Fake GPU", multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bm, "make_sets", lambda m, h, n, dev, norm: [m])
+    monkeypatch.setattr(autotune, "precompile_candidates", lambda *a: None)
+    _contract_passes(monkeypatch, wrong={("all_fma", None)})
+    monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic: name)
+    monkeypatch.setattr(bm, "time_graph", lambda name, sets: {"all_fma": 3.0, "triton": 4.0}[name])
+    monkeypatch.setattr(autotune, "candidate_tactics", lambda name, m, h, sms: [None])
+    with pytest.warns(UserWarning, match="is wrong"):
+        tables = autotune.tune(torch.device("cuda", 0), [512], [1], "fp32", False, ["all_fma", "triton"],
+                               log=lambda *a: None)
+    (rows,) = tables.values()
+    assert rows[1].backend == "triton"
