@@ -210,7 +210,9 @@ def test_compile_report(compile_report, i):
     assert kernels, usage
     for name, reg, stack, local in kernels:
         assert int(local) == 0 and int(stack) == 0, f"{name}: local memory (spills) {local} B, stack {stack} B"
-        assert int(reg) <= 224, f"{name}: {reg} registers"
+        # one CTA per SM (shared memory bounds it), so registers cost no occupancy up to the 255 cap; the bound
+        # catches growth before it turns into spills
+        assert int(reg) <= 240, f"{name}: {reg} registers"
 
 
 # --- GPU: kernel 1's partials against float64, explicit tactics through both paths --------------------------

@@ -60,7 +60,8 @@ class BigFusePhase:
     the post gates and the Sinkhorn (one thread per token), runs while the first batch is in flight.
     """
 
-    def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4):
+    def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4,
+                 sinkhorn_last: bool = False):
         assert hidden % du.VEC_BF16 == 0 and threads % du.WARP == 0 and tokens <= threads
         self.hidden = hidden
         self.split_k = split_k
@@ -76,6 +77,9 @@ class BigFusePhase:
         self.slots = -(-self.octets // self.group_threads)  # 8-vectors of a token per thread
         self.batch = batch  # 8-vectors per thread whose loads are in flight together (16 registers each)
         self.batches = -(-self.slots // batch)
+        # with more than two batches per thread, the Sinkhorn runs inside the first batch (overlapped with its
+        # loads) unless ``sinkhorn_last`` (after the collapse, for kernels short of registers)
+        self.sinkhorn_last = sinkhorn_last and self.batches > 2
         # with the norm, the rounded collapse is kept in registers for the second pass when it fits, else it
         # is stored (bf16, exact) and read back by the same thread
         self.keep_rounded = self.slots <= 8 and self.batches <= 2  # (compile-time slot indices)
@@ -178,7 +182,8 @@ class BigFusePhase:
     ):
         """layer_input = bf16(sum_j pre[j] * residual_cur[j]) (j in order), then the optional RMSNorm over the
         rounded values. Token group g handles tokens g, g + groups, ...; the post gates and the Sinkhorn run
-        while the first batch of the first round is loading (``first``: that batch, when already loaded)."""
+        while the first batch of the first round is loading (``first``: that batch, when already loaded), or
+        after the collapse (``sinkhorn_last``)."""
         group = cute.arch.warp_idx() // self.group_warps
         for r in cutlass.range_constexpr(self.rounds):
             gtid, valid, tc = self.round_token(r, m0, mLayerIn.shape[0])
@@ -198,12 +203,13 @@ class BigFusePhase:
                         self.post_and_sinkhorn(storage, m0, mScale, mBase, mPostOut, mCombOut, scalars)
                     sumsq = self.collapse_batch(b, gtid, valid, res, pre, row_out, rounded, sumsq)
             else:
-                n_batches = Int32(1 if r == 0 else 0)  # a token-less group still runs the Sinkhorn hook
+                # a token-less group still runs the first batch's Sinkhorn hook
+                n_batches = Int32(1 if r == 0 and not self.sinkhorn_last else 0)
                 if valid:
                     n_batches = Int32(self.batches)
                 for b in cutlass.range(n_batches, unroll=1):
                     res = self.load_batch(b, gtid, valid, row_res)
-                    if cutlass.const_expr(r == 0):
+                    if cutlass.const_expr(r == 0 and not self.sinkhorn_last):
                         if b == 0:
                             self.post_and_sinkhorn(storage, m0, mScale, mBase, mPostOut, mCombOut, scalars)
                     sumsq = self.collapse_batch(b, gtid, valid, res, pre, row_out, rounded, sumsq)
@@ -217,6 +223,9 @@ class BigFusePhase:
                     else:
                         for b in cutlass.range(self.batches, unroll=1):
                             self.normalise_batch(b, gtid, r_norm, mNormW, row_out, rounded)
+
+        if cutlass.const_expr(self.sinkhorn_last):
+            self.post_and_sinkhorn(storage, m0, mScale, mBase, mPostOut, mCombOut, scalars)
 
     @cute.jit
     def load_batch(self, b, gtid, valid, row_res):

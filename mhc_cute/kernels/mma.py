@@ -61,7 +61,8 @@ SUMSQ_COL = N_MIXES  # partials column of the sum of squares
 
 def finish_phase(tactic: MmaTactic, hidden: int, norm_dtype) -> BigFusePhase:
     """The big fuse of path D: one M tile, run by all threads of the CTA that completes it."""
-    return BigFusePhase(hidden, tactic.split_k, tactic.tile_m, tactic.threads, norm_dtype)
+    # the Sinkhorn after the collapse: inside the batch loop its 16 values went to the stack in this kernel
+    return BigFusePhase(hidden, tactic.split_k, tactic.tile_m, tactic.threads, norm_dtype, sinkhorn_last=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
