@@ -112,6 +112,19 @@ def test_shipped_tables_parse_and_name_real_backends():
         assert all(c.backend in backends.BACKENDS for c in rows.values())
 
 
+def test_shipped_tactics_are_valid_for_their_backend_and_h():
+    from mhc_cute import __version__, tactics
+
+    tables = autotune.load_shipped_tables()
+    assert all(k.endswith(f"|v{__version__}") for k in tables), "a shipped table from another version never matches"
+    for key, rows in tables.items():
+        h = int(key.split("|")[2].removeprefix("H"))
+        for c in rows.values():
+            if c.tactic is not None:
+                t = tactics.parse_tactic(c.tactic)
+                assert t.path == c.backend and t.invalid_reason(h) is None, (key, c)
+
+
 def test_tuner_keeps_the_fastest_and_skips_failures(monkeypatch):
     """The tuning loop with the GPU parts stood in for: times come from a table, one candidate raises."""
     import types
