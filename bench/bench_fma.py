@@ -32,7 +32,7 @@ TARGET_US = 8.0  # at most this per call for M <= 32 at H = 7168 (issue 4)
 
 def sweep_tactics(path: str, m: int, hidden: int, sm_count: int, limit: int = 6) -> list:
     """The default plus neighbours for M tokens: wider post-map bursts, pipelined weights, 16-token tiles,
-    more or fewer splits."""
+    more or fewer splits, the other big-fuse shape."""
     default = tac.default_fma_tactic(path, m, hidden, sm_count)
     cands = [default]
     for burst in (2, 4):
@@ -41,6 +41,7 @@ def sweep_tactics(path: str, m: int, hidden: int, sm_count: int, limit: int = 6)
         cands += [replace(default, tokens_per_cta=16, tile_n=3, burst=b) for b in (1, 4)]
     cands += [replace(default, split_k=tac.largest_split(hidden, default.chunk_h, k))
               for k in (default.split_k * 2, default.split_k // 2) if k >= 1]
+    cands += [replace(default, fuse=f) for f in tac.FUSE_SHAPES if f != default.fuse]  # valid on path E only
     out = []
     for t in cands:
         if t.invalid_reason(hidden) is None and t not in out:

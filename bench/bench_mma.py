@@ -34,16 +34,22 @@ TILEKERNELS_SPEEDUP = 1.8  # at M = 8192 (issue 5)
 
 
 def sweep_tactics(path: str, m: int, hidden: int, sm_count: int) -> list:
-    """The default plus splits for about 1 and 2 waves, both tiles (path B) and the deepest pipelines."""
-    from mhc_cute.tactics import MMA_BLOCK_H as BLOCK_H, MmaTactic, default_mma_tactic
+    """The default (and, on path B, its other big-fuse shape) plus splits for about 1 and 2 waves, both tiles
+    (path B) and the deepest pipelines."""
+    from dataclasses import replace
 
-    out = {default_mma_tactic(path, m, hidden, sm_count)}
+    from mhc_cute.tactics import FUSE_SHAPES, MMA_BLOCK_H as BLOCK_H, MmaTactic, default_mma_tactic
+
+    default = default_mma_tactic(path, m, hidden, sm_count)
+    out = {default}
+    if path == "half_mma":
+        out |= {replace(default, fuse=f) for f in FUSE_SHAPES}
     for tile_m in ((64, 128) if path == "half_mma" else (64,)):
         tiles = -(-m // tile_m)
         for waves in (1, 2):
             split = max(1, min(hidden // BLOCK_H, waves * sm_count // tiles))
             for stages in (2, 3, 4, 5):
-                t = MmaTactic(path, split, tile_m, stages)
+                t = MmaTactic(path, split, tile_m, stages, default.fuse)
                 if t.invalid_reason(hidden) is None:
                     out.add(t)
     return sorted(out, key=lambda t: (t.tile_m, t.split_k, t.stages))
