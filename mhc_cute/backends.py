@@ -107,20 +107,20 @@ def _is_rocm() -> bool:
 
 
 def pick_auto(device: torch.device, m: int, hidden: int) -> str:
-    """The backend that ``backend="auto"`` uses when no tuned table applies: a heuristic by M.
+    """The backend that ``backend="auto"`` uses when no tuned table applies (another GPU, another H): a
+    heuristic by M.
 
-    The ranking measured on an H200 (README): the FMA paths at decode sizes, the Triton path in between, the
-    tensor-core path at prefill sizes. (``MHC_CUTE_BACKEND`` overrides it, in ``autotune.Selector.resolve``.)
+    The ranking that ``mhc-cute tune`` measured on an H200 at H = 4096 and 7168 (``mhc_cute/tuned``): the FMA
+    path E at decode sizes (M <= 16), the tensor-core path B from M = 32; Triton where the CuTe paths cannot
+    run (ROCm, or no sm_90). ``MHC_CUTE_BACKEND`` overrides it, in ``autotune.Selector.resolve``.
     """
     if device.type == "cuda" and hidden % 64 == 0:
         if _is_rocm():
             order = ("triton",)
-        elif m <= 32:
-            order = ("half_fma", "triton")
-        elif m <= 512:
-            order = ("triton", "half_fma")
+        elif m <= 16:
+            order = ("half_fma", "half_mma", "triton")
         else:
-            order = ("half_mma", "triton")
+            order = ("half_mma", "half_fma", "triton")
         for name in order:
             if unavailable_reason(name, device) is None:
                 return name
