@@ -49,14 +49,20 @@ def post(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.Tensor, comb_m
     return acc.to(torch.bfloat16)
 
 
+def rstd(residual_cur, rms_eps, cd):
+    """SPEC step 2: ``[M]`` reciprocal RMS of each token's 4H values of the bf16 ``residual_cur``, in ``cd``."""
+    m, n, h = residual_cur.shape
+    xf = residual_cur.reshape(m, n * h).to(cd)
+    return torch.rsqrt((xf * xf).sum(-1) / (n * h) + rms_eps)  # divisor 4H, not H
+
+
 def mixes(residual_cur, fn, hc_scale, hc_base, rms_eps, cd):
     """SPEC steps 2-3: the 24 mixes ``[M, 24]`` in ``cd`` from the bf16 ``residual_cur``."""
     m, n, h = residual_cur.shape
     xf = residual_cur.reshape(m, n * h).to(cd)
-    rstd = torch.rsqrt((xf * xf).sum(-1) / (n * h) + rms_eps)  # divisor 4H, not H
     dots = xf @ fn.to(cd).t()
     scale = torch.cat([hc_scale[0:1].expand(4), hc_scale[1:2].expand(4), hc_scale[2:3].expand(16)]).to(cd)
-    return dots * rstd[:, None] * scale + hc_base.to(cd)
+    return dots * rstd(residual_cur, rms_eps, cd)[:, None] * scale + hc_base.to(cd)
 
 
 def sinkhorn(c: torch.Tensor, eps: float, repeat: int) -> torch.Tensor:

@@ -86,8 +86,8 @@ class FmaTactic:
         """None if this tactic can run at hidden size ``hidden``, else why not."""
         if self.path not in FMA_PATHS:
             return f"path must be one of {FMA_PATHS}"
-        if fuse_invalid_reason(self.path, self.fuse):
-            return fuse_invalid_reason(self.path, self.fuse)
+        if why := fuse_invalid_reason(self.path, self.fuse):
+            return why
         if N_MIXES % self.tile_n:
             return "tile_n must divide 24"
         if self.threads % 32 or not 64 <= self.threads <= 1024:
@@ -208,8 +208,8 @@ class MmaTactic:
         """None if this tactic can run at hidden size ``hidden`` (in both precisions), else why not."""
         if self.path not in MMA_PATHS:
             return f"path must be one of {MMA_PATHS}"
-        if fuse_invalid_reason(self.path, self.fuse):
-            return fuse_invalid_reason(self.path, self.fuse)
+        if why := fuse_invalid_reason(self.path, self.fuse):
+            return why
         if hidden % 64:
             return "H must be a multiple of 64"
         if self.tile_m not in (64, 128):
