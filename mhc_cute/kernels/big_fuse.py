@@ -361,7 +361,7 @@ class BigFuseKernel:
     @cute.kernel
     def kernel(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars: BigFuseScalars):
         bidx, _, _ = cute.arch.block_idx()
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = self.phase.allocate(smem)
         # launched with programmatic dependent launch: wait for the producer grid (and its memory) here
         cute.arch.griddepcontrol_wait()

@@ -142,7 +142,7 @@ class FmaFusedHc:
         block, split, _ = cute.arch.block_idx()
         if cutlass.const_expr(not self.fused):
             cute.arch.griddepcontrol_launch_dependents()  # the big-fuse CTAs start early and wait for this grid
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sAct = smem.allocate_tensor(Float32, du.row_major(self.tokens, HC_MULT, self.load_h), 16)
         sRed = smem.allocate_tensor(Float32, du.row_major(self.warps, self.red_cols), 16)
         if cutlass.const_expr(self.fused):

@@ -287,7 +287,7 @@ class MmaFusedHcKernel:
             cpasync.prefetch_descriptor(tma_x)
             cpasync.prefetch_descriptor(tma_w)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         finish_storage = None
         if const_expr(self.fused):
