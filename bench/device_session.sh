@@ -4,7 +4,12 @@
 # shipped table's tactics, each backend's default on the bench grid, the explicit tactics of tests/test_mma.py,
 # Triton's test and bench configurations), run the GPU tests listed in $TESTS (pytest node ids, one per line;
 # default: every gpu test), then `mhc-cute bench`. Everything is logged under $OUT. Each stage has its own time
-# limit so that one slow stage cannot eat the rest.
+# limit (WARM_S, TEST_S, BENCH_S seconds; 0 skips the stage) so that one slow stage cannot eat the rest.
+#
+# One device call is limited to 10 minutes, and on a fresh machine with an empty kernel cache the warm stage alone
+# took 6 minutes (H200, stop 10). Run the stages as separate calls while the machine stays warm: the kernel cache
+# ($MHC_CUTE_KERNEL_CACHE under /tmp) survives between calls on a warm machine:
+#   TEST_S=0 BENCH_S=0 ...   then   WARM_S=0 BENCH_S=0 ...   then (stage the peers)   WARM_S=0 TEST_S=0 ...
 set -u
 OUT=${OUT:-/tmp/mhc-out}
 mkdir -p "$OUT"
@@ -15,8 +20,8 @@ echo "kernels in cache: $(ls "$MHC_CUTE_KERNEL_CACHE" | wc -l)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 t0=$(date +%s)
 
-[ "${WARM_S:-180}" = 0 ] || {
-timeout "${WARM_S:-180}" python - <<'EOF_PY' 2>&1 | tail -2
+[ "${WARM_S:-300}" = 0 ] || {
+timeout "${WARM_S:-300}" python - <<'EOF_PY' 2>&1 | tail -2
 from mhc_cute import autotune, tactics
 ms = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 cands = []
@@ -44,10 +49,12 @@ EOF_PY
 }
 echo "warm $(( $(date +%s) - t0 )) s"
 
+[ "${TEST_S:-240}" = 0 ] || {
 if [ -n "${TESTS:-}" ]; then sel=$(cat "$TESTS"); else sel="-m gpu tests"; fi
 timeout "${TEST_S:-240}" python -m pytest -q -p no:cacheprovider --tb=line -rf $sel > "$OUT/tests.log" 2>&1
 echo "tests rc=$? $(( $(date +%s) - t0 )) s"; grep -E "passed|failed" "$OUT/tests.log" | tail -1
 grep -E "^FAILED|Error|assert" "$OUT/tests.log" | head -40
+}
 
 [ "${BENCH_S:-300}" = 0 ] || {
 timeout "${BENCH_S:-300}" python -m mhc_cute.cli bench ${BENCH_ARGS:-} --json "$OUT/bench.json" --plot "$OUT/bench.png" \
