@@ -80,7 +80,8 @@ def _module_missing(kind: str) -> str | None:
 
 def unavailable_reason(name: str, device: torch.device) -> str | None:
     """None if backend ``name`` can run on ``device``, else a short reason (cached: it is on the hot path)."""
-    return _unavailable_reason(name, device.type, device.index, os.environ.get("TRITON_INTERPRET") == "1")
+    cpu = device.type == "cpu"  # the interpreter flag matters for CPU tensors only (an environment read costs µs)
+    return _unavailable_reason(name, device.type, device.index, cpu and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @functools.lru_cache(maxsize=None)
