@@ -223,33 +223,17 @@ def test_interpreter_through_the_api(lead):
 
 _COMPILE_SCRIPT = r"""
 import re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from mhc_cute.triton import configs, fused_hc as F
+from mhc_cute.triton import aot, configs
 
-def compile_kernel(fn, scalars, consts, target, num_warps, num_stages=1):
-    sig = {name: ("*bf16" if "res" in name or name in ("x_ptr", "li_ptr", "norm_ptr") else "*fp32")
-           if name.endswith("_ptr") else scalars.get(name, "i32") for name in fn.arg_names if name not in consts}
-    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, ty in sig.items() if ty[0] == "*" or n == "H"}
-    sig.update({name: "constexpr" for name in consts})
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned)
-    return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
-
-floats = dict.fromkeys(("rms_eps", "pre_eps", "sinkhorn_eps", "post_mult", "norm_eps"), "fp32")
-for arch, target, fma in (("sm90", GPUTarget("cuda", 90, 32), r"fma\.rn\.f32"),
-                          ("gfx950", GPUTarget("hip", "gfx950", 64), r"v_(pk_)?fmac?_f32"),
-                          ("gfx942", GPUTarget("hip", "gfx942", 64), r"v_(pk_)?fmac?_f32")):
+for arch, fma in (("sm90", r"fma\.rn\.f32"), ("gfx950", r"v_(pk_)?fmac?_f32"), ("gfx942", r"v_(pk_)?fmac?_f32")):
+    target = aot.TARGETS[arch]
     table = configs.table_for(arch)
     for m in (1, 1 << 20):
         t = configs.select_tactic(arch, table.compute_units, m, 7168)
-        k = compile_kernel(F._main_kernel, {}, dict(BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.block_m >= 16),
-                           target, t.num_warps, t.num_stages)
+        k = aot.compile_main(t, target)
         asm = k.asm["ptx" if target.backend == "cuda" else "amdgcn"]
         assert re.search(fma, asm), (arch, m, "no fp32 FMA in the main kernel")
-        compile_kernel(F._reduce_kernel, floats, dict(S_POW2=triton.next_power_of_2(t.split_k), BLOCK_T=t.reduce_block_t,
-                       BLOCK_H=t.reduce_block_h, SINGLE_TILE=t.reduce_block_h >= 7168, HAS_NORM=True), target,
-                       t.reduce_warps)
+        aot.compile_reduce(t, 7168, True, target)
 print("compiled")
 """
 
