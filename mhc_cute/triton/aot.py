@@ -40,7 +40,7 @@ def _compile(fn, consts: dict, target: GPUTarget, num_warps: int, num_stages: in
 
 def compile_main(t: TritonTactic, target: GPUTarget, **options):
     """The main kernel of tactic ``t`` (``options``: extra Triton compile options, e.g. ``maxnreg``)."""
-    return _compile(F._main_kernel, dict(BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.block_m >= 16), target,
+    return _compile(F._main_kernel, dict(BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.uses_dot), target,
                     t.num_warps, t.num_stages, **options)
 
 

@@ -48,6 +48,11 @@ class TritonTactic:
     chunk_m: int = 0
     maxnreg: int = 0
 
+    @property
+    def uses_dot(self) -> bool:
+        """Whether the main kernel projects on tensor cores (else with fp32 FMAs)."""
+        return self.block_m >= 16
+
     def __post_init__(self):
         for name in ("block_m", "block_h", "reduce_block_t", "reduce_block_h"):
             v = getattr(self, name)

@@ -405,7 +405,7 @@ def _launch(x, residual, post_mix, comb_mix, out: MhcFusedHcOutput, part, proble
     _main_kernel[(t.split_k, triton.cdiv(m, t.block_m))](
         x, residual, post_mix, comb_mix, problem.fn, out.residual_cur, part,
         m, h, blocks_per_split,
-        BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.block_m >= 16,
+        BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.uses_dot,
         num_warps=t.num_warps, num_stages=t.num_stages, **cap,
     )
     s = problem.scalars
