@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from mhc_cute.benchmark import Result, plot
+from mhc_cute.benchmark import Result, fastest, plot
 
 KERNELS = ("half_fma", "all_fma", "triton", "half_mma", "all_mma")
 COLUMNS = (("auto", "auto"), ("half_fma", "E half_fma"), ("all_fma", "F all_fma"), ("triton", "triton"),
@@ -28,6 +28,7 @@ def main() -> int:
         for r in data["results"]:
             if r["graph_us"]:
                 merged[(r["hidden"], r["m"], r["name"])] = r
+    graph_us = {k: r["graph_us"] for k, r in merged.items()}
     for h in sorted({k[0] for k in merged}, reverse=True):
         print(f"\n**H = {h}** (µs per call, CUDA-graph replay; the fastest mhc_cute backend in bold)\n")
         print("| M | " + " | ".join(c[1] for c in COLUMNS)
@@ -35,7 +36,7 @@ def main() -> int:
         print("|---:|" + "---:|" * (len(COLUMNS) + 4))
         for m in sorted({k[1] for k in merged if k[0] == h}):
             row = {name: merged.get((h, m, name)) for name, _ in COLUMNS}
-            best = min((r["graph_us"], n) for n, r in row.items() if n in KERNELS and r)[1]
+            best = fastest(graph_us, h, m, KERNELS)
             cells = ["—" if r is None else (f"**{r['graph_us']:.1f}**" if n == best else f"{r['graph_us']:.1f}")
                      for n, r in row.items()]
             auto, tk = row["auto"], row["tilekernels"]

@@ -239,15 +239,20 @@ def format_table(results: list[Result], bandwidth: float, gpu: str) -> str:
     return "\n".join(lines)
 
 
+def fastest(graph_us: dict, hidden: int, m: int, names) -> str | None:
+    """The name among ``names`` with the least time at (H, M) in ``graph_us`` {(H, M, name): µs}, if any ran."""
+    times = {n: graph_us[(hidden, m, n)] for n in names if graph_us.get((hidden, m, n)) is not None}
+    return min(times, key=times.get, default=None)
+
+
 def auto_summary(results: list[Result], backends: list[str]) -> str:
     """Per shape: ``auto``'s time over the fastest kernel backend's in the same run (1.00 = it picked the best)."""
     by = {(r.hidden, r.m, r.name): r.graph_us for r in results if r.graph_us is not None}
     lines = ["auto / fastest backend (graph replay):"]
     for h, m in dict.fromkeys((r.hidden, r.m) for r in results):
-        times = {n: by[(h, m, n)] for n in backends if (h, m, n) in by}
-        if (h, m, "auto") in by and times:
-            best = min(times, key=times.get)
-            lines.append(f"  H={h} M={m}: {by[(h, m, 'auto')] / times[best]:.3f} (fastest: {best})")
+        best = fastest(by, h, m, backends)
+        if (h, m, "auto") in by and best is not None:
+            lines.append(f"  H={h} M={m}: {by[(h, m, 'auto')] / by[(h, m, best)]:.3f} (fastest: {best})")
     return "\n".join(lines)
 
 
