@@ -275,6 +275,12 @@ class MmaFusedHcKernel:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        if const_expr(not self.fused and self.tactic.fuse == "lat"):
+            # path B at latency-bound sizes: the big-fuse CTAs launch while this grid runs and wait for it
+            # (griddepcontrol.wait), so their launch latency leaves the critical path (H200: -1.9 us at M = 32,
+            # H = 7168). Not for "bw", where it was slower (+1.1 us at M = 256, +2.5 us with the norm; likely
+            # because CTAs placed while this grid holds the SMs crowd onto the few idle ones)
+            cute.arch.griddepcontrol_launch_dependents()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         split = bidx % self.split_k
         m_tile = bidx // self.split_k
