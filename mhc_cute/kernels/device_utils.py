@@ -32,6 +32,34 @@ def warp_sum(val: Float32) -> Float32:
     return val
 
 
+def warp_reduce_scatter(vals: list):
+    """Sum each of ``vals`` (a list of per-lane fp32 values, the same length in every lane) over the 32 lanes of
+    the warp, each sum ending in one place. Returns ``(sums, first, owner)``: this lane holds the totals of
+    ``vals[first + k]`` as ``sums[k]``, and the lanes where ``owner`` is true hold distinct ones (those with
+    ``first + k >= len(vals)`` are padding). For n values it takes about n shuffles where one ``warp_sum`` each
+    takes 5 n: at each butterfly step a lane keeps half of its values and sends the other half to its partner.
+    Fixed order: deterministic. Plain Python: call it from device code (it emits the ops when traced).
+    """
+    lane = cute.arch.lane_idx()
+    size = 1 << max(0, (len(vals) - 1).bit_length())
+    vals = list(vals) + [Float32(0.0)] * (size - len(vals))
+    first = Int32(0)
+    butterfly = 0  # lane bits of the steps left with one value: those lanes end up with equal sums
+    for step in range(5):
+        offset = 16 >> step
+        if len(vals) > 1:
+            half = len(vals) // 2
+            upper = (lane & offset) != 0  # keeps the upper half, sends the lower one
+            send = [Float32(cutlass.select_(upper, lo, hi)) for lo, hi in zip(vals[:half], vals[half:])]
+            keep = [Float32(cutlass.select_(upper, hi, lo)) for lo, hi in zip(vals[:half], vals[half:])]
+            vals = [k + cute.arch.shuffle_sync_bfly(v, offset=offset) for k, v in zip(keep, send)]
+            first = first + Int32(cutlass.select_(upper, Int32(half), Int32(0)))
+        else:
+            vals = [vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=offset)]
+            butterfly |= offset
+    return vals, first, (lane & butterfly) == 0
+
+
 @cute.jit
 def block_sum(val: Float32, scratch: cute.Tensor, n_warps: cutlass.Constexpr[int]) -> Float32:
     """Sum over all threads of the CTA; every thread gets the result.

@@ -11,8 +11,8 @@ and one H range of all 4 streams, walked in chunks of ``chunk_h`` positions. Per
    ``tile_n`` weight rows (16-byte loads from L2, issued before step 1 so they overlap it), for every token,
    and group 0 also accumulates the sum of squares.
 
-Then the CTA reduces over its threads (warp butterflies, then warps in order) and writes one partial row per
-token: ``partials[split, m, 0..23]`` dots, ``[.., 24]`` the sum of squares (layout: ``big_fuse``).
+Then the CTA reduces over its threads (a reduce-scatter across each warp, then warps in order) and writes one
+partial row per token: ``partials[split, m, 0..23]`` dots, ``[.., 24]`` the sum of squares (layout: ``big_fuse``).
 
 Path E launches the standalone big-fuse kernel after it (two launches, one compiled call). Path F runs the
 big fuse in the same launch: each CTA publishes its partials (release fence, atomic add on its token block's
@@ -191,7 +191,7 @@ class FmaFusedHc:
                     sumsq[t] = sumsq[t] + sq
             if cutlass.const_expr(self.tactic.stages == 2):
                 weights.store(next_weights.load())
-        self.write_partials(m0, split, group, acc, sumsq, sRed, mPartials)
+        self.write_partials(m0, split, acc, sumsq, sRed, mPartials)
 
         if cutlass.const_expr(self.fused):
             # publish this CTA's partials and residual_cur: the barrier orders every thread's stores before
@@ -262,20 +262,18 @@ class FmaFusedHc:
                         cute.local_tile(sAct[t, j, None], (du.VEC_BF16,), (o,)).fill(0.0)
 
     @cute.jit
-    def write_partials(self, m0: Int32, split: Int32, group: Int32, acc: cute.Tensor, sumsq: cute.Tensor,
+    def write_partials(self, m0: Int32, split: Int32, acc: cute.Tensor, sumsq: cute.Tensor,
                        sRed: cute.Tensor, mPartials: cute.Tensor):
         """Sum the register tiles over the threads of each column group, in a fixed order, into the partial rows."""
         tidx, _, _ = cute.arch.thread_idx()
-        lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-        for t in cutlass.range_constexpr(self.tokens):
-            for i in cutlass.range_constexpr(self.tile_n):
-                total = du.warp_sum(acc[t, i])
-                if lane == 0:
-                    sRed[warp, t * self.tile_n + i] = total
-            if group == 0:
-                total = du.warp_sum(sumsq[t])
-                if lane == 0:
-                    sRed[warp, self.tokens * self.tile_n + t] = total
+        warp = cute.arch.warp_idx()
+        # one warp reduction for all red_cols values (the sums of squares are zero outside group 0, unread)
+        vals = [acc[t, i] for t in range(self.tokens) for i in range(self.tile_n)]
+        sums, first, owner = du.warp_reduce_scatter(vals + [sumsq[t] for t in range(self.tokens)])
+        if owner:
+            for k in cutlass.range_constexpr(len(sums)):
+                if first + k < self.red_cols:
+                    sRed[warp, first + k] = sums[k]
         cute.arch.sync_threads()
         m_total = mPartials.shape[1]
         row_cols = N_MIXES + 1
