@@ -1,0 +1,85 @@
+"""Before/after timing of two versions of the package in one device run: `backend="auto"` (the shipped table's
+pick, so each version runs its own kernels with the same tactic names) over a grid of (H, M, norm), for whichever
+``mhc_cute`` is first on the Python path. Run it alternately for the two trees, in separate processes of one
+device call, and compare the medians line by line (machines differ by up to 9% for the same kernel, so only
+numbers from one call compare).
+
+    git archive HEAD mhc_cute | tar -x -C /tmp/old          # the version to compare against
+    MHC_CUTE_KERNEL_CACHE=.kcache python bench/ab_versions.py --precompile     # on a CPU machine, both trees
+    MHC_CUTE_KERNEL_CACHE=.kcache PYTHONPATH=/tmp/old python bench/ab_versions.py --precompile
+    # on the GPU machine, from the repository root (with /tmp/old carried in the working tree):
+    for r in 1 2; do PYTHONPATH=/tmp/old:$PYTHONPATH python bench/ab_versions.py --tag old$r --check
+                     python bench/ab_versions.py --tag new$r; done
+
+The script's directory comes first on ``sys.path`` (it holds no ``mhc_cute``), then ``PYTHONPATH``: that picks
+the tree. ``--check`` runs each point once against the float64 contract (``ok`` or the first failure).
+"""
+
+import argparse
+import sys
+
+GRIDS = {
+    "small": [(7168, m, False) for m in (1, 2, 4, 8, 16, 32)] + [(4096, m, False) for m in (1, 4, 8, 16, 32)]
+    + [(7168, 1, True), (7168, 8, True)],
+    "wide": [(7168, m, False) for m in (1, 4, 16, 32, 64, 128, 256, 512, 2048, 8192)]
+    + [(4096, m, False) for m in (1, 32, 128, 512, 2048)] + [(7168, m, True) for m in (1, 8, 32, 256)],
+}
+
+
+def auto_picks(grid):
+    """(H, M, norm, tactic) with the shipped table's tactic for each point (its table ignores the norm)."""
+    from mhc_cute import autotune, tactics
+
+    tables = autotune.load_shipped_tables()
+    out = []
+    for h, m, norm in grid:
+        key = next(k for k in tables if f"|H{h}|" in k)
+        choice = autotune.nearest(tables[key], autotune.bucket_of(m))
+        out.append((h, m, norm, tactics.parse_tactic(choice.tactic)))
+    return out
+
+
+def precompile(picks) -> None:
+    from mhc_cute import tactics
+    from mhc_cute.kernels import fma, mma
+
+    norm = {False: None, True: "bfloat16"}  # benchmark.make_sets' norm weight
+    fma_specs = [(t.name, h, norm[n]) for h, _, n, t in picks if t.path in tactics.FMA_PATHS]
+    mma_specs = [(t.name, h, "fp32", norm[n]) for h, _, n, t in picks if t.path in tactics.MMA_PATHS]
+    for module, specs in ((fma, fma_specs), (mma, mma_specs)):
+        if specs:
+            module.precompile(list(dict.fromkeys(specs)))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="small")
+    ap.add_argument("--tag", default="run", help="label of this version in the output lines")
+    ap.add_argument("--precompile", action="store_true", help="compile the grid's kernels (no GPU needed) and exit")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    picks = auto_picks(GRIDS[args.grid])
+    if args.precompile:
+        precompile(picks)
+        return 0
+
+    import torch
+
+    from mhc_cute import benchmark as mb
+    from mhc_cute.accuracy import failure_of, problem_of
+    from mhc_cute.api import mhc_fused_hc
+
+    dev = torch.device("cuda")
+    for h, m, norm, tactic in picks:
+        sets = mb.make_sets(m, h, mb.n_rotation_sets(m, h), dev, norm)
+        us = mb.time_graph(lambda s: mhc_fused_hc(**s), sets, reps=args.reps)
+        check = (failure_of(problem_of(sets[0]), tactic.path, tactic) or "ok") if args.check else ""
+        print(f"AB {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {us:.2f} {check}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
