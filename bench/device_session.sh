@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # One batched GPU session (run from the repository root on the GPU machine, under .devbundle/gpu.sh):
-# unpack kernels precompiled on a CPU machine (bench/precompile.py), compile what is missing in parallel (the
-# shipped table's tactics, each backend's default on the bench grid, the explicit tactics of tests/test_mma.py,
-# Triton's test and bench configurations), run the GPU tests listed in $TESTS (pytest node ids, one per line;
-# default: every gpu test), then `mhc-cute bench`. Everything is logged under $OUT. Each stage has its own time
-# limit (WARM_S, TEST_S, BENCH_S seconds; 0 skips the stage) so that one slow stage cannot eat the rest.
+# unpack kernels precompiled on a CPU machine (`bench/precompile.py --session`, packed as .kcarry/kcache.tar.xz),
+# compile what is missing in parallel (the same --session set, then Triton's test and bench configurations), run
+# the GPU tests listed in $TESTS (pytest node ids, one per line; default: every gpu test), then `mhc-cute bench`.
+# Everything is logged under $OUT. Each stage has its own time limit (WARM_S, TEST_S, BENCH_S seconds; 0 skips the
+# stage) so that one slow stage cannot eat the rest.
 #
-# One device call is limited to 10 minutes, and on a fresh machine with an empty kernel cache the warm stage alone
-# took 6 minutes (H200, stop 10). Run the stages as separate calls while the machine stays warm: the kernel cache
-# ($MHC_CUTE_KERNEL_CACHE under /tmp) survives between calls on a warm machine:
-#   TEST_S=0 BENCH_S=0 ...   then   WARM_S=0 BENCH_S=0 ...   then (stage the peers)   WARM_S=0 TEST_S=0 ...
+# One device call is limited to 10 minutes. With the kernels precompiled and carried, warm + the whole GPU suite
+# took 6.5 minutes and the bench 2 (H200, stop 11); with an empty kernel cache the warm stage alone took 6 minutes
+# (stop 10). Tests and bench fit separate calls while the machine stays warm (the peers are staged in between):
+#   BENCH_S=0 ...   then (stage the peers)   WARM_S=0 TEST_S=0 BENCH_S=570 ...
 set -u
 OUT=${OUT:-/tmp/mhc-out}
 mkdir -p "$OUT"
@@ -21,21 +21,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 t0=$(date +%s)
 
 [ "${WARM_S:-300}" = 0 ] || {
-timeout "${WARM_S:-300}" python - <<'EOF_PY' 2>&1 | tail -2
-from mhc_cute import autotune, tactics
-ms = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-cands = []
-for key, rows in autotune.load_shipped_tables().items():
-    h = int(key.split("|")[2][1:])
-    cands += [(h, tactics.parse_tactic(c.tactic)) for c in rows.values() if c.tactic]
-for h in (4096, 7168):
-    for m in ms:
-        cands += [(h, tactics.default_fma_tactic(p, m, h)) for p in tactics.FMA_PATHS]
-        cands += [(h, tactics.default_mma_tactic(p, m, h)) for p in tactics.MMA_PATHS]
-autotune.precompile_candidates(list(dict.fromkeys(cands)), "fp32", False)
-print("precompiled", len(set(cands)), "bench variants")
-EOF_PY
-timeout 120 python bench/bench_mma.py --precompile-tests 2>&1 | tail -1
+timeout "${WARM_S:-300}" python bench/precompile.py --session --workers 16 2>&1 | grep -v -i warn | tail -2
 timeout 90 python - <<'EOF_PY' 2>&1 | tail -1
 import sys
 sys.path.insert(0, "bench")

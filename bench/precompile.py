@@ -5,6 +5,14 @@ A GPU is not needed: compile on a CPU machine, pack the folder, and unpack it on
 same checkout (the file names carry a digest of the kernel sources and the CuTe DSL version).
 
     MHC_CUTE_KERNEL_CACHE=.kcache python bench/precompile.py --m 1 17 1000 --hidden 4096 7168 --norm both
+
+``--session`` compiles every variant one device session reaches (``bench/device_session.sh``'s warm stage runs
+it): the GPU tests' default tactics over their grid (fp32 and tf32) and their explicit tactics, the bench grid's
+defaults and the shipped tables' tactics, with and without the norm. About 300 variants, 15 minutes on a 2-core
+CPU machine; packed for the device (2-4 MB):
+
+    MHC_CUTE_KERNEL_CACHE=/tmp/kc python bench/precompile.py --session
+    mkdir -p .kcarry && tar -C /tmp/kc -cJf .kcarry/kcache.tar.xz .   # carry=[".devbundle", ".kcarry"]
 """
 
 import argparse
@@ -13,7 +21,8 @@ import sys
 import time
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # mhc-cute bench's default
 
 
 def specs_for(backends, ms, hiddens, norms, precisions, sm_count):
@@ -32,10 +41,34 @@ def specs_for(backends, ms, hiddens, norms, precisions, sm_count):
     return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
 
 
+def session_specs(sm_count):
+    """(FMA specs, MMA specs) of every variant a device session reaches (see the module docstring)."""
+    sys.path[:0] = [os.path.join(HERE, "..", "tests"), HERE]
+    import bench_mma
+    from test_correctness import GPU_HS, GPU_MS
+
+    from mhc_cute import autotune, tactics
+
+    ms = sorted(set(GPU_MS) | set(BENCH_MS))
+    hiddens = sorted(set(GPU_HS) | {4096, 7168})
+    fma, mma = specs_for(tactics.FMA_PATHS + tactics.MMA_PATHS, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count)
+    mma += bench_mma.test_grid_specs(sm_count)
+    for key, rows in autotune.load_shipped_tables().items():
+        h = int(key.split("|")[2][1:])
+        for t in (tactics.parse_tactic(c.tactic) for c in rows.values() if c.tactic):
+            for norm in (None, "bfloat16"):
+                if t.path in tactics.FMA_PATHS:
+                    fma.append((t.name, h, norm))
+                else:
+                    mma.append((t.name, h, "fp32", norm))
+    return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--m", type=int, nargs="+", required=True)
-    ap.add_argument("--hidden", type=int, nargs="+", required=True)
+    ap.add_argument("--session", action="store_true", help="every variant of a device session (no --m/--hidden)")
+    ap.add_argument("--m", type=int, nargs="+")
+    ap.add_argument("--hidden", type=int, nargs="+")
     ap.add_argument("--norm", choices=["off", "on", "both"], default="both")
     ap.add_argument("--precision", nargs="+", default=["fp32"])
     ap.add_argument("--backends", nargs="+", default=["half_fma", "all_fma", "half_mma", "all_mma"])
@@ -45,8 +78,13 @@ def main() -> int:
     if not os.environ.get("MHC_CUTE_KERNEL_CACHE"):
         print("set MHC_CUTE_KERNEL_CACHE to the folder to fill", file=sys.stderr)
         return 2
-    norms = {"off": [None], "on": ["bfloat16"], "both": [None, "bfloat16"]}[args.norm]
-    fma_specs, mma_specs = specs_for(args.backends, args.m, args.hidden, norms, args.precision, args.sm_count)
+    if args.session:
+        fma_specs, mma_specs = session_specs(args.sm_count)
+    elif args.m and args.hidden:
+        norms = {"off": [None], "on": ["bfloat16"], "both": [None, "bfloat16"]}[args.norm]
+        fma_specs, mma_specs = specs_for(args.backends, args.m, args.hidden, norms, args.precision, args.sm_count)
+    else:
+        ap.error("give --session, or --m and --hidden")
     from mhc_cute.kernels import fma, mma
 
     for name, module, specs in (("FMA", fma, fma_specs), ("MMA", mma, mma_specs)):
