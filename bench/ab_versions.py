@@ -40,15 +40,10 @@ def auto_picks(grid):
 
 
 def precompile(picks) -> None:
-    from mhc_cute import tactics
-    from mhc_cute.kernels import fma, mma
+    from mhc_cute import autotune
 
-    norm = {False: None, True: "bfloat16"}  # benchmark.make_sets' norm weight
-    fma_specs = [(t.name, h, norm[n]) for h, _, n, t in picks if t.path in tactics.FMA_PATHS]
-    mma_specs = [(t.name, h, "fp32", norm[n]) for h, _, n, t in picks if t.path in tactics.MMA_PATHS]
-    for module, specs in ((fma, fma_specs), (mma, mma_specs)):
-        if specs:
-            module.precompile(list(dict.fromkeys(specs)))
+    for norm in (False, True):
+        autotune.precompile_candidates([(h, t) for h, _, n, t in picks if n == norm], "fp32", norm)
 
 
 def main() -> int:

@@ -44,17 +44,13 @@ SWEEP = {
           T(32, 16, 32, 4, num_stages=3, reduce_block_h=2048, reduce_warps=4)],
     1024: [T(64, 16, 32, 4, num_stages=3), T(32, 16, 16, 4, num_stages=3), T(64, 16, 16, 4, num_stages=2),
            T(128, 16, 16, 8, num_stages=3), T(64, 32, 16, 8, num_stages=3),
-           T(64, 16, 16, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8),
-           T(64, 16, 16, 4, num_stages=3, maxnreg=168), T(64, 16, 16, 4, num_stages=3, maxnreg=128)],
+           T(64, 16, 16, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8)],
     4096: [T(64, 16, 8, 4, num_stages=3), T(64, 16, 2, 4, num_stages=3), T(64, 16, 4, 4, num_stages=2),
            T(128, 16, 4, 8, num_stages=3), T(128, 16, 2, 8, num_stages=3), T(32, 16, 4, 4, num_stages=3),
            T(64, 32, 4, 8, num_stages=3), T(64, 16, 4, 4, num_stages=4),
            T(64, 16, 16, 4, num_stages=3, chunk_m=512), T(64, 16, 8, 4, num_stages=3, chunk_m=1024),
            T(64, 16, 4, 4, num_stages=3, reduce_block_t=2, reduce_block_h=1024),
-           T(64, 16, 4, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8),
-           # register caps: 255 registers allow two 4-warp programs per SM, 168 three, 128 four (with spills)
-           T(64, 16, 4, 4, num_stages=3, maxnreg=168), T(64, 16, 8, 4, num_stages=3, maxnreg=168),
-           T(64, 16, 4, 4, num_stages=2, maxnreg=168), T(64, 16, 4, 4, num_stages=3, maxnreg=128)],
+           T(64, 16, 4, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8)],
 }
 CHECK_MAX_M = 4096  # sweep tactics are checked against float64 up to this M (the reference needs ~5 GB there)
 

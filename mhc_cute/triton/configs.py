@@ -34,8 +34,6 @@ class TritonTactic:
     program owns ``reduce_block_t`` tokens and walks H in tiles of ``reduce_block_h`` (a tile covering H keeps
     the row in registers for the fused RMSNorm). ``chunk_m`` > 0 runs the two kernels per chunk of that many
     tokens, so that the reduce kernel re-reads ``residual_cur`` from L2 rather than HBM (large M).
-    ``maxnreg`` > 0 caps the main kernel's registers per thread on NVIDIA (Triton's ``maxnreg``: more programs
-    per SM, at the price of spills; ``bench/triton_registers.py`` shows both); other targets ignore it.
     """
 
     block_m: int
@@ -47,7 +45,6 @@ class TritonTactic:
     reduce_block_h: int = 2048
     reduce_warps: int = 4
     chunk_m: int = 0
-    maxnreg: int = 0
 
     @property
     def uses_dot(self) -> bool:
@@ -63,8 +60,6 @@ class TritonTactic:
             raise ValueError(f"TritonTactic.block_h must be >= 16; got {self.block_h}")
         if self.split_k < 1 or self.num_warps < 1 or self.reduce_warps < 1 or self.num_stages < 1 or self.chunk_m < 0:
             raise ValueError(f"TritonTactic: split_k, warps and stages must be >= 1; got {self}")
-        if self.maxnreg and not 32 <= self.maxnreg <= 255:
-            raise ValueError(f"TritonTactic.maxnreg must be 0 (no cap) or in [32, 255]; got {self.maxnreg}")
 
 
 @dataclass(frozen=True)

@@ -400,13 +400,11 @@ def run(problem: Problem, tactic: TritonTactic | None, out: MhcFusedHcOutput) ->
 def _launch(x, residual, post_mix, comb_mix, out: MhcFusedHcOutput, part, problem: Problem, t: TritonTactic):
     m, h = x.shape
     blocks_per_split = -(-(h // t.block_h) // t.split_k)
-    # the register cap is an NVIDIA compile option (the interpreter would take it for a kernel argument)
-    cap = dict(maxnreg=t.maxnreg) if t.maxnreg and x.is_cuda and torch.version.hip is None else {}
     _main_kernel[(t.split_k, triton.cdiv(m, t.block_m))](
         x, residual, post_mix, comb_mix, problem.fn, out.residual_cur, part,
         m, h, blocks_per_split,
         BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.uses_dot,
-        num_warps=t.num_warps, num_stages=t.num_stages, **cap,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )
     s = problem.scalars
     norm = problem.norm_weight
