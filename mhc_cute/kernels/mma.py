@@ -32,7 +32,6 @@ import os
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import functools  # noqa: E402
-import weakref  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -45,6 +44,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 from .. import tactics as tac  # noqa: E402
 from ..tactics import HC_MULT, MMA_BLOCK_H as BLOCK_H, MMA_WG_THREADS as WG_THREADS, N_MIXES, PARTIAL_COLS  # noqa: E402,E501
 from ..tactics import MmaTactic, default_mma_tactic, mma_stage_bytes as stage_bytes  # noqa: E402
+from ..weights import prepared  # noqa: E402
 from ..workspace import get_workspace  # noqa: E402
 from . import (  # noqa: E402
     CompiledKernels, compile_in_processes, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, resolve_tactic,
@@ -113,32 +113,9 @@ def prepare_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
     return w.permute(2, 1, 0, 3).contiguous()
 
 
-_weight_cache: dict = {}  # insertion-ordered: the oldest entry goes first when full
-WEIGHT_CACHE_ENTRIES = 256  # V4-Pro has 122 boundary weights; every one stays prepared
-
-
 def cached_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
-    """``prepare_weight`` once per weight tensor.
-
-    Keyed on (address, version counter, shape, device, precision); an entry is only reused while the tensor
-    that owns the memory (``fn``, or the base ``fn`` is a view of) is alive: once it is freed, a new weight
-    may be allocated at the same address with the same version, and must not get the old one's tiles.
-    """
-    key = (fn.data_ptr(), fn._version, tuple(fn.shape), fn.device, precision)
-    hit = _weight_cache.get(key)
-    if hit is not None and hit[0]() is not None:
-        return hit[1]
-    w = prepare_weight(fn, precision)
-    if fn.is_cuda and torch.cuda.is_current_stream_capturing():
-        # prepared inside the graph (redone on every replay, always right); caching it would hand eager calls
-        # a tensor that holds the right values only after a replay. Call once eagerly before capture to avoid it.
-        return w
-    for k in [k for k, (owner, _) in _weight_cache.items() if owner() is None]:
-        del _weight_cache[k]
-    while len(_weight_cache) >= WEIGHT_CACHE_ENTRIES:
-        del _weight_cache[next(iter(_weight_cache))]
-    _weight_cache[key] = (weakref.ref(fn if fn._base is None else fn._base), w)
-    return w
+    """``prepare_weight`` once per weight tensor and precision (``weights.prepared``)."""
+    return prepared(fn, f"mma_{precision}", functools.partial(prepare_weight, precision=precision))
 
 
 # ---------------------------------------------------------------------------------------------------------------

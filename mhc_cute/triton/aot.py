@@ -28,7 +28,9 @@ def _compile(fn, consts: dict, target: GPUTarget, num_warps: int, num_stages: in
     for name in fn.arg_names:
         if name in consts:
             continue
-        if name.endswith("_ptr"):
+        if name == "w_ptr":  # the weight's bf16 terms for the tensor-core projection, else fn itself
+            sig[name] = "*bf16" if consts.get("USE_DOT") else "*fp32"
+        elif name.endswith("_ptr"):
             sig[name] = "*bf16" if "res" in name or name in ("x_ptr", "li_ptr", "norm_ptr") else "*fp32"
         else:
             sig[name] = "fp32" if name in _FLOAT_SCALARS else "i32"

@@ -8,11 +8,13 @@ interpreter) use ``FALLBACK``.
 How the numbers were chosen: at small M the op is latency bound and the K splits spread one token block over
 every CU (the whole GPU reads its share of ``fn`` and of the 4H row once); at large M each program takes a large
 token block so that ``fn`` (read from L2 once per token block and K step) is reused, and the splits only keep a
-few programs per CU resident to hide memory latency. The Hopper entries come from one H200 sweep of the
-first kernel version and from ptxas register/spill reports of the current one (no spills at any entry); the
-largest bucket's reduce kernel takes two tokens per program (3-4% faster at M = 8192 in two H200 sweeps); the
-AMD entries follow the same rules with the CU counts of MI355X (gfx950, 256 CUs) and MI300X (gfx942, 304 CUs),
-compile for those targets, and have not been run on AMD hardware.
+few programs per CU resident to hide memory latency. The Hopper entries from M = 9 up come from H200 sweeps
+of the current main kernel (one projection per step over the four streams; bench/measured/h200_triton_sweep_k64.txt):
+from M = 1024 up, 32-wide H steps with a 4-deep pipeline (one program of 4 warps per SM; the weight's bf16 terms
+take most of the shared memory), and the largest bucket's reduce kernel takes two tokens per program. No entry
+spills (ptxas report, bench/triton_registers.py). The AMD entries follow the same rules with the CU counts of
+MI355X (gfx950, 256 CUs) and MI300X (gfx942, 304 CUs), compile for those targets, and have not been run on AMD
+hardware.
 """
 
 from __future__ import annotations
@@ -78,12 +80,11 @@ TABLES: tuple[ArchTable, ...] = (
         (2, T(2, 64, 112, 4, reduce_block_h=8192, reduce_warps=8)),
         (4, T(4, 32, 224, 4, reduce_block_h=8192, reduce_warps=8)),
         (8, T(8, 16, 224, 4, reduce_block_h=8192, reduce_warps=8)),
-        (16, T(16, 16, 224, 4, num_stages=2, reduce_block_h=8192, reduce_warps=8)),
-        (64, T(16, 16, 112, 4, num_stages=2, reduce_block_h=8192, reduce_warps=8)),
+        (64, T(16, 16, 112, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8)),
         (256, T(32, 16, 32, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8)),
-        (1024, T(64, 16, 16, 4, num_stages=3, reduce_block_h=2048, reduce_warps=4)),
-        (2048, T(64, 16, 8, 4, num_stages=3, reduce_block_h=2048, reduce_warps=4)),
-        (BIG, T(64, 16, 4, 4, num_stages=3, reduce_block_t=2, reduce_block_h=1024, reduce_warps=4)),
+        (512, T(64, 16, 16, 4, num_stages=3, reduce_block_h=2048, reduce_warps=4)),
+        (2048, T(64, 32, 8, 4, num_stages=4, reduce_block_h=2048, reduce_warps=4)),
+        (BIG, T(64, 32, 8, 4, num_stages=4, reduce_block_t=2, reduce_block_h=1024, reduce_warps=4)),
     )),
     # MI355X: 256 CUs, 64-lane wavefronts (num_warps counts wavefronts)
     ArchTable("gfx950", 256, (

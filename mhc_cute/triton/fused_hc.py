@@ -6,8 +6,10 @@ its H range of all 4 streams, the ``residual_cur`` store, and the split's share 
 values: 24 fp32-accurate dot products and the sum of squares, written to partials ``[split_k, M, 32]``
 (columns 0-23 the dots, column 24 the sum of squares). Small token blocks project with fp32 FMAs; blocks of 16+
 tokens on tensor cores with ``fn`` split exactly into three bf16 terms (exact products, fp32 accumulation;
-Triton's FFMA ``tl.dot`` ran at ~10% of FP32 peak on an H200, which made the op compute bound). The K loop
-accumulates with compensation, so the mixes stay within ~1e-7 of float64.
+Triton's FFMA ``tl.dot`` ran at ~10% of FP32 peak on an H200, which made the op compute bound). The split is
+done once per weight tensor (``split_bf16x3``, cached by ``weights.prepared``), so the kernel loads the terms as
+they are fed to the tensor cores. The K loop accumulates with compensation, so the mixes stay within ~1e-7 of
+float64.
 
 Reduce kernel, one program per token block: sums the partials over the splits in a fixed order, then RMS,
 mixes, gates, Sinkhorn (steps 2-5), the collapse re-reading ``residual_cur`` (step 6) and the optional RMSNorm
@@ -26,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..problem import MhcFusedHcOutput, Problem
+from ..weights import prepared
 from ..workspace import get_workspace
 from .configs import PARTIAL_COLS, TritonTactic, arch_of, fit, select_tactic
 
@@ -62,17 +65,35 @@ def _post_stream(xf, r0, r1, r2, r3, p, c0, c1, c2, c3):
     return _bf16_rn(acc)
 
 
-@triton.jit
-def _dot_fp32_exact(a, w, acc):
-    """``acc + a @ w`` for bf16 ``a`` and fp32 ``w`` on tensor cores, as accurate as an fp32 dot.
+def split_bf16x3(fn: torch.Tensor) -> torch.Tensor:
+    """``fn`` [24, 4H] fp32 as ``[3, 24, 4H]`` bf16 terms with ``fn = w1 + w2 + w3`` exactly (each term takes the
+    next 8 significant bits, round to nearest; bf16 has fp32's exponent range), so that ``a * w_i`` is exact in
+    fp32 for bf16 ``a``; K reordered from ``j H + h`` to ``4 h + j`` (stream fastest), the order in which
+    ``_interleave_streams`` lays out the four streams' tiles."""
+    n_mix, k = fn.shape
+    w = fn.float().view(n_mix, 4, k // 4).transpose(1, 2).reshape(n_mix, k)
+    w1 = w.to(torch.bfloat16)
+    r1 = w - w1.float()
+    w2 = r1.to(torch.bfloat16)
+    w3 = (r1 - w2.float()).to(torch.bfloat16)
+    return torch.stack([w1, w2, w3]).contiguous()
 
-    ``w`` is split exactly into three bf16 terms (8 + 8 + 8 significant bits cover fp32's 24), so every product
-    ``a * w_i`` is exact and only the fp32 accumulation rounds, smallest terms first.
-    """
-    w1 = w.to(tl.bfloat16)
-    r1 = w - w1.to(tl.float32)
-    w2 = r1.to(tl.bfloat16)
-    w3 = (r1 - w2.to(tl.float32)).to(tl.bfloat16)
+
+@triton.jit
+def _interleave_streams(o0, o1, o2, o3, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Four ``[BLOCK_M, BLOCK_H]`` stream tiles as one ``[BLOCK_M, 4 BLOCK_H]`` A operand, column ``4 h + j``."""
+    o = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # [..., h, p, q] = stream 2 p + q
+    return tl.reshape(o, [BLOCK_M, 4 * BLOCK_H])
+
+
+@triton.jit
+def _dot_fp32_exact(a, w_ptr, w_offs, w_mask, part_stride, acc):
+    """``acc + a @ fn_tile`` for bf16 ``a`` on tensor cores, as accurate as an fp32 dot: the tile's three exact
+    bf16 terms (``split_bf16x3``, ``part_stride`` apart) make every product exact, and only the fp32
+    accumulation rounds, smallest terms first."""
+    w3 = tl.load(w_ptr + 2 * part_stride + w_offs, mask=w_mask, other=0.0)
+    w2 = tl.load(w_ptr + part_stride + w_offs, mask=w_mask, other=0.0)
+    w1 = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
     if _INTERPRET:
         a = a.to(tl.float32)
         acc = tl.dot(a, w3.to(tl.float32), acc, input_precision="ieee")
@@ -86,14 +107,13 @@ def _dot_fp32_exact(a, w, acc):
 
 @triton.jit
 def _emit_stream(res_out_ptr, out_offs, mask, out, fn_ptr, fn_offs, fn_mask, acc, sq, USE_DOT: tl.constexpr):
-    """Store one rounded stream tile and add its projection and squares (of the rounded values) to the sums."""
+    """Store one rounded stream tile and add its squares (of the rounded values) to ``sq``; with FMAs (small token
+    blocks, not ``USE_DOT``) also its projection, as ``[BLOCK_M, BLOCK_H, 32]`` products reduced over H once
+    after the K loop (``fn`` read as a ``[BLOCK_H, 32]`` tile, columns 24..31 masked to zero)."""
     tl.store(res_out_ptr + out_offs, out, mask=mask)
     rf = out.to(tl.float32)
-    w = tl.load(fn_ptr + fn_offs, mask=fn_mask, other=0.0)  # [BLOCK_H, 32]: fn rows 24..31 are zero
-    if USE_DOT:
-        acc = _dot_fp32_exact(out, w, acc)
-    else:
-        # small token blocks: fp32 FMAs into [BLOCK_M, BLOCK_H, 32], reduced over H once after the K loop
+    if not USE_DOT:
+        w = tl.load(fn_ptr + fn_offs, mask=fn_mask, other=0.0)
         acc += rf[:, :, None] * w[None, :, :]
     return acc, sq + tl.sum(rf * rf, axis=1)
 
@@ -110,7 +130,7 @@ def _kahan_add(total, comp, value):
 # M and the loop counts are not specialised on (Triton would compile again for M == 1 or M % 16 == 0)
 @triton.jit(do_not_specialize=["M", "blocks_per_split"])
 def _main_kernel(
-    x_ptr, res_ptr, post_ptr, comb_ptr, fn_ptr, res_out_ptr, part_ptr,
+    x_ptr, res_ptr, post_ptr, comb_ptr, w_ptr, res_out_ptr, part_ptr,
     M, H, blocks_per_split,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr,
 ):
@@ -152,11 +172,16 @@ def _main_kernel(
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     sq_comp = tl.zeros([BLOCK_M], dtype=tl.float32)
     mask = tok_mask[:, None]
-    fn_mask = cols[None, :] < 24
+    w_mask = cols[None, :] < 24
     x_row = rows[:, None] * H
     res_row = rows[:, None] * (4 * H)
-    # fn[c, j*H + h] as a [BLOCK_H, 32] tile (K-major for the dot)
-    fn_base = cols[None, :] * (4 * H) + offs_h[:, None]
+    if USE_DOT:
+        # the split_bf16x3 terms of fn as [4 BLOCK_H, 32] tiles, K = 4 h + j (K-major for the dot)
+        part_stride = 24 * 4 * H
+        w_base = cols[None, :] * (4 * H) + tl.arange(0, 4 * BLOCK_H)[:, None]
+    else:
+        # fn[c, j H + h] as [BLOCK_H, 32] tiles, one per stream
+        w_base = cols[None, :] * (4 * H) + offs_h[:, None]
 
     block_begin = pid_k * blocks_per_split
     block_end = tl.minimum(block_begin + blocks_per_split, H // BLOCK_H)
@@ -167,29 +192,26 @@ def _main_kernel(
         r1 = tl.load(res_ptr + res_row + H + h, mask=mask, other=0.0).to(tl.float32)
         r2 = tl.load(res_ptr + res_row + 2 * H + h, mask=mask, other=0.0).to(tl.float32)
         r3 = tl.load(res_ptr + res_row + 3 * H + h, mask=mask, other=0.0).to(tl.float32)
-        fn_h = fn_base + hb * BLOCK_H
-        if USE_DOT:
-            step = tl.zeros([BLOCK_M, 32], dtype=tl.float32)
-        else:
-            step = acc  # elementwise sums over [BLOCK_M, BLOCK_H, 32] stay short without compensation
+        w_h = w_base + hb * BLOCK_H
         step_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-        out = _post_stream(xf, r0, r1, r2, r3, p0, c00, c10, c20, c30)
-        step, step_sq = _emit_stream(res_out_ptr, res_row + h, mask, out, fn_ptr, fn_h, fn_mask, step, step_sq,
-                                     USE_DOT)
-        out = _post_stream(xf, r0, r1, r2, r3, p1, c01, c11, c21, c31)
-        step, step_sq = _emit_stream(res_out_ptr, res_row + H + h, mask, out, fn_ptr, fn_h + H, fn_mask, step,
-                                     step_sq, USE_DOT)
-        out = _post_stream(xf, r0, r1, r2, r3, p2, c02, c12, c22, c32)
-        step, step_sq = _emit_stream(res_out_ptr, res_row + 2 * H + h, mask, out, fn_ptr, fn_h + 2 * H, fn_mask,
-                                     step, step_sq, USE_DOT)
-        out = _post_stream(xf, r0, r1, r2, r3, p3, c03, c13, c23, c33)
-        step, step_sq = _emit_stream(res_out_ptr, res_row + 3 * H + h, mask, out, fn_ptr, fn_h + 3 * H, fn_mask,
-                                     step, step_sq, USE_DOT)
+        o0 = _post_stream(xf, r0, r1, r2, r3, p0, c00, c10, c20, c30)
+        acc, step_sq = _emit_stream(res_out_ptr, res_row + h, mask, o0, w_ptr, w_h, w_mask, acc, step_sq, USE_DOT)
+        o1 = _post_stream(xf, r0, r1, r2, r3, p1, c01, c11, c21, c31)
+        acc, step_sq = _emit_stream(res_out_ptr, res_row + H + h, mask, o1, w_ptr, w_h + H, w_mask, acc, step_sq,
+                                    USE_DOT)
+        o2 = _post_stream(xf, r0, r1, r2, r3, p2, c02, c12, c22, c32)
+        acc, step_sq = _emit_stream(res_out_ptr, res_row + 2 * H + h, mask, o2, w_ptr, w_h + 2 * H, w_mask, acc,
+                                    step_sq, USE_DOT)
+        o3 = _post_stream(xf, r0, r1, r2, r3, p3, c03, c13, c23, c33)
+        acc, step_sq = _emit_stream(res_out_ptr, res_row + 3 * H + h, mask, o3, w_ptr, w_h + 3 * H, w_mask, acc,
+                                    step_sq, USE_DOT)
         if USE_DOT:
+            # one projection of the four streams per step (K = 4 BLOCK_H), summed into acc with compensation
+            a = _interleave_streams(o0, o1, o2, o3, BLOCK_M, BLOCK_H)
+            step = _dot_fp32_exact(a, w_ptr, w_base + hb * (4 * BLOCK_H), w_mask, part_stride,
+                                   tl.zeros([BLOCK_M, 32], dtype=tl.float32))
             acc, acc_comp = _kahan_add(acc, acc_comp, step)
-        else:
-            acc = step
         sq, sq_comp = _kahan_add(sq, sq_comp, step_sq)
 
     if not USE_DOT:
@@ -400,8 +422,9 @@ def run(problem: Problem, tactic: TritonTactic | None, out: MhcFusedHcOutput) ->
 def _launch(x, residual, post_mix, comb_mix, out: MhcFusedHcOutput, part, problem: Problem, t: TritonTactic):
     m, h = x.shape
     blocks_per_split = -(-(h // t.block_h) // t.split_k)
+    weight = prepared(problem.fn, "triton_bf16x3", split_bf16x3) if t.uses_dot else problem.fn
     _main_kernel[(t.split_k, triton.cdiv(m, t.block_m))](
-        x, residual, post_mix, comb_mix, problem.fn, out.residual_cur, part,
+        x, residual, post_mix, comb_mix, weight, out.residual_cur, part,
         m, h, blocks_per_split,
         BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.uses_dot,
         num_warps=t.num_warps, num_stages=t.num_stages,
