@@ -27,30 +27,27 @@ from mhc_cute import benchmark as bm
 from mhc_cute.accuracy import failure_of, problem_of
 from mhc_cute.triton.configs import TritonTactic as T
 
-# candidates per M (H = 7168 sizes; select/fit clamps them for other H)
+# candidates per M (H = 7168 sizes; select/fit clamps them for other H): around the sm90 table's entries, from
+# the sweeps that chose them (bench/measured/h200_triton_sweep_k64.txt)
+_W = dict(reduce_block_h=8192, reduce_warps=8)
+_R = dict(reduce_block_t=2, reduce_block_h=1024)
 SWEEP = {
     1: [T(1, 128, 56, 4, reduce_block_h=8192, reduce_warps=8), T(1, 32, 224, 4, reduce_block_h=8192, reduce_warps=8),
         T(1, 64, 112, 4, reduce_block_h=8192, reduce_warps=4), T(1, 64, 112, 4, reduce_block_h=8192, reduce_warps=16)],
     4: [T(4, 64, 112, 8, reduce_block_h=8192, reduce_warps=8), T(2, 64, 112, 4, reduce_block_h=8192, reduce_warps=8),
         T(4, 32, 112, 4, reduce_block_h=8192, reduce_warps=8), T(16, 16, 224, 4, reduce_block_h=8192, reduce_warps=8)],
-    16: [T(8, 16, 224, 4, reduce_block_h=8192, reduce_warps=8), T(16, 16, 112, 4, reduce_block_h=8192, reduce_warps=8),
-         T(16, 32, 224, 4, reduce_block_h=8192, reduce_warps=8), T(16, 16, 448, 4, reduce_block_h=8192, reduce_warps=8)],
-    64: [T(16, 16, 56, 4, num_stages=2, reduce_block_h=8192, reduce_warps=8),
-         T(32, 16, 56, 4, num_stages=2, reduce_block_h=8192, reduce_warps=8),
-         T(16, 32, 112, 4, reduce_block_h=8192, reduce_warps=8), T(8, 16, 112, 4, reduce_block_h=8192, reduce_warps=8)],
-    256: [T(32, 16, 16, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8),
-          T(64, 16, 32, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8),
-          T(16, 16, 32, 4, num_stages=2, reduce_block_h=8192, reduce_warps=8),
-          T(32, 16, 32, 4, num_stages=3, reduce_block_h=2048, reduce_warps=4)],
-    1024: [T(64, 16, 32, 4, num_stages=3), T(32, 16, 16, 4, num_stages=3), T(64, 16, 16, 4, num_stages=2),
-           T(128, 16, 16, 8, num_stages=3), T(64, 32, 16, 8, num_stages=3),
-           T(64, 16, 16, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8)],
-    4096: [T(64, 16, 8, 4, num_stages=3), T(64, 16, 2, 4, num_stages=3), T(64, 16, 4, 4, num_stages=2),
-           T(128, 16, 4, 8, num_stages=3), T(128, 16, 2, 8, num_stages=3), T(32, 16, 4, 4, num_stages=3),
-           T(64, 32, 4, 8, num_stages=3), T(64, 16, 4, 4, num_stages=4),
-           T(64, 16, 16, 4, num_stages=3, chunk_m=512), T(64, 16, 8, 4, num_stages=3, chunk_m=1024),
-           T(64, 16, 4, 4, num_stages=3, reduce_block_t=2, reduce_block_h=1024),
-           T(64, 16, 4, 4, num_stages=3, reduce_block_h=8192, reduce_warps=8)],
+    16: [T(16, 16, 224, 4, num_stages=3, **_W), T(16, 16, 112, 4, num_stages=3, **_W),
+         T(16, 32, 112, 4, num_stages=3, **_W)],
+    64: [T(16, 16, 112, 4, num_stages=2, **_W), T(32, 16, 32, 4, num_stages=3), T(16, 32, 56, 4, num_stages=3),
+         T(64, 16, 16, 4, num_stages=3)],
+    256: [T(32, 16, 32, 4, num_stages=4, **_W), T(32, 32, 16, 4, num_stages=4, **_W),
+          T(64, 16, 16, 4, num_stages=4, **_W), T(32, 16, 64, 4, num_stages=3, **_W)],
+    1024: [T(64, 32, 8, 4, num_stages=4), T(64, 32, 16, 4, num_stages=4), T(64, 16, 16, 4, num_stages=4)],
+    2048: [T(64, 32, 8, 4, num_stages=4), T(64, 32, 4, 4, num_stages=4, **_R), T(64, 16, 8, 4, num_stages=5)],
+    4096: [T(64, 32, 4, 4, num_stages=4, **_R), T(64, 32, 4, 4, num_stages=5, **_R),
+           T(64, 32, 8, 4, num_stages=4, **_R), T(64, 32, 2, 4, num_stages=4, **_R),
+           T(32, 32, 8, 4, num_stages=4, **_R), T(64, 16, 4, 4, num_stages=6, **_R),
+           T(128, 32, 2, 8, num_stages=3, **_R), T(128, 16, 4, 8, num_stages=4, **_R)],
 }
 CHECK_MAX_M = 4096  # sweep tactics are checked against float64 up to this M (the reference needs ~5 GB there)
 

@@ -1,7 +1,7 @@
 """Merge `mhc-cute bench --json` files (a later file overrides an earlier one for the same H, M and name) into
 the README's markdown tables and a PNG plot.
 
-    python bench/merge_measured.py bench/measured/h200_bench_stop11.json --plot bench/measured/h200.png
+    python bench/merge_measured.py bench/measured/h200_bench_stop12.json --plot bench/measured/h200.png
 """
 
 import argparse
