@@ -106,16 +106,17 @@ def _dot_fp32_exact(a, w_ptr, w_offs, w_mask, part_stride, acc):
 
 
 @triton.jit
-def _emit_stream(res_out_ptr, out_offs, mask, out, fn_ptr, fn_offs, fn_mask, acc, sq, USE_DOT: tl.constexpr):
-    """Store one rounded stream tile and add its squares (of the rounded values) to ``sq``; with FMAs (small token
-    blocks, not ``USE_DOT``) also its projection, as ``[BLOCK_M, BLOCK_H, 32]`` products reduced over H once
-    after the K loop (``fn`` read as a ``[BLOCK_H, 32]`` tile, columns 24..31 masked to zero)."""
+def _emit_stream(res_out_ptr, out_offs, mask, out, sq, acc, fn_ptr, fn_offs, fn_mask, USE_DOT: tl.constexpr):
+    """Store one rounded stream tile and add its row sums of squares (of the rounded values) to ``sq``. Small token
+    blocks (not ``USE_DOT``) also project it here, with fp32 FMAs into ``[BLOCK_M, BLOCK_H, 32]`` products reduced
+    over H once after the K loop (``fn`` read as a ``[BLOCK_H, 32]`` tile, columns 24..31 masked to zero), so that
+    only one stream tile is live at a time."""
     tl.store(res_out_ptr + out_offs, out, mask=mask)
     rf = out.to(tl.float32)
     if not USE_DOT:
         w = tl.load(fn_ptr + fn_offs, mask=fn_mask, other=0.0)
         acc += rf[:, :, None] * w[None, :, :]
-    return acc, sq + tl.sum(rf * rf, axis=1)
+    return sq + tl.sum(rf * rf, axis=1), acc
 
 
 @triton.jit
@@ -192,20 +193,20 @@ def _main_kernel(
         r1 = tl.load(res_ptr + res_row + H + h, mask=mask, other=0.0).to(tl.float32)
         r2 = tl.load(res_ptr + res_row + 2 * H + h, mask=mask, other=0.0).to(tl.float32)
         r3 = tl.load(res_ptr + res_row + 3 * H + h, mask=mask, other=0.0).to(tl.float32)
-        w_h = w_base + hb * BLOCK_H
         step_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        fn_h = w_base + hb * BLOCK_H  # read by the FMA projection only
 
         o0 = _post_stream(xf, r0, r1, r2, r3, p0, c00, c10, c20, c30)
-        acc, step_sq = _emit_stream(res_out_ptr, res_row + h, mask, o0, w_ptr, w_h, w_mask, acc, step_sq, USE_DOT)
+        step_sq, acc = _emit_stream(res_out_ptr, res_row + h, mask, o0, step_sq, acc, w_ptr, fn_h, w_mask, USE_DOT)
         o1 = _post_stream(xf, r0, r1, r2, r3, p1, c01, c11, c21, c31)
-        acc, step_sq = _emit_stream(res_out_ptr, res_row + H + h, mask, o1, w_ptr, w_h + H, w_mask, acc, step_sq,
+        step_sq, acc = _emit_stream(res_out_ptr, res_row + H + h, mask, o1, step_sq, acc, w_ptr, fn_h + H, w_mask,
                                     USE_DOT)
         o2 = _post_stream(xf, r0, r1, r2, r3, p2, c02, c12, c22, c32)
-        acc, step_sq = _emit_stream(res_out_ptr, res_row + 2 * H + h, mask, o2, w_ptr, w_h + 2 * H, w_mask, acc,
-                                    step_sq, USE_DOT)
+        step_sq, acc = _emit_stream(res_out_ptr, res_row + 2 * H + h, mask, o2, step_sq, acc, w_ptr, fn_h + 2 * H,
+                                    w_mask, USE_DOT)
         o3 = _post_stream(xf, r0, r1, r2, r3, p3, c03, c13, c23, c33)
-        acc, step_sq = _emit_stream(res_out_ptr, res_row + 3 * H + h, mask, o3, w_ptr, w_h + 3 * H, w_mask, acc,
-                                    step_sq, USE_DOT)
+        step_sq, acc = _emit_stream(res_out_ptr, res_row + 3 * H + h, mask, o3, step_sq, acc, w_ptr, fn_h + 3 * H,
+                                    w_mask, USE_DOT)
         if USE_DOT:
             # one projection of the four streams per step (K = 4 BLOCK_H), summed into acc with compensation
             a = _interleave_streams(o0, o1, o2, o3, BLOCK_M, BLOCK_H)
