@@ -253,3 +253,18 @@ def test_kernels_compile_for_hopper_and_amd():
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+# --- the prepared weight ----------------------------------------------------------------------------------------
+
+def test_split_bf16x3_is_exact_and_stream_interleaved():
+    from mhc_cute.triton.fused_hc import split_bf16x3
+
+    h = 64
+    # exact while every term is a normal bf16: |fn| from about 2^-100 up to bf16's largest finite value
+    fn = torch.randn(24, 4 * h) * torch.logspace(-25, 25, 24)[:, None]
+    fn[0, :2] = torch.tensor([0.0, -0.0])
+    terms = split_bf16x3(fn)
+    assert terms.shape == (3, 24, 4 * h) and terms.dtype == torch.bfloat16
+    total = terms.double().sum(0)  # K order 4 h + j
+    assert torch.equal(total, fn.double().view(24, 4, h).transpose(1, 2).reshape(24, 4 * h))
