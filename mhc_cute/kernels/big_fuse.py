@@ -12,8 +12,8 @@ Two ways in:
   Use: ``phase = BigFusePhase(hidden, split_k, tokens, threads, norm)``; in the kernel, before any other
   code that depends on it, ``storage = phase.allocate(smem_allocator)``; later
   ``phase(storage, m0, partials, scale, base, norm_weight, residual_cur, post_out, comb_out, layer_input,
-  scalars)`` with the flattened tensors of ``flat_outputs`` and ``BigFuseScalars`` (``load_constants``
-  then ``run``: a kernel may load the constants earlier, e.g. before waiting for its producer grid).
+  scalars)`` with the flattened tensors of ``flat_outputs`` and ``BigFuseScalars`` (``prefetch`` then ``run``:
+  a kernel may load the op's own inputs earlier, e.g. before waiting for its producer grid).
 * ``BigFuseKernel`` (standalone, one CTA per token block; ``standalone_big_fuse`` shapes it), launched by the
   two-launch paths (E in ``fma.py``, B in ``mma.py``) from their compiled call.
 
@@ -129,9 +129,15 @@ class BigFusePhase:
         mLayerIn: cute.Tensor,
         scalars: BigFuseScalars,
     ):
-        self.load_constants(storage, mScale, mBase)
-        norm_w = self.load_norm_weights(mNormW) if cutlass.const_expr(self.prefetch_norm) else None
+        norm_w = self.prefetch(storage, mScale, mBase, mNormW)
         self.run(storage, m0, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, norm_w)
+
+    @cute.jit
+    def prefetch(self, storage: BigFuseStorage, mScale: cute.Tensor, mBase: cute.Tensor, mNormW):
+        """The phase's loads of the op's own inputs (``load_constants``, and ``load_norm_weights`` when
+        ``prefetch_norm``, whose result it returns for ``run``; else None). None depends on a producer grid."""
+        self.load_constants(storage, mScale, mBase)
+        return self.load_norm_weights(mNormW) if cutlass.const_expr(self.prefetch_norm) else None
 
     @cute.jit
     def run(
@@ -147,8 +153,8 @@ class BigFusePhase:
         scalars: BigFuseScalars,
         norm_w=None,
     ):
-        """The phase after ``load_constants`` (its first barrier publishes them); ``norm_w``: the result of
-        ``load_norm_weights`` when ``prefetch_norm``."""
+        """The phase after ``prefetch`` (its first barrier publishes the constants); ``norm_w``: what ``prefetch``
+        returned."""
         first = None
         if cutlass.const_expr(self.batches <= 2):
             # residual_cur does not depend on the partials: the first batch of the collapse loads while the
@@ -422,8 +428,7 @@ class BigFuseKernel:
         smem = cutlass.memory.SmemAllocator()
         storage = self.phase.allocate(smem)
         phase = self.phase
-        phase.load_constants(storage, mScale, mBase)
-        norm_w = phase.load_norm_weights(mNormW) if cutlass.const_expr(phase.prefetch_norm) else None
+        norm_w = phase.prefetch(storage, mScale, mBase, mNormW)
         # launched with programmatic dependent launch: wait for the producer grid (and its memory) here
         cute.arch.griddepcontrol_wait()
         phase.run(storage, bidx * phase.tokens, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars,
