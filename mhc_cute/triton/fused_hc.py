@@ -411,19 +411,22 @@ def run(problem: Problem, tactic: TritonTactic | None, out: MhcFusedHcOutput) ->
     t = _default_tactic(dev, m, h) if tactic is None else fit(tactic, h)
     chunk = t.chunk_m or m
     part = get_workspace(dev).partials(t.split_k * min(chunk, m) * PARTIAL_COLS)
+    weight = prepared(problem.fn, "triton_bf16x3", split_bf16x3) if t.uses_dot else problem.fn
     if chunk >= m:
-        _launch(problem.x, problem.residual, problem.post_mix, problem.comb_mix, out, part, problem, t)
+        _launch(problem.x, problem.residual, problem.post_mix, problem.comb_mix, weight, out, part, problem, t)
         return
     for b in range(0, m, chunk):
         e = min(b + chunk, m)
-        _launch(problem.x[b:e], problem.residual[b:e], problem.post_mix[b:e], problem.comb_mix[b:e],
+        _launch(problem.x[b:e], problem.residual[b:e], problem.post_mix[b:e], problem.comb_mix[b:e], weight,
                 MhcFusedHcOutput(*(o[b:e] for o in out)), part, problem, t)
 
 
-def _launch(x, residual, post_mix, comb_mix, out: MhcFusedHcOutput, part, problem: Problem, t: TritonTactic):
+def _launch(x, residual, post_mix, comb_mix, weight, out: MhcFusedHcOutput, part, problem: Problem,
+            t: TritonTactic):
+    """One main + reduce launch over ``x``'s tokens; ``weight``: ``fn``'s bf16 terms (tensor-core tactics) or
+    ``fn`` itself."""
     m, h = x.shape
     blocks_per_split = -(-(h // t.block_h) // t.split_k)
-    weight = prepared(problem.fn, "triton_bf16x3", split_bf16x3) if t.uses_dot else problem.fn
     _main_kernel[(t.split_k, triton.cdiv(m, t.block_m))](
         x, residual, post_mix, comb_mix, weight, out.residual_cur, part,
         m, h, blocks_per_split,
