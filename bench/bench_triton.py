@@ -100,8 +100,7 @@ def test_grid_jobs():
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, nargs="+", default=[7168])
-    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
-                                                        8192, 16384])
+    p.add_argument("--m", type=int, nargs="+", default=list(bm.BENCH_MS))
     p.add_argument("--sweep", action="store_true", help="also time the sweep candidates of the nearest M")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--norm", action="store_true")

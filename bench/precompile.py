@@ -22,7 +22,6 @@ import time
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # mhc-cute bench's default
 
 
 def specs_for(backends, ms, hiddens, norms, precisions, sm_count):
@@ -48,6 +47,7 @@ def session_specs(sm_count):
     from test_correctness import GPU_HS, GPU_MS
 
     from mhc_cute import autotune, tactics
+    from mhc_cute.benchmark import BENCH_MS
 
     ms = sorted(set(GPU_MS) | set(BENCH_MS))
     hiddens = sorted(set(GPU_HS) | {4096, 7168})

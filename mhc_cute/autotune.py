@@ -46,9 +46,6 @@ def all_buckets(max_m: int = 16384) -> list[int]:
     return out
 
 
-DEFAULT_TUNE_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-
-
 @dataclass(frozen=True)
 class TuneKey:
     gpu: str

@@ -20,6 +20,7 @@ import torch
 
 from .problem import MhcFusedHcOutput
 
+BENCH_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # the default grid of M
 L2_FLUSH_BYTES = 256 << 20  # rotate through at least this much data (several times a Hopper L2)
 MAX_SETS = 64
 

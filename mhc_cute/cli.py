@@ -80,6 +80,7 @@ def cmd_bench(args) -> int:
     if not torch.cuda.is_available():
         print("mhc-cute bench needs a CUDA GPU", file=sys.stderr)
         return 2
+    ms = args.m or bm.BENCH_MS
     dev = torch.device("cuda")
     gpu = torch.cuda.get_device_name(dev)
     bandwidth = bm.measure_copy_bandwidth(dev)
@@ -90,7 +91,7 @@ def cmd_bench(args) -> int:
         calls.update(bm.peer_calls(args.norm))
     results = []
     for h in args.hidden:
-        for m in args.m:
+        for m in ms:
             sets = bm.make_sets(m, h, bm.n_rotation_sets(m, h), dev, args.norm)
             for name, call in calls.items():
                 eager = not (name == "torch-compile" and m > 4096)
@@ -139,8 +140,7 @@ def main(argv=None) -> int:
     c.set_defaults(fn=cmd_check)
     b = sub.add_parser("bench", help="time the auto choice, every backend and the peers")
     b.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
-    b.add_argument("--m", type=int, nargs="+",
-                   default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384])
+    b.add_argument("--m", type=int, nargs="+", help="default: benchmark.BENCH_MS (1, 2, 4, ..., 16384)")
     b.add_argument("--backends", nargs="*", help="default: every available kernel backend")
     b.add_argument("--precision", default="fp32", choices=["fp32", "tf32"])
     b.add_argument("--norm", action="store_true", help="fuse the next sublayer's RMSNorm (peers without it drop out)")
