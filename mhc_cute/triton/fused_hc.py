@@ -223,42 +223,36 @@ def _main_kernel(
 
 
 @triton.jit
-def _pick(tot, cols, c: tl.constexpr):
-    """Column ``c`` of a ``[BLOCK_T, 32]`` tile, as a ``[BLOCK_T]`` vector."""
-    return tl.sum(tl.where(cols == c, tot, 0.0), axis=1)
+def _split_sum(part_ptr, rows, tok_mask, M, split_k, S_POW2: tl.constexpr, COL0: tl.constexpr, N: tl.constexpr):
+    """Partials columns ``COL0 .. COL0 + N - 1`` of these tokens summed over the splits (one tree reduction in a
+    fixed order): ``[BLOCK_T, N]``."""
+    s = tl.arange(0, S_POW2)[:, None, None]
+    offs = (s * M + rows[None, :, None]) * 32 + COL0 + tl.arange(0, N)[None, None, :]
+    mask = (s < split_k) & tok_mask[None, :, None]
+    return tl.sum(tl.load(part_ptr + offs, mask=mask, other=0.0), axis=0)
 
 
 @triton.jit
-def _mix(tot, cols, rstd, scale, base_ptr, c: tl.constexpr):
-    """SPEC step 3 for column ``c``: ``dot * rstd * hc_scale[g] + hc_base[c]``."""
-    return _pick(tot, cols, c) * rstd * scale + tl.load(base_ptr + c)
+def _mixes(part_ptr, rows, tok_mask, M, split_k, rstd, scale, base_ptr,
+           S_POW2: tl.constexpr, COL0: tl.constexpr, N: tl.constexpr):
+    """SPEC step 3 for columns ``COL0 ..``: ``dot * rstd * hc_scale[group] + hc_base[c]``, ``[BLOCK_T, N]``."""
+    dots = _split_sum(part_ptr, rows, tok_mask, M, split_k, S_POW2, COL0, N)
+    return dots * rstd * scale + tl.load(base_ptr + COL0 + tl.arange(0, N))[None, :]
 
 
 @triton.jit
-def _softmax4(a, b, c, d, eps):
-    """Row softmax (max-subtracted) + eps, SPEC step 5's first step."""
-    m = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-    a = tl.exp(a - m)
-    b = tl.exp(b - m)
-    c = tl.exp(c - m)
-    d = tl.exp(d - m)
-    s = a + b + c + d
-    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
+def _columns4(v):
+    """The four columns of a ``[BLOCK_T, 4]`` tile as ``[BLOCK_T]`` vectors."""
+    even, odd = tl.split(tl.reshape(v, [v.shape[0], 2, 2]))  # columns (0, 2) and (1, 3)
+    c0, c2 = tl.split(even)
+    c1, c3 = tl.split(odd)
+    return c0, c1, c2, c3
 
 
 @triton.jit
-def _normalize4(a, b, c, d, eps):
-    """One Sinkhorn step on a row or a column: ``x / (sum + eps)``."""
-    s = a + b + c + d + eps
-    return a / s, b / s, c / s, d / s
-
-
-@triton.jit
-def _store4(ptr, offs, mask, a, b, c, d):
-    tl.store(ptr + offs, a, mask=mask)
-    tl.store(ptr + offs + 1, b, mask=mask)
-    tl.store(ptr + offs + 2, c, mask=mask)
-    tl.store(ptr + offs + 3, d, mask=mask)
+def _normalize(c, eps, AXIS: tl.constexpr):
+    """One Sinkhorn step over the rows (``AXIS`` 2) or the columns (1) of ``[BLOCK_T, 4, 4]``: ``x / (sum + eps)``."""
+    return c / tl.expand_dims(tl.sum(c, axis=AXIS) + eps, AXIS)
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "sinkhorn_repeat"])
@@ -276,64 +270,31 @@ def _reduce_kernel(
     tok_mask = tok < M
     rows = tok.to(tl.int64)
 
-    # sum of the partials over the splits, one tree reduction in a fixed order
-    s = tl.arange(0, S_POW2)[:, None, None]
-    cols = tl.arange(0, 32)[None, :]
-    part_offs = (s * M + rows[None, :, None]) * 32 + cols[None]
-    part_mask = (s < split_k) & tok_mask[None, :, None] & (cols[None] <= 24)
-    tot = tl.sum(tl.load(part_ptr + part_offs, mask=part_mask, other=0.0), axis=0)  # [BLOCK_T, 32]
-
-    # from here on every quantity is a [BLOCK_T] vector: no reductions, so no cross-thread traffic
+    # Steps 2-5 on whole tiles (the 4 pre gates, the 4 post gates, the 4x4 comb matrix), not column by column:
+    # a program's few tokens are shared by all its threads, and per-column scalar code ran on every thread (the
+    # Sinkhorn alone kept the reduce kernel issue bound, at a third of the DRAM bandwidth, at H = 4096).
     # divisor 4H: RMS over all 4 streams; IEEE sqrt and division (the approximate rsqrt costs the gates ~1e-7)
-    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(_pick(tot, cols, 24) / (4 * H) + rms_eps))
-    s_pre = tl.load(scale_ptr)
-    s_post = tl.load(scale_ptr + 1)
-    s_comb = tl.load(scale_ptr + 2)
-    g0 = tl.sigmoid(_mix(tot, cols, rstd, s_pre, base_ptr, 0)) + pre_eps
-    g1 = tl.sigmoid(_mix(tot, cols, rstd, s_pre, base_ptr, 1)) + pre_eps
-    g2 = tl.sigmoid(_mix(tot, cols, rstd, s_pre, base_ptr, 2)) + pre_eps
-    g3 = tl.sigmoid(_mix(tot, cols, rstd, s_pre, base_ptr, 3)) + pre_eps
-    _store4(post_out_ptr, rows * 4, tok_mask,
-            tl.sigmoid(_mix(tot, cols, rstd, s_post, base_ptr, 4)) * post_mult,
-            tl.sigmoid(_mix(tot, cols, rstd, s_post, base_ptr, 5)) * post_mult,
-            tl.sigmoid(_mix(tot, cols, rstd, s_post, base_ptr, 6)) * post_mult,
-            tl.sigmoid(_mix(tot, cols, rstd, s_post, base_ptr, 7)) * post_mult)
+    sumsq = _split_sum(part_ptr, rows, tok_mask, M, split_k, S_POW2, 24, 1)
+    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(sumsq / (4 * H) + rms_eps))  # [BLOCK_T, 1]
+    pre = tl.sigmoid(_mixes(part_ptr, rows, tok_mask, M, split_k, rstd, tl.load(scale_ptr), base_ptr,
+                            S_POW2, 0, 4)) + pre_eps
+    g0, g1, g2, g3 = _columns4(pre)
+    post = tl.sigmoid(_mixes(part_ptr, rows, tok_mask, M, split_k, rstd, tl.load(scale_ptr + 1), base_ptr,
+                             S_POW2, 4, 4)) * post_mult
+    col4 = tl.arange(0, 4)[None, :]
+    tl.store(post_out_ptr + rows[:, None] * 4 + col4, post, mask=tok_mask[:, None])
 
-    # Sinkhorn (SPEC step 5) on comb[r][c] = mixes[8 + 4r + c]
-    c00, c01, c02, c03 = _softmax4(_mix(tot, cols, rstd, s_comb, base_ptr, 8),
-                                   _mix(tot, cols, rstd, s_comb, base_ptr, 9),
-                                   _mix(tot, cols, rstd, s_comb, base_ptr, 10),
-                                   _mix(tot, cols, rstd, s_comb, base_ptr, 11), sinkhorn_eps)
-    c10, c11, c12, c13 = _softmax4(_mix(tot, cols, rstd, s_comb, base_ptr, 12),
-                                   _mix(tot, cols, rstd, s_comb, base_ptr, 13),
-                                   _mix(tot, cols, rstd, s_comb, base_ptr, 14),
-                                   _mix(tot, cols, rstd, s_comb, base_ptr, 15), sinkhorn_eps)
-    c20, c21, c22, c23 = _softmax4(_mix(tot, cols, rstd, s_comb, base_ptr, 16),
-                                   _mix(tot, cols, rstd, s_comb, base_ptr, 17),
-                                   _mix(tot, cols, rstd, s_comb, base_ptr, 18),
-                                   _mix(tot, cols, rstd, s_comb, base_ptr, 19), sinkhorn_eps)
-    c30, c31, c32, c33 = _softmax4(_mix(tot, cols, rstd, s_comb, base_ptr, 20),
-                                   _mix(tot, cols, rstd, s_comb, base_ptr, 21),
-                                   _mix(tot, cols, rstd, s_comb, base_ptr, 22),
-                                   _mix(tot, cols, rstd, s_comb, base_ptr, 23), sinkhorn_eps)
-    c00, c10, c20, c30 = _normalize4(c00, c10, c20, c30, sinkhorn_eps)
-    c01, c11, c21, c31 = _normalize4(c01, c11, c21, c31, sinkhorn_eps)
-    c02, c12, c22, c32 = _normalize4(c02, c12, c22, c32, sinkhorn_eps)
-    c03, c13, c23, c33 = _normalize4(c03, c13, c23, c33, sinkhorn_eps)
+    # Sinkhorn (SPEC step 5) on comb[r][c] = mixes[8 + 4r + c]: row softmax + eps, then columns, then
+    # sinkhorn_repeat - 1 times rows and columns
+    comb = tl.reshape(_mixes(part_ptr, rows, tok_mask, M, split_k, rstd, tl.load(scale_ptr + 2), base_ptr,
+                             S_POW2, 8, 16), [BLOCK_T, 4, 4])
+    comb = tl.exp(comb - tl.max(comb, axis=2)[:, :, None])
+    comb = comb / tl.sum(comb, axis=2)[:, :, None] + sinkhorn_eps
+    comb = _normalize(comb, sinkhorn_eps, 1)
     for _ in range(sinkhorn_repeat - 1):
-        c00, c01, c02, c03 = _normalize4(c00, c01, c02, c03, sinkhorn_eps)
-        c10, c11, c12, c13 = _normalize4(c10, c11, c12, c13, sinkhorn_eps)
-        c20, c21, c22, c23 = _normalize4(c20, c21, c22, c23, sinkhorn_eps)
-        c30, c31, c32, c33 = _normalize4(c30, c31, c32, c33, sinkhorn_eps)
-        c00, c10, c20, c30 = _normalize4(c00, c10, c20, c30, sinkhorn_eps)
-        c01, c11, c21, c31 = _normalize4(c01, c11, c21, c31, sinkhorn_eps)
-        c02, c12, c22, c32 = _normalize4(c02, c12, c22, c32, sinkhorn_eps)
-        c03, c13, c23, c33 = _normalize4(c03, c13, c23, c33, sinkhorn_eps)
-    comb_offs = rows * 16
-    _store4(comb_out_ptr, comb_offs, tok_mask, c00, c01, c02, c03)
-    _store4(comb_out_ptr, comb_offs + 4, tok_mask, c10, c11, c12, c13)
-    _store4(comb_out_ptr, comb_offs + 8, tok_mask, c20, c21, c22, c23)
-    _store4(comb_out_ptr, comb_offs + 12, tok_mask, c30, c31, c32, c33)
+        comb = _normalize(_normalize(comb, sinkhorn_eps, 2), sinkhorn_eps, 1)
+    col16 = tl.arange(0, 16)[None, :]
+    tl.store(comb_out_ptr + rows[:, None] * 16 + col16, tl.reshape(comb, [BLOCK_T, 16]), mask=tok_mask[:, None])
 
     g0 = g0[:, None]
     g1 = g1[:, None]
