@@ -10,7 +10,6 @@ M <= ``--check-max-m`` are also checked once against the float64 contract.
 """
 
 import argparse
-import dataclasses
 import sys
 
 import torch
@@ -31,14 +30,6 @@ SWEEPS = {
              T(128, 32, 8, 4, num_stages=3, reduce_block_t=2, reduce_block_h=1024),
              T(128, 16, 8, 4, num_stages=4, reduce_block_t=2, reduce_block_h=1024),
              T(64, 32, 8, 8, num_stages=4, reduce_block_t=2, reduce_block_h=1024)],
-    # the main kernel through TMA descriptors, around the table's large-M shape
-    "tma": [T(**_BIG, reduce_block_t=2, reduce_block_h=1024),
-            T(**_BIG, reduce_block_t=2, reduce_block_h=1024, tma=True),
-            T(64, 32, 8, 4, num_stages=3, reduce_block_t=2, reduce_block_h=1024, tma=True),
-            T(64, 64, 8, 4, num_stages=2, reduce_block_t=2, reduce_block_h=1024, tma=True),
-            T(64, 32, 8, 8, num_stages=4, reduce_block_t=2, reduce_block_h=1024, tma=True),
-            T(128, 32, 8, 8, num_stages=3, reduce_block_t=2, reduce_block_h=1024, tma=True),
-            T(64, 16, 8, 4, num_stages=6, reduce_block_t=2, reduce_block_h=1024, tma=True)],
 }
 
 
@@ -48,8 +39,6 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 32, 512, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--sweep", nargs="*", default=[], choices=sorted(SWEEPS), help="candidate sets, at M >= 1024")
-    ap.add_argument("--with-tma", action="store_true",
-                    help="also time each default tensor-core tactic with tma=True (its main kernel through TMA)")
     ap.add_argument("--check-max-m", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--once", type=int, nargs=2, metavar=("M", "H"), help="only a few eager calls (profiling)")
@@ -65,9 +54,6 @@ def main() -> int:
         for m in args.m:
             sets = mb.make_sets(m, h, mb.n_rotation_sets(m, h), dev, False)
             cands = [None] + [t for name in args.sweep for t in SWEEPS[name] if m >= 1024]
-            default = fused_hc._default_tactic(dev, m, h)
-            if args.with_tma and default.uses_dot:
-                cands.insert(1, dataclasses.replace(default, tma=True))
             for t in cands:
                 shown = fused_hc._default_tactic(dev, m, h) if t is None else t
                 try:

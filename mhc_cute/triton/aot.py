@@ -22,19 +22,16 @@ TARGETS = {
 _FLOAT_SCALARS = ("rms_eps", "pre_eps", "sinkhorn_eps", "post_mult", "norm_eps")
 
 
-def _compile(fn, consts: dict, target: GPUTarget, num_warps: int, num_stages: int = 1, descriptors=None, **options):
-    """``fn`` specialised on ``consts``, pointer arguments (and H) 16-byte divisible as at run time;
-    ``descriptors``: the type of each argument passed as a TMA descriptor."""
-    sig = dict(descriptors or {})
+def _compile(fn, consts: dict, target: GPUTarget, num_warps: int, num_stages: int = 1, **options):
+    """``fn`` specialised on ``consts``, pointer arguments (and H) 16-byte divisible as at run time."""
+    sig = {}
     for name in fn.arg_names:
-        if name in consts or name in sig:
+        if name in consts:
             continue
-        if name == "w_src":  # the weight's bf16 terms for the tensor-core projection, else fn itself
+        if name == "w_ptr":  # the weight's bf16 terms for the tensor-core projection, else fn itself
             sig[name] = "*bf16" if consts.get("USE_DOT") else "*fp32"
-        elif name in ("x_src", "res_src", "res_out", "res_cur_ptr", "li_ptr", "norm_ptr"):
-            sig[name] = "*bf16"
         elif name.endswith("_ptr"):
-            sig[name] = "*fp32"
+            sig[name] = "*bf16" if "res" in name or name in ("x_ptr", "li_ptr", "norm_ptr") else "*fp32"
         else:
             sig[name] = "fp32" if name in _FLOAT_SCALARS else "i32"
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, ty in sig.items() if ty[0] == "*" or n == "H"}
@@ -45,12 +42,8 @@ def _compile(fn, consts: dict, target: GPUTarget, num_warps: int, num_stages: in
 
 def compile_main(t: TritonTactic, target: GPUTarget, **options):
     """The main kernel of tactic ``t`` (``options``: extra Triton compile options, e.g. ``maxnreg``)."""
-    descriptors = None
-    if t.tma:
-        box = f"tensordesc<bf16[{t.block_m}, {t.block_h}]>"
-        descriptors = dict(x_src=box, res_src=box, res_out=box, w_src=f"tensordesc<bf16[32, {4 * t.block_h}]>")
-    consts = dict(BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.uses_dot, USE_TMA=t.tma)
-    return _compile(F._main_kernel, consts, target, t.num_warps, t.num_stages, descriptors, **options)
+    return _compile(F._main_kernel, dict(BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.uses_dot), target,
+                    t.num_warps, t.num_stages, **options)
 
 
 def compile_reduce(t: TritonTactic, hidden: int, norm: bool, target: GPUTarget):

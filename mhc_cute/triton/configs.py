@@ -35,9 +35,7 @@ class TritonTactic:
     ``[block_m, block_h, 32]`` (keep ``block_m * block_h <= 256``). Reduce kernel: a
     program owns ``reduce_block_t`` tokens and walks H in tiles of ``reduce_block_h`` (a tile covering H keeps
     the row in registers for the fused RMSNorm). ``chunk_m`` > 0 runs the two kernels per chunk of that many
-    tokens, so that the reduce kernel re-reads ``residual_cur`` from L2 rather than HBM (large M). ``tma``: the
-    tensor-core main kernel moves its tiles through TMA descriptors (NVIDIA Hopper and later) instead of per-thread
-    loads and stores.
+    tokens, so that the reduce kernel re-reads ``residual_cur`` from L2 rather than HBM (large M).
     """
 
     block_m: int
@@ -49,7 +47,6 @@ class TritonTactic:
     reduce_block_h: int = 2048
     reduce_warps: int = 4
     chunk_m: int = 0
-    tma: bool = False
 
     @property
     def uses_dot(self) -> bool:
@@ -65,8 +62,6 @@ class TritonTactic:
             raise ValueError(f"TritonTactic.block_h must be >= 16; got {self.block_h}")
         if self.split_k < 1 or self.num_warps < 1 or self.reduce_warps < 1 or self.num_stages < 1 or self.chunk_m < 0:
             raise ValueError(f"TritonTactic: split_k, warps and stages must be >= 1; got {self}")
-        if self.tma and not self.uses_dot:
-            raise ValueError(f"TritonTactic.tma needs the tensor-core main kernel (block_m >= 16); got {self}")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..problem import MhcFusedHcOutput, Problem
 from ..weights import prepared
@@ -88,26 +87,13 @@ def _interleave_streams(o0, o1, o2, o3, BLOCK_M: tl.constexpr, BLOCK_H: tl.const
 
 
 @triton.jit
-def _weight_terms(w_src, w_offs, w_mask, part_stride, k0, USE_TMA: tl.constexpr):
-    """The three bf16 terms of ``fn`` for K range ``[k0, k0 + 4 BLOCK_H)`` as ``[4 BLOCK_H, 32]`` tiles, smallest
-    first. Through a descriptor (``[72, 4H]``, the terms' rows stacked, ``[32, 4 BLOCK_H]`` boxes) each tile has 8
-    columns of the next term's rows (or zeros) past column 23: ``_main_kernel`` drops those columns."""
-    if USE_TMA:
-        w3 = tl.trans(w_src.load([48, k0]))
-        w2 = tl.trans(w_src.load([24, k0]))
-        w1 = tl.trans(w_src.load([0, k0]))
-    else:
-        w3 = tl.load(w_src + 2 * part_stride + w_offs, mask=w_mask, other=0.0)
-        w2 = tl.load(w_src + part_stride + w_offs, mask=w_mask, other=0.0)
-        w1 = tl.load(w_src + w_offs, mask=w_mask, other=0.0)
-    return w3, w2, w1
-
-
-@triton.jit
-def _dot_fp32_exact(a, w3, w2, w1, acc):
+def _dot_fp32_exact(a, w_ptr, w_offs, w_mask, part_stride, acc):
     """``acc + a @ fn_tile`` for bf16 ``a`` on tensor cores, as accurate as an fp32 dot: the tile's three exact
-    bf16 terms (``split_bf16x3``) make every product exact, and only the fp32 accumulation rounds, smallest terms
-    first."""
+    bf16 terms (``split_bf16x3``, ``part_stride`` apart) make every product exact, and only the fp32
+    accumulation rounds, smallest terms first."""
+    w3 = tl.load(w_ptr + 2 * part_stride + w_offs, mask=w_mask, other=0.0)
+    w2 = tl.load(w_ptr + part_stride + w_offs, mask=w_mask, other=0.0)
+    w1 = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0)
     if _INTERPRET:
         a = a.to(tl.float32)
         acc = tl.dot(a, w3.to(tl.float32), acc, input_precision="ieee")
@@ -120,34 +106,12 @@ def _dot_fp32_exact(a, w3, w2, w1, acc):
 
 
 @triton.jit
-def _load_tile(src, row_offs, mask, m0, col, BLOCK_H: tl.constexpr, USE_TMA: tl.constexpr):
-    """Columns ``[col, col + BLOCK_H)`` of a row-major bf16 array for the program's tokens, as fp32: through a
-    descriptor (box ``[BLOCK_M, BLOCK_H]`` at row ``m0``, rows past M read as zeros) or through pointers
-    (``row_offs``: each token's row offset, ``mask``: the tokens below M)."""
-    if USE_TMA:
-        tile = src.load([m0, col])
-    else:
-        tile = tl.load(src + row_offs + col + tl.arange(0, BLOCK_H)[None, :], mask=mask, other=0.0)
-    return tile.to(tl.float32)
-
-
-@triton.jit
-def _store_tile(dst, row_offs, mask, m0, col, val, BLOCK_H: tl.constexpr, USE_TMA: tl.constexpr):
-    """``_load_tile``'s inverse for a bf16 tile (rows past M are not written)."""
-    if USE_TMA:
-        dst.store([m0, col], val)
-    else:
-        tl.store(dst + row_offs + col + tl.arange(0, BLOCK_H)[None, :], val, mask=mask)
-
-
-@triton.jit
-def _emit_stream(res_out, row_offs, mask, m0, col, out, sq, acc, fn_ptr, fn_offs, fn_mask,
-                 BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr, USE_TMA: tl.constexpr):
-    """Store one rounded stream tile (``residual_cur`` columns ``[col, col + BLOCK_H)``) and add its row sums of
-    squares (of the rounded values) to ``sq``. Small token blocks (not ``USE_DOT``) also project it here, with fp32
-    FMAs into ``[BLOCK_M, BLOCK_H, 32]`` products reduced over H once after the K loop (``fn`` read as a
-    ``[BLOCK_H, 32]`` tile, columns 24..31 masked to zero), so that only one stream tile is live at a time."""
-    _store_tile(res_out, row_offs, mask, m0, col, out, BLOCK_H, USE_TMA)
+def _emit_stream(res_out_ptr, out_offs, mask, out, sq, acc, fn_ptr, fn_offs, fn_mask, USE_DOT: tl.constexpr):
+    """Store one rounded stream tile and add its row sums of squares (of the rounded values) to ``sq``. Small token
+    blocks (not ``USE_DOT``) also project it here, with fp32 FMAs into ``[BLOCK_M, BLOCK_H, 32]`` products reduced
+    over H once after the K loop (``fn`` read as a ``[BLOCK_H, 32]`` tile, columns 24..31 masked to zero), so that
+    only one stream tile is live at a time."""
+    tl.store(res_out_ptr + out_offs, out, mask=mask)
     rf = out.to(tl.float32)
     if not USE_DOT:
         w = tl.load(fn_ptr + fn_offs, mask=fn_mask, other=0.0)
@@ -167,16 +131,13 @@ def _kahan_add(total, comp, value):
 # M and the loop counts are not specialised on (Triton would compile again for M == 1 or M % 16 == 0)
 @triton.jit(do_not_specialize=["M", "blocks_per_split"])
 def _main_kernel(
-    x_src, res_src, post_ptr, comb_ptr, w_src, res_out, part_ptr,
+    x_ptr, res_ptr, post_ptr, comb_ptr, w_ptr, res_out_ptr, part_ptr,
     M, H, blocks_per_split,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr,
 ):
-    # x_src, res_src, w_src, res_out: pointers, or with USE_TMA (tensor-core blocks only) descriptors over x
-    # [M, H], residual_prev [M, 4H], the weight terms [72, 4H] and residual_cur [M, 4H]
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
-    m0 = pid_m * BLOCK_M
-    tok = m0 + tl.arange(0, BLOCK_M)
+    tok = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     tok_mask = tok < M
     rows = tok.to(tl.int64)  # M * 4H can pass 2**31
     offs_h = tl.arange(0, BLOCK_H)
@@ -226,39 +187,37 @@ def _main_kernel(
     block_begin = pid_k * blocks_per_split
     block_end = tl.minimum(block_begin + blocks_per_split, H // BLOCK_H)
     for hb in range(block_begin, block_end):
-        h0 = hb * BLOCK_H
-        xf = _load_tile(x_src, x_row, mask, m0, h0, BLOCK_H, USE_TMA)
-        r0 = _load_tile(res_src, res_row, mask, m0, h0, BLOCK_H, USE_TMA)
-        r1 = _load_tile(res_src, res_row, mask, m0, H + h0, BLOCK_H, USE_TMA)
-        r2 = _load_tile(res_src, res_row, mask, m0, 2 * H + h0, BLOCK_H, USE_TMA)
-        r3 = _load_tile(res_src, res_row, mask, m0, 3 * H + h0, BLOCK_H, USE_TMA)
+        h = hb * BLOCK_H + offs_h[None, :]
+        xf = tl.load(x_ptr + x_row + h, mask=mask, other=0.0).to(tl.float32)
+        r0 = tl.load(res_ptr + res_row + h, mask=mask, other=0.0).to(tl.float32)
+        r1 = tl.load(res_ptr + res_row + H + h, mask=mask, other=0.0).to(tl.float32)
+        r2 = tl.load(res_ptr + res_row + 2 * H + h, mask=mask, other=0.0).to(tl.float32)
+        r3 = tl.load(res_ptr + res_row + 3 * H + h, mask=mask, other=0.0).to(tl.float32)
         step_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        fn_h = w_base + h0  # read by the FMA projection only
+        fn_h = w_base + hb * BLOCK_H  # read by the FMA projection only
 
         o0 = _post_stream(xf, r0, r1, r2, r3, p0, c00, c10, c20, c30)
-        step_sq, acc = _emit_stream(res_out, res_row, mask, m0, h0, o0, step_sq, acc, w_src, fn_h, w_mask,
-                                    BLOCK_H, USE_DOT, USE_TMA)
+        step_sq, acc = _emit_stream(res_out_ptr, res_row + h, mask, o0, step_sq, acc, w_ptr, fn_h, w_mask, USE_DOT)
         o1 = _post_stream(xf, r0, r1, r2, r3, p1, c01, c11, c21, c31)
-        step_sq, acc = _emit_stream(res_out, res_row, mask, m0, H + h0, o1, step_sq, acc, w_src, fn_h + H, w_mask,
-                                    BLOCK_H, USE_DOT, USE_TMA)
+        step_sq, acc = _emit_stream(res_out_ptr, res_row + H + h, mask, o1, step_sq, acc, w_ptr, fn_h + H, w_mask,
+                                    USE_DOT)
         o2 = _post_stream(xf, r0, r1, r2, r3, p2, c02, c12, c22, c32)
-        step_sq, acc = _emit_stream(res_out, res_row, mask, m0, 2 * H + h0, o2, step_sq, acc, w_src, fn_h + 2 * H,
-                                    w_mask, BLOCK_H, USE_DOT, USE_TMA)
+        step_sq, acc = _emit_stream(res_out_ptr, res_row + 2 * H + h, mask, o2, step_sq, acc, w_ptr, fn_h + 2 * H,
+                                    w_mask, USE_DOT)
         o3 = _post_stream(xf, r0, r1, r2, r3, p3, c03, c13, c23, c33)
-        step_sq, acc = _emit_stream(res_out, res_row, mask, m0, 3 * H + h0, o3, step_sq, acc, w_src, fn_h + 3 * H,
-                                    w_mask, BLOCK_H, USE_DOT, USE_TMA)
+        step_sq, acc = _emit_stream(res_out_ptr, res_row + 3 * H + h, mask, o3, step_sq, acc, w_ptr, fn_h + 3 * H,
+                                    w_mask, USE_DOT)
         if USE_DOT:
             # one projection of the four streams per step (K = 4 BLOCK_H), summed into acc with compensation
             a = _interleave_streams(o0, o1, o2, o3, BLOCK_M, BLOCK_H)
-            w3, w2, w1 = _weight_terms(w_src, w_base + hb * (4 * BLOCK_H), w_mask, part_stride, hb * (4 * BLOCK_H),
-                                       USE_TMA)
-            step = _dot_fp32_exact(a, w3, w2, w1, tl.zeros([BLOCK_M, 32], dtype=tl.float32))
+            step = _dot_fp32_exact(a, w_ptr, w_base + hb * (4 * BLOCK_H), w_mask, part_stride,
+                                   tl.zeros([BLOCK_M, 32], dtype=tl.float32))
             acc, acc_comp = _kahan_add(acc, acc_comp, step)
         sq, sq_comp = _kahan_add(sq, sq_comp, step_sq)
 
     if not USE_DOT:
         acc = tl.sum(acc, axis=1)
-    acc = tl.where(cols[None, :] == 24, sq[:, None], tl.where(cols[None, :] < 24, acc, 0.0))
+    acc = tl.where(cols[None, :] == 24, sq[:, None], acc)
     part_offs = (pid_k * M + rows[:, None]) * 32 + cols[None, :]
     tl.store(part_ptr + part_offs, acc, mask=mask)
 
@@ -429,23 +388,16 @@ def _launch(x, residual, post_mix, comb_mix, weight, out: MhcFusedHcOutput, part
     ``fn`` itself."""
     m, h = x.shape
     blocks_per_split = -(-(h // t.block_h) // t.split_k)
-    res_src, res_out, w_src = residual, out.residual_cur, weight
-    if t.tma:
-        box = [t.block_m, t.block_h]
-        x = TensorDescriptor.from_tensor(x, box)
-        res_src = TensorDescriptor.from_tensor(residual.view(m, 4 * h), box)
-        res_out = TensorDescriptor.from_tensor(out.residual_cur.view(m, 4 * h), box)
-        w_src = TensorDescriptor.from_tensor(weight.view(-1, 4 * h), [32, 4 * t.block_h])
     _main_kernel[(t.split_k, triton.cdiv(m, t.block_m))](
-        x, res_src, post_mix, comb_mix, w_src, res_out, part,
+        x, residual, post_mix, comb_mix, weight, out.residual_cur, part,
         m, h, blocks_per_split,
-        BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.uses_dot, USE_TMA=t.tma,
+        BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.uses_dot,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     s = problem.scalars
     norm = problem.norm_weight
     _reduce_kernel[(triton.cdiv(m, t.reduce_block_t),)](
-        part, problem.hc_scale, problem.hc_base, out.residual_cur, problem.x if norm is None else norm,
+        part, problem.hc_scale, problem.hc_base, out.residual_cur, x if norm is None else norm,
         out.post_mix_cur, out.comb_mix_cur, out.layer_input,
         m, h, t.split_k, s.sinkhorn_repeat,
         s.rms_eps, s.hc_pre_eps, s.hc_sinkhorn_eps, s.hc_post_mult_value, s.norm_eps,
