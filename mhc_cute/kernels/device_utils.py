@@ -88,8 +88,8 @@ def sigmoid(x: Float32) -> Float32:
 def sinkhorn_4x4(c: cute.Tensor, eps: Float32, repeat: Int32):
     """SPEC step 5 in place on ``c``, 16 fp32 registers in row-major order (one thread per token).
 
-    Row softmax (max-subtracted) + eps, a column step, then ``repeat - 1`` (row, column) steps, each pair with one
-    reciprocal per column (``_normalise_rows_then_columns``): the op's small-M calls end on this serial chain.
+    Row softmax (max-subtracted) + eps, a column step, then ``repeat - 1`` (row, column) steps; each step
+    divides by (sum + eps) through one reciprocal per row or column.
     """
     for r in cutlass.range_constexpr(4):
         row_max = cute.arch.fmax(cute.arch.fmax(c[4 * r], c[4 * r + 1]), cute.arch.fmax(c[4 * r + 2], c[4 * r + 3]))
@@ -100,33 +100,22 @@ def sinkhorn_4x4(c: cute.Tensor, eps: Float32, repeat: Int32):
             c[4 * r + k] = c[4 * r + k] * inv + eps
     _normalise_columns(c, eps)
     for _ in cutlass.range(repeat - 1, unroll=1):
-        _normalise_rows_then_columns(c, eps)
+        _normalise_rows(c, eps)
+        _normalise_columns(c, eps)
+
+
+@cute.jit
+def _normalise_rows(c: cute.Tensor, eps: Float32):
+    for r in cutlass.range_constexpr(4):
+        inv = cute.arch.rcp_approx(((c[4 * r] + c[4 * r + 1]) + (c[4 * r + 2] + c[4 * r + 3])) + eps)
+        for k in cutlass.range_constexpr(4):
+            c[4 * r + k] = c[4 * r + k] * inv
 
 
 @cute.jit
 def _normalise_columns(c: cute.Tensor, eps: Float32):
     for k in cutlass.range_constexpr(4):
         inv = cute.arch.rcp_approx(((c[k] + c[4 + k]) + (c[8 + k] + c[12 + k])) + eps)
-        for r in cutlass.range_constexpr(4):
-            c[4 * r + k] = c[4 * r + k] * inv
-
-
-@cute.jit
-def _normalise_rows_then_columns(c: cute.Tensor, eps: Float32):
-    """A row step, then a column step: ``c[r][k] / (R_r S_k)`` with ``R_r`` the row sums + eps and ``S_k`` the
-    column sums of the row-normalised matrix + eps. Since ``S_k = (sum_r c[r][k] P_r + eps Q) / Q`` with
-    ``Q = R_0 R_1 R_2 R_3`` and ``P_r = Q / R_r``, the pair is ``c[r][k] P_r / (sum_r c[r][k] P_r + eps Q)``:
-    four multiplies in place of the row step's reciprocals, so each pair waits on one reciprocal instead of two
-    (the values stay in range: row sums are at most ~4 after a column step)."""
-    rows = [((c[4 * r] + c[4 * r + 1]) + (c[4 * r + 2] + c[4 * r + 3])) + eps for r in range(4)]
-    r01, r23 = rows[0] * rows[1], rows[2] * rows[3]
-    others = (rows[1] * r23, rows[0] * r23, rows[3] * r01, rows[2] * r01)  # P_r: product of the other rows
-    eps_q = eps * (r01 * r23)
-    for r in cutlass.range_constexpr(4):
-        for k in cutlass.range_constexpr(4):
-            c[4 * r + k] = c[4 * r + k] * others[r]
-    for k in cutlass.range_constexpr(4):
-        inv = cute.arch.rcp_approx((c[k] + c[4 + k]) + (c[8 + k] + (c[12 + k] + eps_q)))
         for r in cutlass.range_constexpr(4):
             c[4 * r + k] = c[4 * r + k] * inv
 

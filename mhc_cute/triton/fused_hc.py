@@ -107,7 +107,7 @@ def _dot_fp32_exact(a, w_ptr, w_offs, w_mask, part_stride, acc):
 
 @triton.jit
 def _emit_stream(res_out_ptr, out_offs, mask, out, sq, acc, fn_ptr, fn_offs, fn_mask, USE_DOT: tl.constexpr):
-    """Store one rounded stream tile and add its squares (of the rounded values) to the ``sq`` tile. Small token
+    """Store one rounded stream tile and add its row sums of squares (of the rounded values) to ``sq``. Small token
     blocks (not ``USE_DOT``) also project it here, with fp32 FMAs into ``[BLOCK_M, BLOCK_H, 32]`` products reduced
     over H once after the K loop (``fn`` read as a ``[BLOCK_H, 32]`` tile, columns 24..31 masked to zero), so that
     only one stream tile is live at a time."""
@@ -116,7 +116,7 @@ def _emit_stream(res_out_ptr, out_offs, mask, out, sq, acc, fn_ptr, fn_offs, fn_
     if not USE_DOT:
         w = tl.load(fn_ptr + fn_offs, mask=fn_mask, other=0.0)
         acc += rf[:, :, None] * w[None, :, :]
-    return sq + rf * rf, acc
+    return sq + tl.sum(rf * rf, axis=1), acc
 
 
 @triton.jit
@@ -193,8 +193,7 @@ def _main_kernel(
         r1 = tl.load(res_ptr + res_row + H + h, mask=mask, other=0.0).to(tl.float32)
         r2 = tl.load(res_ptr + res_row + 2 * H + h, mask=mask, other=0.0).to(tl.float32)
         r3 = tl.load(res_ptr + res_row + 3 * H + h, mask=mask, other=0.0).to(tl.float32)
-        # the four streams' squares summed elementwise, then one row reduction per step (not one per stream)
-        step_sq = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+        step_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         fn_h = w_base + hb * BLOCK_H  # read by the FMA projection only
 
         o0 = _post_stream(xf, r0, r1, r2, r3, p0, c00, c10, c20, c30)
@@ -214,7 +213,7 @@ def _main_kernel(
             step = _dot_fp32_exact(a, w_ptr, w_base + hb * (4 * BLOCK_H), w_mask, part_stride,
                                    tl.zeros([BLOCK_M, 32], dtype=tl.float32))
             acc, acc_comp = _kahan_add(acc, acc_comp, step)
-        sq, sq_comp = _kahan_add(sq, sq_comp, tl.sum(step_sq, axis=1))
+        sq, sq_comp = _kahan_add(sq, sq_comp, step_sq)
 
     if not USE_DOT:
         acc = tl.sum(acc, axis=1)
@@ -251,22 +250,9 @@ def _columns4(v):
 
 
 @triton.jit
-def _normalize_columns(c, eps):
-    """A Sinkhorn column step on ``[BLOCK_T, 4, 4]``: ``c / (column sums + eps)``."""
-    return c / (tl.sum(c, axis=1) + eps)[:, None, :]
-
-
-@triton.jit
-def _normalize_rows_then_columns(c, eps):
-    """A row step, then a column step, with one division per element instead of two: with ``R_r`` the row sums
-    + eps, ``Q = R_0 R_1 R_2 R_3`` and ``P_r = Q / R_r``, the pair is ``c P_r / (sum_r c P_r + eps Q)`` (the
-    same algebra as the CuTe kernels' ``device_utils._normalise_rows_then_columns``)."""
-    r0, r1, r2, r3 = _columns4(tl.sum(c, axis=2) + eps)
-    r01 = r0 * r1
-    r23 = r2 * r3
-    others = tl.reshape(tl.join(tl.join(r1 * r23, r3 * r01), tl.join(r0 * r23, r2 * r01)), [c.shape[0], 4])
-    c = c * others[:, :, None]
-    return c / (tl.sum(c, axis=1) + eps * (r01 * r23)[:, None])[:, None, :]
+def _normalize(c, eps, AXIS: tl.constexpr):
+    """One Sinkhorn step over the rows (``AXIS`` 2) or the columns (1) of ``[BLOCK_T, 4, 4]``: ``x / (sum + eps)``."""
+    return c / tl.expand_dims(tl.sum(c, axis=AXIS) + eps, AXIS)
 
 
 @triton.jit(do_not_specialize=["M", "split_k", "sinkhorn_repeat"])
@@ -304,9 +290,9 @@ def _reduce_kernel(
                              S_POW2, 8, 16), [BLOCK_T, 4, 4])
     comb = tl.exp(comb - tl.max(comb, axis=2)[:, :, None])
     comb = comb / tl.sum(comb, axis=2)[:, :, None] + sinkhorn_eps
-    comb = _normalize_columns(comb, sinkhorn_eps)
+    comb = _normalize(comb, sinkhorn_eps, 1)
     for _ in range(sinkhorn_repeat - 1):
-        comb = _normalize_rows_then_columns(comb, sinkhorn_eps)
+        comb = _normalize(_normalize(comb, sinkhorn_eps, 2), sinkhorn_eps, 1)
     col16 = tl.arange(0, 16)[None, :]
     tl.store(comb_out_ptr + rows[:, None] * 16 + col16, tl.reshape(comb, [BLOCK_T, 16]), mask=tok_mask[:, None])
 
