@@ -30,6 +30,14 @@ SWEEPS = {
              T(128, 32, 8, 4, num_stages=3, reduce_block_t=2, reduce_block_h=1024),
              T(128, 16, 8, 4, num_stages=4, reduce_block_t=2, reduce_block_h=1024),
              T(64, 32, 8, 8, num_stages=4, reduce_block_t=2, reduce_block_h=1024)],
+    # more warps per SM: two warpgroups of 64 tokens per program, or programs small enough that two or three
+    # share an SM (16-wide steps)
+    "occupancy": [T(128, 32, 8, 8, num_stages=3, reduce_block_t=2, reduce_block_h=1024),
+                  T(128, 32, 4, 8, num_stages=3, reduce_block_t=2, reduce_block_h=1024),
+                  T(128, 16, 8, 8, num_stages=4, reduce_block_t=2, reduce_block_h=1024),
+                  T(64, 16, 8, 4, num_stages=4, reduce_block_t=2, reduce_block_h=1024),
+                  T(64, 16, 8, 4, num_stages=3, reduce_block_t=2, reduce_block_h=1024),
+                  T(64, 16, 4, 4, num_stages=4, reduce_block_t=2, reduce_block_h=1024)],
 }
 
 
