@@ -5,10 +5,9 @@ Kernel 1 (``MmaFusedHcKernel``) streams one M tile x one K split per CTA through
 * a producer warp loads, per stage, the ``residual_prev [tile_m, 4, 32]`` and ``x_prev [tile_m, 32]`` tiles of
   one 32-wide block of H and the matching ``[n, 4 x 32]`` tile of the prepared weight (below);
 * each MMA warpgroup owns 64 rows. Its threads compute ``residual_cur`` for the four streams straight into the
-  register layout of the wgmma A operand (post-map), add the squares of the bf16-rounded values, and issue TF32
-  wgmma with A from registers (exact: bf16 is a subset of TF32) and B (the weight) from shared memory. The
-  rounded values overwrite the stage's ``residual_prev`` tile in shared memory (each thread the elements it read)
-  and leave through one TMA store per stage.
+  register layout of the wgmma A operand (post-map), store it to global memory with 16-byte stores, add the
+  squares of the bf16-rounded values, and issue TF32 wgmma with A from registers (exact: bf16 is a subset of
+  TF32) and B (the weight) from shared memory.
 
 Register A lets each thread own 8 *contiguous* H positions per row and stream: the K order inside every 32-wide
 block is permuted so that wgmma's fragment (rows g/g+8, columns t/t+4 of each k8 step) lands on them, and the
@@ -203,13 +202,6 @@ class MmaFusedHcKernel:
         )
         tma_x, tma_mX = cpasync.make_tiled_tma_atom(g2s, mX, cute.slice_(x_layout, (None, None, 0)), (tile_m, BLOCK_H))
         tma_w, tma_mB = cpasync.make_tiled_tma_atom(g2s, mB, w_stage_layout, (self.n, self.k_stage))
-        # residual_cur through TMA from the stage's residual tile (rows past M are clipped). Per-thread 16-byte
-        # stores made every store wait until the previous one had left its staging registers, which ptxas reused
-        # (ncu on an H200: a quarter of the kernel's stall samples at M = 8192)
-        tma_out, tma_mOut = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mResOut, cute.slice_(res_layout, (None, None, None, 0)),
-            (tile_m, HC_MULT, BLOCK_H)
-        )
         tiled_mma = make_tf32_tiled_mma(self.n, warpgroup.OperandSource.RMEM)
 
         @cute.struct
@@ -225,7 +217,7 @@ class MmaFusedHcKernel:
         flat = flat_outputs(self.hidden, m, mResOut, mPostOut, mCombOut, mLayerIn)
         scalars = BigFuseScalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
         self.kernel(
-            tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, tma_out, tma_mOut, mPost, mComb, partials, tiled_mma,
+            tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, mPost, mComb, mResOut, partials, tiled_mma,
             res_layout, x_layout, w_layout, mScale, mBase, mNormW, flat, counters, scalars,
         ).launch(
             grid=[cute.ceil_div(m, tile_m) * self.split_k, 1, 1], block=[self.threads, 1, 1], stream=stream
@@ -243,10 +235,9 @@ class MmaFusedHcKernel:
         tma_mX: cute.Tensor,
         tma_w: cute.CopyAtom,
         tma_mB: cute.Tensor,
-        tma_out: cute.CopyAtom,
-        tma_mOut: cute.Tensor,
         mPost: cute.Tensor,
         mComb: cute.Tensor,
+        mResOut: cute.Tensor,
         mPartials: cute.Tensor,
         tiled_mma: cute.TiledMma,
         res_layout: cute.Layout,
@@ -278,8 +269,6 @@ class MmaFusedHcKernel:
             cpasync.prefetch_descriptor(tma_res)
             cpasync.prefetch_descriptor(tma_x)
             cpasync.prefetch_descriptor(tma_w)
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_out)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -303,8 +292,8 @@ class MmaFusedHcKernel:
             self.produce(ab_pipeline, tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, sRes, sX, sW, m_tile,
                          blk_begin, n_blk)
         else:
-            self.consume(ab_pipeline, tiled_mma, sRes, sX, sW, tma_out, tma_mOut, mPost, mComb, mPartials, tidx,
-                         m_tile, split, blk_begin, n_blk)
+            self.consume(ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mResOut, mPartials, tidx, m_tile,
+                         split, blk_begin, n_blk)
 
         if const_expr(self.fused):
             # last-arriver election: every thread fences its partial and residual stores (release) before the
@@ -353,13 +342,9 @@ class MmaFusedHcKernel:
         ab_pipeline.producer_tail(state)
 
     @cute.jit
-    def consume(self, ab_pipeline, tiled_mma, sRes, sX, sW, tma_out, tma_mOut, mPost, mComb, mPartials, tidx, m_tile,
-                split, blk_begin, n_blk):
-        m_total = mPartials.shape[1]
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        gOut = cute.local_tile(tma_mOut, (self.tile_m, HC_MULT, BLOCK_H), (m_tile, 0, None))
-        tOs, tOg = cpasync.tma_partition(tma_out, 0, cute.make_layout(1), cute.group_modes(sRes, 0, 3),
-                                         cute.group_modes(gOut, 0, 3))
+    def consume(self, ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mResOut, mPartials, tidx, m_tile, split,
+                blk_begin, n_blk):
+        m_total = mResOut.shape[0]
         wg = tidx // WG_THREADS
         wg_tid = tidx % WG_THREADS
         lane = tidx % 32
@@ -399,6 +384,7 @@ class MmaFusedHcKernel:
         xf = cute.make_rmem_tensor((VEC,), Float32)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for i in cutlass.range(n_blk, unroll=1):
+            vec_idx = (blk_begin + i) * (BLOCK_H // VEC) + quad
             ab_pipeline.consumer_wait(state)
             si = state.index
             for r in cutlass.range_constexpr(2):
@@ -413,18 +399,14 @@ class MmaFusedHcKernel:
                         for k in cutlass.range_constexpr(HC_MULT):
                             a = cute.math.fma(comb[r, k, j], rv[r, k, e], a)
                         out[e] = a.to(BFloat16)
-                    cute.autovec_copy(out, self._vec(sRes[(rows[r], j, None, si)], quad))  # over what it read
+                    m = m_tile * self.tile_m + rows[r]
+                    if m < m_total:
+                        cute.autovec_copy(out, self._vec(mResOut[(m, j, None)], vec_idx))
                     xf.store(out.load().to(Float32))
                     for e in cutlass.range_constexpr(VEC):
                         sumsq[r] = cute.math.fma(xf[e], xf[e], sumsq[r])
                         # H offset 8 t + e is K column t (e even) or t + 4 (e odd) of k8 step 4 j + e // 2
                         tCrA[(r + 2 * (e % 2), 0, j * 4 + e // 2)] = xf[e]
-            # the tile is complete (every consumer thread's writes, made visible to the TMA unit): one thread stores it
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_wgs * WG_THREADS)
-            if warp_idx == 0:
-                cute.copy(tma_out, tOs[(None, si)], tOg[(None, blk_begin + i)])
-                cute.arch.cp_async_bulk_commit_group()
             warpgroup.fence()
             mma_atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom per stage: its ACCUMULATE flag changes
             mma_atom.set(warpgroup.Field.ACCUMULATE, False)
@@ -433,9 +415,6 @@ class MmaFusedHcKernel:
                 mma_atom.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
             warpgroup.wait_group(0)  # the A registers are rewritten and the stage's weight is released next
-            if warp_idx == 0:  # the stage goes back to the producer once the store has read it
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.sync_warp()
             ab_pipeline.consumer_release(state)
             state.advance()
             for i in cutlass.range_constexpr(N_MIXES // 2):
@@ -444,10 +423,6 @@ class MmaFusedHcKernel:
                 else:
                     dots[i] = dots[i] + acc[i]
 
-        if warp_idx == 0:
-            # the stores complete (and are ordered before the generic-proxy release of path D's election)
-            cute.arch.cp_async_bulk_wait_group(0)
-            cute.arch.fence_proxy("async.global")
         # epilogue: partials[split, m, c] = dots (columns 2 t, 2 t + 1 of each 8-column block), sumsq
         for r in cutlass.range_constexpr(2):
             sumsq[r] = sumsq[r] + cute.arch.shuffle_sync_bfly(sumsq[r], offset=1)
