@@ -236,8 +236,7 @@ def progress(i: int, n: int, label: str) -> None:
 
 def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
     """What the tuner times for ``backend`` at M = ``m``: its default tactic and its neighbours in split_k
-    (half and double), in the big-fuse shape (two-launch paths), for the MMA paths in the tile and in 128-wide
-    activation stages, and, for the FMA paths, in tokens per CTA and
+    (half and double), in the big-fuse shape (two-launch paths) and, for the FMA paths, in tokens per CTA and
     in the weight pipeline with wider post-map steps (where a CTA walks several chunks: at M = 32 on an H200,
     ``stages=2, burst=4`` took 17% less time than the default); only valid ones. None stands for a backend
     without tactics of its own (the reference, Triton's table)."""
@@ -254,8 +253,6 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
         base = tactics.default_mma_tactic(backend, m, hidden, sm_count)
         variants = [base] + [replace(base, split_k=k) for k in (base.split_k // 2, base.split_k * 2) if k >= 1]
         variants += [replace(base, tile_m=t) for t in (64, 128) if t != base.tile_m]
-        # 128-wide activation stages (64-token tiles, two stages: what fits)
-        variants += [replace(base, tile_m=64, stages=2, h_step=128, split_k=k) for k in (base.split_k, base.split_k * 2)]
     else:
         return [None]
     variants += [replace(base, fuse=f) for f in tactics.FUSE_SHAPES if f != base.fuse]

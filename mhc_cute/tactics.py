@@ -20,14 +20,7 @@ MAX_ACCUMULATORS = 64  # fp32 accumulators per thread (tokens_per_cta * tile_n) 
 
 FMA_PATHS = ("half_fma", "all_fma")
 MMA_PATHS = ("half_mma", "all_mma")
-MMA_BLOCK_H = 32  # H positions per MMA step (per stream): one 128-byte swizzle row of fp32 weight
-# H positions per activation stage of kernel 1 (``MmaTactic.h_step``). 32: the weight tile rides in the same stage.
-# 128: 256-byte pieces of each row per TMA load, the weight in a pipeline of its own (W_STAGES deep, one MMA step
-# per stage). A copy kernel with kernel 1's loads and stores ran at 78% of the copy bandwidth with 32-wide stages
-# and 93% with 128-wide ones on an H200 (bench/probe_box_copy.py), and kernel 1 takes the time of its copy
-# (bench/probe_k1_copy.py).
-MMA_H_STEPS = (32, 128)
-MMA_W_STAGES = 2
+MMA_BLOCK_H = 32  # H positions per pipeline stage (per stream): one 128-byte swizzle row of fp32 weight
 MMA_WG_THREADS = 128
 MMA_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per CTA on sm_90
 # Shapes of the standalone big-fuse kernel of the two-launch paths (E, B), ``fuse`` in a tactic: "lat" gives a
@@ -137,8 +130,8 @@ def parse_tactic(name: str):
         return FmaTactic(path, *map(int, nums), fuse)
     match = _MMA_NAME.match(name)
     if match:
-        path, k, m, st, fuse, step = match.groups()
-        return MmaTactic(path, int(k), int(m), int(st), fuse, int(step or MMA_BLOCK_H))
+        path, *nums, fuse = match.groups()
+        return MmaTactic(path, *map(int, nums), fuse)
     raise ValueError(f"unknown tactic name {name!r}")
 
 
@@ -193,25 +186,18 @@ class MmaTactic:
     tile_m: int = 128
     stages: int = 3
     fuse: str = "bw"
-    h_step: int = MMA_BLOCK_H  # H positions per activation stage (MMA_H_STEPS)
 
     @property
     def name(self) -> str:
-        step = "" if self.h_step == MMA_BLOCK_H else f":h{self.h_step}"
-        return f"{self.path}:k{self.split_k}:m{self.tile_m}:s{self.stages}:f{self.fuse}{step}"
+        return f"{self.path}:k{self.split_k}:m{self.tile_m}:s{self.stages}:f{self.fuse}"
 
     @property
     def threads(self) -> int:
-        # MMA warpgroups + the TMA producer warp (+ the weight's producer warp when it has a pipeline of its own)
-        return self.tile_m // 64 * MMA_WG_THREADS + (32 if self.h_step == MMA_BLOCK_H else 64)
+        return self.tile_m // 64 * MMA_WG_THREADS + 32  # MMA warpgroups + the TMA producer warp
 
     def smem_bytes(self, hidden: int, n_parts: int = 2) -> int:
         """Shared memory at ``n_parts`` weight parts (2: fp32, the larger; 1: tf32)."""
-        if self.h_step == MMA_BLOCK_H:
-            total = self.stages * mma_stage_bytes(self.tile_m, n_parts) + 1024
-        else:
-            total = (self.stages * mma_activation_bytes(self.tile_m, self.h_step)
-                     + MMA_W_STAGES * mma_weight_bytes(n_parts) + 1024)
+        total = self.stages * mma_stage_bytes(self.tile_m, n_parts) + 1024
         if self.path == "all_mma":  # the big-fuse phase's own model lives with the kernel (imports the DSL)
             from .kernels.mma import finish_phase
 
@@ -228,12 +214,8 @@ class MmaTactic:
             return "H must be a multiple of 64"
         if self.tile_m not in (64, 128):
             return "tile_m must be 64 or 128"
-        if self.h_step not in MMA_H_STEPS:
-            return f"h_step must be one of {MMA_H_STEPS}"
-        if hidden % self.h_step:
-            return f"H must be a multiple of h_step = {self.h_step}"
-        if not 1 <= self.split_k <= hidden // self.h_step:
-            return f"split_k must be in [1, H / h_step = {hidden // self.h_step}]"
+        if not 1 <= self.split_k <= hidden // MMA_BLOCK_H:
+            return f"split_k must be in [1, H / 32 = {hidden // MMA_BLOCK_H}]"
         if not 2 <= self.stages <= 8:
             return "stages must be in [2, 8]"
         if self.smem_bytes(hidden) > MMA_SMEM_LIMIT:
@@ -247,7 +229,7 @@ class MmaTactic:
         return self
 
 
-_MMA_NAME = re.compile(r"^(half_mma|all_mma):k(\d+):m(\d+):s(\d+):f(lat|bw)(?::h(\d+))?$")
+_MMA_NAME = re.compile(r"^(half_mma|all_mma):k(\d+):m(\d+):s(\d+):f(lat|bw)$")
 
 
 def default_mma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> MmaTactic:
@@ -265,16 +247,6 @@ def default_mma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> M
     return MmaTactic(path, split_k, tile_m, 2, fuse).check(hidden)
 
 
-def mma_activation_bytes(tile_m: int, h_step: int) -> int:
-    """Bytes of one activation stage: the residual and x tiles (bf16) of ``h_step`` positions."""
-    return tile_m * (HC_MULT + 1) * h_step * 2
-
-
-def mma_weight_bytes(n_parts: int) -> int:
-    """Bytes of the weight tile of one MMA step (fp32: ``n_parts`` x 24 rows of 4 x 32 K)."""
-    return N_MIXES * n_parts * HC_MULT * MMA_BLOCK_H * 4
-
-
 def mma_stage_bytes(tile_m: int, n_parts: int) -> int:
-    """Bytes one pipeline stage receives at ``h_step = 32``: residual + x tiles and the weight tile."""
-    return mma_activation_bytes(tile_m, MMA_BLOCK_H) + mma_weight_bytes(n_parts)
+    """Bytes one pipeline stage receives: residual + x tiles (bf16) and the weight tile (fp32)."""
+    return tile_m * (HC_MULT + 1) * MMA_BLOCK_H * 2 + N_MIXES * n_parts * HC_MULT * MMA_BLOCK_H * 4

@@ -104,16 +104,6 @@ def test_tactic_validity_rules():
     assert "tile_m" in tactics.MmaTactic("half_mma", 1, 96, 2).invalid_reason(512)
     assert "shared memory" in tactics.MmaTactic("half_mma", 1, 128, 4).invalid_reason(512)
     assert "path" in tactics.MmaTactic("half_fma", 1, 64, 2).invalid_reason(512)
-    wide = tactics.MmaTactic("half_mma", 2, 64, 2, "bw", 128)
-    assert wide.invalid_reason(7168) is None and wide.name == "half_mma:k2:m64:s2:fbw:h128"
-    assert tactics.parse_tactic(wide.name) == wide
-    assert tactics.parse_tactic("half_mma:k2:m64:s2:fbw").h_step == 32
-    assert "h_step" in tactics.MmaTactic("half_mma", 2, 64, 2, "bw", 64).invalid_reason(7168)
-    assert "multiple of h_step" in wide.invalid_reason(192)
-    assert "split_k" in tactics.MmaTactic("half_mma", 57, 64, 2, "bw", 128).invalid_reason(7168)  # 56 stages
-    assert "shared memory" in tactics.MmaTactic("half_mma", 2, 64, 3, "bw", 128).invalid_reason(7168)
-    assert "shared memory" in tactics.MmaTactic("half_mma", 2, 128, 2, "bw", 128).invalid_reason(7168)
-    assert "shared memory" in tactics.MmaTactic("all_mma", 2, 64, 2, "bw", 128).invalid_reason(7168)
     with pytest.raises(ValueError):
         tactics.parse_tactic("half_mma:k2")
 
@@ -121,22 +111,17 @@ def test_tactic_validity_rules():
 # --- compile report: every variant compiles for sm_90a, HGMMA TF32 in the SASS, no local memory ----------------
 
 VARIANTS = [
-    (path, precision, norm, tile_m, h_step)
+    (path, precision, norm, tile_m)
     for path in ("half_mma", "all_mma")
     for precision in ("fp32", "tf32")
     for norm in (None, "bfloat16", "float32")
     for tile_m in (64, 128)
-    for h_step in (32, 128)
     if not (path == "all_mma" and tile_m == 128)  # the one-launch path's big fuse needs the 64-token tile
-    # 128-wide stages: path B with 64-token tiles (path D's big fuse leaves no room in shared memory for them)
-    and not (h_step == 128 and (path == "all_mma" or tile_m == 128 or norm == "float32"))
 ]
 REPORT_H = 7168
 
 
-def _variant_tactic(path, tile_m, h_step, h):
-    if h_step != 32:
-        return tactics.MmaTactic(path, 2, 64, 2, "bw", h_step)
+def _variant_tactic(path, tile_m, h):
     return tactics.default_mma_tactic(path, 1, h) if tile_m == 64 else tactics.MmaTactic(path, 2, 128, 3)
 
 
@@ -144,9 +129,9 @@ def _compile_variants(out_dir: str, h: int, indices) -> None:
     """Subprocess body: compile each variant with CUTE_DSL_KEEP=ptx,cubin, moving its files to ``out_dir/<i>``."""
     dump = os.environ["CUTE_DSL_DUMP_DIR"]
     for i in indices:
-        path, precision, norm, tile_m, h_step = VARIANTS[i]
+        path, precision, norm, tile_m = VARIANTS[i]
         problem = mma.spec_problem(h, precision, norm)
-        mma.compile_mma(_variant_tactic(path, tile_m, h_step, h), problem, problem.empty_outputs())
+        mma.compile_mma(_variant_tactic(path, tile_m, h), problem, problem.empty_outputs())
         dest = os.path.join(out_dir, str(i))
         os.makedirs(dest)
         for f in glob.glob(os.path.join(dump, "*")):
@@ -189,7 +174,7 @@ def compile_report(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(VARIANTS)), ids=["-".join(map(str, v)) for v in VARIANTS])
 def test_compile_report(compile_report, i):
-    path, precision, norm, tile_m, h_step = VARIANTS[i]
+    path, precision, norm, tile_m = VARIANTS[i]
     n = 48 if precision == "fp32" else 24
     files = os.listdir(compile_report / str(i))
     ptx = [f for f in files if f.endswith(".ptx")]
@@ -227,7 +212,6 @@ def _cuda_problem(m, h, norm=False, precision="fp32", seed=0):
     (77, 4096, "half_mma:k5:m64:s4:fbw"),
     (300, 7168, "half_mma:k3:m128:s3:fbw"),
     (130, 5120, "half_mma:k1:m128:s2:flat"),
-    (300, 5120, "half_mma:k3:m64:s2:fbw:h128"),  # 40 stages of 128 in uneven splits
 ])
 def test_gpu_partials_against_float64(m, h, tactic, precision):
     problem = _cuda_problem(m, h, precision=precision, seed=m)
@@ -251,7 +235,6 @@ def test_gpu_partials_against_float64(m, h, tactic, precision):
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("tactic", [
     "half_mma:k7:m128:s3:fbw", "half_mma:k28:m64:s5:flat", "all_mma:k1:m64:s2:fbw", "all_mma:k9:m64:s4:fbw", "all_mma:k56:m64:s3:fbw",
-    "half_mma:k4:m64:s2:fbw:h128", "half_mma:k9:m64:s2:fbw:h128",
 ])
 @pytest.mark.parametrize("m", [1, 65, 333])
 def test_gpu_explicit_tactics(m, tactic, norm):

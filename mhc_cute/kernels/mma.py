@@ -2,11 +2,8 @@
 
 Kernel 1 (``MmaFusedHcKernel``) streams one M tile x one K split per CTA through a TMA + mbarrier pipeline:
 
-* a producer warp loads, per stage, the ``residual_prev [tile_m, 4, h_step]`` and ``x_prev [tile_m, h_step]``
-  tiles of one ``h_step``-wide block of H and, at ``h_step = 32``, the matching ``[n, 4 x 32]`` tile of the
-  prepared weight (below); at ``h_step = 128`` (256-byte pieces of each row per load, which the HBM serves
-  faster) a second producer warp streams the weight tiles, one per 32-wide MMA step, through a pipeline of
-  their own;
+* a producer warp loads, per stage, the ``residual_prev [tile_m, 4, 32]`` and ``x_prev [tile_m, 32]`` tiles of
+  one 32-wide block of H and the matching ``[n, 4 x 32]`` tile of the prepared weight (below);
 * each MMA warpgroup owns 64 rows. Its threads compute ``residual_cur`` for the four streams straight into the
   register layout of the wgmma A operand (post-map), store it to global memory with 16-byte stores, add the
   squares of the bf16-rounded values, and issue TF32 wgmma with A from registers (exact: bf16 is a subset of
@@ -46,7 +43,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 
 from .. import tactics as tac  # noqa: E402
 from ..tactics import HC_MULT, MMA_BLOCK_H as BLOCK_H, MMA_WG_THREADS as WG_THREADS, N_MIXES, PARTIAL_COLS  # noqa: E402,E501
-from ..tactics import MMA_W_STAGES, MmaTactic, default_mma_tactic, mma_activation_bytes, mma_weight_bytes  # noqa: E402,E501
+from ..tactics import MmaTactic, default_mma_tactic, mma_stage_bytes as stage_bytes  # noqa: E402
 from ..weights import prepared  # noqa: E402
 from ..workspace import get_workspace  # noqa: E402
 from . import (  # noqa: E402
@@ -140,15 +137,9 @@ class MmaFusedHcKernel:
         self.stages = tactic.stages
         self.n_parts = 2 if precision == "fp32" else 1
         self.n = N_MIXES * self.n_parts
-        # H is walked in activation stages of h_step positions, each ``subs`` MMA steps of 32; with subs > 1 the
-        # weight tiles have a pipeline (and a producer warp, after the activations') of their own
-        self.h_step = tactic.h_step
-        self.subs = tactic.h_step // BLOCK_H
-        self.w_stages = self.stages if self.subs == 1 else MMA_W_STAGES
-        self.n_hblk = hidden // self.h_step
+        self.n_hblk = hidden // BLOCK_H
         self.mma_wgs = self.tile_m // 64
         self.producer_warp = self.mma_wgs * 4
-        self.weight_warp = self.producer_warp + (1 if self.subs > 1 else 0)
         self.threads = tactic.threads
         self.k_stage = HC_MULT * BLOCK_H  # MMA K per stage: 4 streams x 32
         self.fused = tactic.path == "all_mma"
@@ -183,19 +174,18 @@ class MmaFusedHcKernel:
         norm_eps: Float32,
         stream,
     ):
-        tile_m, stages, hs = self.tile_m, self.stages, self.h_step
+        tile_m, stages = self.tile_m, self.stages
         m = mX.shape[0]
-        # residual tile as [stream][row][h_step]: at 32 the 8 rows a quarter-warp reads are 64 B apart,
-        # conflict-free (two-way conflicts at 128)
+        # residual tile as [stream][row][32]: the 8 rows a quarter-warp reads are 64 B apart, conflict-free
         res_layout = cute.make_layout(
-            (tile_m, HC_MULT, hs, stages), stride=(hs, tile_m * hs, 1, tile_m * hs * HC_MULT)
+            (tile_m, HC_MULT, BLOCK_H, stages), stride=(BLOCK_H, tile_m * BLOCK_H, 1, tile_m * BLOCK_H * HC_MULT)
         )
-        x_layout = cute.make_layout((tile_m, hs, stages), stride=(hs, 1, tile_m * hs))
+        x_layout = cute.make_layout((tile_m, BLOCK_H, stages), stride=(BLOCK_H, 1, tile_m * BLOCK_H))
         # weight: K-major, 128-byte swizzle, [stream][n][32] per stage. The stage layout is built on its own:
         # slicing the staged composed layout aborts the 4.8.1 compiler for n = 48.
         w_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float32)
         w_stage_layout = cute.tile_to_shape(w_atom, (self.n, self.k_stage), order=(0, 1))
-        w_layout = cute.tile_to_shape(w_atom, (self.n, self.k_stage, self.w_stages), order=(0, 1, 2))
+        w_layout = cute.tile_to_shape(w_atom, (self.n, self.k_stage, stages), order=(0, 1, 2))
 
         # B viewed as (n, K) with K in stage order: k = 128 * block + 32 * stream + p
         mB = cute.make_tensor(
@@ -208,16 +198,15 @@ class MmaFusedHcKernel:
         # descriptor adds a per-CTA tensormap fence and fetch (+1.9 µs at 448 CTAs).
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_res, tma_mRes = cpasync.make_tiled_tma_atom(
-            g2s, mRes, cute.slice_(res_layout, (None, None, None, 0)), (tile_m, HC_MULT, hs)
+            g2s, mRes, cute.slice_(res_layout, (None, None, None, 0)), (tile_m, HC_MULT, BLOCK_H)
         )
-        tma_x, tma_mX = cpasync.make_tiled_tma_atom(g2s, mX, cute.slice_(x_layout, (None, None, 0)), (tile_m, hs))
+        tma_x, tma_mX = cpasync.make_tiled_tma_atom(g2s, mX, cute.slice_(x_layout, (None, None, 0)), (tile_m, BLOCK_H))
         tma_w, tma_mB = cpasync.make_tiled_tma_atom(g2s, mB, w_stage_layout, (self.n, self.k_stage))
         tiled_mma = make_tf32_tiled_mma(self.n, warpgroup.OperandSource.RMEM)
 
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[cutlass.Int64, stages * 2]
-            wbar: cute.struct.MemRange[cutlass.Int64, self.w_stages * 2]  # the weight's pipeline (subs > 1)
             is_last: cute.struct.MemRange[Int32, 1]
             sW: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(w_layout)], 1024]
             sRes: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(res_layout)], 128]
@@ -272,14 +261,13 @@ class MmaFusedHcKernel:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         split = bidx % self.split_k
         m_tile = bidx // self.split_k
-        # this split's activation stages (h_step-wide H blocks): [blk_begin, blk_begin + n_blk)
+        # this split's 32-wide H blocks: [blk_begin, blk_begin + n_blk)
         blk_begin = split * self.n_hblk // self.split_k
         n_blk = (split + 1) * self.n_hblk // self.split_k - blk_begin
 
         if warp_idx == self.producer_warp:
             cpasync.prefetch_descriptor(tma_res)
             cpasync.prefetch_descriptor(tma_x)
-        if warp_idx == self.weight_warp:
             cpasync.prefetch_descriptor(tma_w)
 
         smem = cutlass.memory.SmemAllocator()
@@ -291,21 +279,21 @@ class MmaFusedHcKernel:
         sX = storage.sX.get_tensor(x_layout)
         sW = storage.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
 
-        act_bytes = mma_activation_bytes(self.tile_m, self.h_step)
-        w_bytes = mma_weight_bytes(self.n_parts)
-        ab_pipeline = self.make_pipeline(storage.mbar, self.stages, act_bytes + (w_bytes if self.subs == 1 else 0))
-        w_pipeline = ab_pipeline
-        if const_expr(self.subs > 1):
-            w_pipeline = self.make_pipeline(storage.wbar, self.w_stages, w_bytes)
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_wgs * 4),
+            tx_count=stage_bytes(self.tile_m, self.n_parts),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
 
         if warp_idx == self.producer_warp:
             self.produce(ab_pipeline, tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, sRes, sX, sW, m_tile,
                          blk_begin, n_blk)
-        elif warp_idx == self.weight_warp:  # a warp of its own only with subs > 1
-            self.produce_weights(w_pipeline, tma_w, tma_mB, sW, blk_begin, n_blk)
         else:
-            self.consume(ab_pipeline, w_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mResOut, mPartials, tidx,
-                         m_tile, split, blk_begin, n_blk)
+            self.consume(ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mResOut, mPartials, tidx, m_tile,
+                         split, blk_begin, n_blk)
 
         if const_expr(self.fused):
             # last-arriver election: every thread fences its partial and residual stores (release) before the
@@ -326,17 +314,6 @@ class MmaFusedHcKernel:
                     if tidx == 0:
                         counters[m_tile] = Int32(0)  # ready for the next call without a zeroing launch
 
-    def make_pipeline(self, barriers, stages: int, tx_count: int):
-        """A TMA pipeline of ``stages`` stages of ``tx_count`` bytes, one producer thread, the MMA warps consuming."""
-        return pipeline.PipelineTmaAsync.create(
-            barrier_storage=barriers.data_ptr(),
-            num_stages=stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_wgs * 4),
-            tx_count=tx_count,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
-        )
-
     @cute.jit
     def finish_tile(self, finish_storage, m_tile, mPartials, mScale, mBase, mNormW, flat, scalars):
         self.finish(finish_storage, m_tile * self.tile_m, mPartials, mScale, mBase, mNormW, *flat, scalars)
@@ -344,13 +321,14 @@ class MmaFusedHcKernel:
     @cute.jit
     def produce(self, ab_pipeline, tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, sRes, sX, sW, m_tile,
                 blk_begin, n_blk):
-        tile_m, hs = self.tile_m, self.h_step
-        gRes = cute.local_tile(tma_mRes, (tile_m, HC_MULT, hs), (m_tile, 0, None))
-        gX = cute.local_tile(tma_mX, (tile_m, hs), (m_tile, None))
+        tile_m = self.tile_m
+        gRes = cute.local_tile(tma_mRes, (tile_m, HC_MULT, BLOCK_H), (m_tile, 0, None))
+        gX = cute.local_tile(tma_mX, (tile_m, BLOCK_H), (m_tile, None))
+        gB = cute.local_tile(tma_mB, (self.n, self.k_stage), (0, None))
         one = cute.make_layout(1)
         tRs, tRg = cpasync.tma_partition(tma_res, 0, one, cute.group_modes(sRes, 0, 3), cute.group_modes(gRes, 0, 3))
         tXs, tXg = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-        tBs, tBg = self.weight_partition(tma_w, tma_mB, sW)
+        tBs, tBg = cpasync.tma_partition(tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gB, 0, 2))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for i in cutlass.range(n_blk, unroll=1):
             blk = blk_begin + i
@@ -358,36 +336,14 @@ class MmaFusedHcKernel:
             bar = ab_pipeline.producer_get_barrier(state)
             cute.copy(tma_res, tRg[(None, blk)], tRs[(None, state.index)], tma_bar_ptr=bar)
             cute.copy(tma_x, tXg[(None, blk)], tXs[(None, state.index)], tma_bar_ptr=bar)
-            if const_expr(self.subs == 1):
-                cute.copy(tma_w, tBg[(None, blk)], tBs[(None, state.index)], tma_bar_ptr=bar)
+            cute.copy(tma_w, tBg[(None, blk)], tBs[(None, state.index)], tma_bar_ptr=bar)
             ab_pipeline.producer_commit(state)
             state.advance()
         ab_pipeline.producer_tail(state)
 
     @cute.jit
-    def produce_weights(self, w_pipeline, tma_w, tma_mB, sW, blk_begin, n_blk):
-        """The weight's producer warp (subs > 1): one tile per MMA step, ``subs`` per activation stage."""
-        if const_expr(self.subs > 1):
-            tBs, tBg = self.weight_partition(tma_w, tma_mB, sW)
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.w_stages)
-            for i in cutlass.range(n_blk * self.subs, unroll=1):
-                w_pipeline.producer_acquire(state)
-                bar = w_pipeline.producer_get_barrier(state)
-                cute.copy(tma_w, tBg[(None, blk_begin * self.subs + i)], tBs[(None, state.index)], tma_bar_ptr=bar)
-                w_pipeline.producer_commit(state)
-                state.advance()
-            w_pipeline.producer_tail(state)
-
-    @cute.jit
-    def weight_partition(self, tma_w, tma_mB, sW):
-        """The weight's TMA partition: (smem stage, MMA step) tiles."""
-        gB = cute.local_tile(tma_mB, (self.n, self.k_stage), (0, None))
-        return cpasync.tma_partition(tma_w, 0, cute.make_layout(1), cute.group_modes(sW, 0, 2),
-                                     cute.group_modes(gB, 0, 2))
-
-    @cute.jit
-    def consume(self, ab_pipeline, w_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mResOut, mPartials, tidx,
-                m_tile, split, blk_begin, n_blk):
+    def consume(self, ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mResOut, mPartials, tidx, m_tile, split,
+                blk_begin, n_blk):
         m_total = mResOut.shape[0]
         wg = tidx // WG_THREADS
         wg_tid = tidx % WG_THREADS
@@ -427,59 +383,45 @@ class MmaFusedHcKernel:
         out = cute.make_rmem_tensor((VEC,), BFloat16)
         xf = cute.make_rmem_tensor((VEC,), Float32)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        w_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.w_stages)
         for i in cutlass.range(n_blk, unroll=1):
+            vec_idx = (blk_begin + i) * (BLOCK_H // VEC) + quad
             ab_pipeline.consumer_wait(state)
             si = state.index
-            # the stage's MMA steps of 32 H positions (a loop, not unrolled: four unrolled steps took 255 registers)
-            for sub in cutlass.range(self.subs, unroll=1):
-                vec_idx = ((blk_begin + i) * self.subs + sub) * (BLOCK_H // VEC) + quad  # 8-vector of the row
-                smem_vec = sub * (BLOCK_H // VEC) + quad
+            for r in cutlass.range_constexpr(2):
+                xv[r, None].store(self._vec(sX[(rows[r], None, si)], quad).load().to(Float32))
+                for k in cutlass.range_constexpr(HC_MULT):
+                    rv[r, k, None].store(self._vec(sRes[(rows[r], k, None, si)], quad).load().to(Float32))
+            for j in cutlass.range_constexpr(HC_MULT):
                 for r in cutlass.range_constexpr(2):
-                    xv[r, None].store(self._vec(sX[(rows[r], None, si)], smem_vec).load().to(Float32))
-                    for k in cutlass.range_constexpr(HC_MULT):
-                        rv[r, k, None].store(self._vec(sRes[(rows[r], k, None, si)], smem_vec).load().to(Float32))
-                for j in cutlass.range_constexpr(HC_MULT):
-                    for r in cutlass.range_constexpr(2):
-                        # SPEC step 1: acc = post[j] x[h]; acc = fma(comb[k][j], res[k][h], acc), k = 0..3
-                        for e in cutlass.range_constexpr(VEC):
-                            a = post[r, j] * xv[r, e]
-                            for k in cutlass.range_constexpr(HC_MULT):
-                                a = cute.math.fma(comb[r, k, j], rv[r, k, e], a)
-                            out[e] = a.to(BFloat16)
-                        m = m_tile * self.tile_m + rows[r]
-                        if m < m_total:
-                            cute.autovec_copy(out, self._vec(mResOut[(m, j, None)], vec_idx))
-                        xf.store(out.load().to(Float32))
-                        for e in cutlass.range_constexpr(VEC):
-                            sumsq[r] = cute.math.fma(xf[e], xf[e], sumsq[r])
-                            # H offset 8 t + e is K column t (e even) or t + 4 (e odd) of k8 step 4 j + e // 2
-                            tCrA[(r + 2 * (e % 2), 0, j * 4 + e // 2)] = xf[e]
-                wi = si  # the step's weight tile: in the activation stage, or in its own pipeline
-                if const_expr(self.subs > 1):
-                    w_pipeline.consumer_wait(w_state)
-                    wi = w_state.index
-                warpgroup.fence()
-                mma_atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom per step: its ACCUMULATE flag changes
-                mma_atom.set(warpgroup.Field.ACCUMULATE, False)
-                for ks in cutlass.range_constexpr(self.k_stage // 8):
-                    cute.gemm(mma_atom, acc, tCrA[(None, None, ks)], tCrB[(None, None, ks, wi)], acc)
-                    mma_atom.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)  # the A registers are rewritten and the step's weight is released next
-                if const_expr(self.subs == 1):
-                    ab_pipeline.consumer_release(state)
-                else:
-                    w_pipeline.consumer_release(w_state)
-                    w_state.advance()
-                for c in cutlass.range_constexpr(N_MIXES // 2):
-                    if const_expr(self.n_parts == 2):
-                        dots[c] = dots[c] + (acc[c] + acc[c + N_MIXES // 2])  # hi rows 0..23, lo rows 24..47
-                    else:
-                        dots[c] = dots[c] + acc[c]
-            if const_expr(self.subs > 1):
-                ab_pipeline.consumer_release(state)
+                    # SPEC step 1: acc = post[j] x[h]; acc = fma(comb[k][j], res[k][h], acc), k = 0..3
+                    for e in cutlass.range_constexpr(VEC):
+                        a = post[r, j] * xv[r, e]
+                        for k in cutlass.range_constexpr(HC_MULT):
+                            a = cute.math.fma(comb[r, k, j], rv[r, k, e], a)
+                        out[e] = a.to(BFloat16)
+                    m = m_tile * self.tile_m + rows[r]
+                    if m < m_total:
+                        cute.autovec_copy(out, self._vec(mResOut[(m, j, None)], vec_idx))
+                    xf.store(out.load().to(Float32))
+                    for e in cutlass.range_constexpr(VEC):
+                        sumsq[r] = cute.math.fma(xf[e], xf[e], sumsq[r])
+                        # H offset 8 t + e is K column t (e even) or t + 4 (e odd) of k8 step 4 j + e // 2
+                        tCrA[(r + 2 * (e % 2), 0, j * 4 + e // 2)] = xf[e]
+            warpgroup.fence()
+            mma_atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom per stage: its ACCUMULATE flag changes
+            mma_atom.set(warpgroup.Field.ACCUMULATE, False)
+            for ks in cutlass.range_constexpr(self.k_stage // 8):
+                cute.gemm(mma_atom, acc, tCrA[(None, None, ks)], tCrB[(None, None, ks, si)], acc)
+                mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)  # the A registers are rewritten and the stage's weight is released next
+            ab_pipeline.consumer_release(state)
             state.advance()
+            for i in cutlass.range_constexpr(N_MIXES // 2):
+                if const_expr(self.n_parts == 2):
+                    dots[i] = dots[i] + (acc[i] + acc[i + N_MIXES // 2])  # hi rows 0..23, lo rows 24..47
+                else:
+                    dots[i] = dots[i] + acc[i]
 
         # epilogue: partials[split, m, c] = dots (columns 2 t, 2 t + 1 of each 8-column block), sumsq
         for r in cutlass.range_constexpr(2):
@@ -516,11 +458,10 @@ def compiled_mma(tactic: MmaTactic, problem, out):
     return _compiled.get(key, lambda: compile_mma(tactic, problem, out))
 
 
-def compile_mma(tactic: MmaTactic, problem, out, kernel_cls=None):
-    """Compile ``tactic.path`` against fake tensors shaped like ``problem`` and ``out`` (no GPU needed);
-    ``kernel_cls``: a subclass of ``MmaFusedHcKernel`` instead (probes, e.g. ``bench/probe_k1_copy.py``)."""
+def compile_mma(tactic: MmaTactic, problem, out):
+    """Compile ``tactic.path`` against fake tensors shaped like ``problem`` and ``out`` (no GPU needed)."""
     h = problem.hidden
-    kernel = (kernel_cls or MmaFusedHcKernel)(h, tactic, problem.precision, norm_dtype_of(problem.norm_weight))
+    kernel = MmaFusedHcKernel(h, tactic, problem.precision, norm_dtype_of(problem.norm_weight))
     m = cute.sym_int()
     token_tensors = fake_tensors(problem.x, problem.residual, problem.post_mix, problem.comb_mix, tokens=m)
     outputs = fake_tensors(*out, tokens=m)
