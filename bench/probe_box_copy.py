@@ -40,6 +40,7 @@ class BoxCopyKernel:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mResOut: cute.Tensor, a0, a1, a2, a3, a4: Int32, a5,
                  stream):
+        # a0..a5: the six runtime scalars that mhc_cute.kernels.compile_kernel appends (unused here)
         tile_m, bh, stages = self.tile_m, self.block_h, self.stages
         res_layout = cute.make_layout((tile_m, 4, bh, stages), stride=(bh, tile_m * bh, 1, tile_m * bh * 4))
         x_layout = cute.make_layout((tile_m, bh, stages), stride=(bh, 1, tile_m * bh))
@@ -127,7 +128,8 @@ def main() -> int:
     ap.add_argument("--block-h", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--tile-m", type=int, default=64)
     ap.add_argument("--split", type=int, default=2)
-    ap.add_argument("--stage-bytes", type=int, default=60 * 1024, help="pipeline depth: stages of about this many bytes in all")
+    ap.add_argument("--in-flight", type=int, default=120 * 1024,
+                    help="pipeline depth: as many stages as fit in this many bytes per CTA (at least 2)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     bw = mb.measure_copy_bandwidth(dev)
@@ -137,7 +139,7 @@ def main() -> int:
             sets = mb.make_sets(m, h, mb.n_rotation_sets(m, h), dev, False)
             outs = [torch.empty_like(s["residual_prev"]) for s in sets]
             for bh in args.block_h:
-                stages = max(2, args.stage_bytes * 2 // (args.tile_m * 5 * bh * 2))
+                stages = max(2, args.in_flight // (args.tile_m * 5 * bh * 2))
                 fn = compiled(h, args.tile_m, bh, args.split, stages, sets)
                 by_id = {id(s): o for s, o in zip(sets, outs)}
 
