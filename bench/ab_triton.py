@@ -60,7 +60,7 @@ def main() -> int:
         return 0
     for h in args.hidden:
         for m in args.m:
-            sets = mb.make_sets(m, h, mb.n_rotation_sets(m, h), dev, False)
+            sets = mb.rotated_sets(m, h, dev)
             cands = [None] + [t for name in args.sweep for t in SWEEPS[name] if m >= 1024]
             for t in cands:
                 shown = fused_hc._default_tactic(dev, m, h) if t is None else t

@@ -67,7 +67,7 @@ def main() -> int:
 
     dev = torch.device("cuda")
     for h, m, norm, tactic in picks:
-        sets = mb.make_sets(m, h, mb.n_rotation_sets(m, h), dev, norm)
+        sets = mb.rotated_sets(m, h, dev, norm)
         us = mb.time_graph(lambda s: mhc_fused_hc(**s), sets, reps=args.reps)
         check = (failure_of(problem_of(sets[0]), tactic.path, tactic) or "ok") if args.check else ""
         print(f"AB {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {us:.2f} {check}", flush=True)

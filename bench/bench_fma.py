@@ -89,7 +89,7 @@ def main(argv=None):
     results, rows = [], []
     for h in args.hidden:
         for m in args.m:
-            sets = mb.make_sets(m, h, mb.n_rotation_sets(m, h), dev, args.norm)
+            sets = mb.rotated_sets(m, h, dev, args.norm)
             best = {}
             for p in PATHS:
                 default = tac.default_fma_tactic(p, m, h, sms)

@@ -120,7 +120,7 @@ def main(argv=None):
     results, summary = [], []
     for h in args.hidden:
         for m in args.m:
-            sets = mb.make_sets(m, h, mb.n_rotation_sets(m, h), dev, False)
+            sets = mb.rotated_sets(m, h, dev)
             floor_us = mb.floor_bytes(m, h) / bandwidth * 1e6
             peer_us = {}
             for name, call in peers.items():

@@ -134,7 +134,7 @@ def main() -> int:
     results, sweep = [], []
     for h in args.hidden:
         for m in args.m:
-            sets = bm.make_sets(m, h, bm.n_rotation_sets(m, h), dev, args.norm)
+            sets = bm.rotated_sets(m, h, dev, args.norm)
             row = [bm.bench_one("triton", bm.mhc_cute_call("triton"), m, h, dev, args.norm, bandwidth, sets=sets)]
             row += [bm.bench_one(n, c, m, h, dev, args.norm, bandwidth, sets=sets, eager=False)
                     for n, c in peers.items()]

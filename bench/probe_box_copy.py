@@ -136,7 +136,7 @@ def main() -> int:
     print(f"GPU: {torch.cuda.get_device_name(dev)}, copy bandwidth {bw / 1e12:.2f} TB/s")
     for h in args.hidden:
         for m in args.m:
-            sets = mb.make_sets(m, h, mb.n_rotation_sets(m, h), dev, False)
+            sets = mb.rotated_sets(m, h, dev)
             outs = [torch.empty_like(s["residual_prev"]) for s in sets]
             for bh in args.block_h:
                 stages = max(2, args.in_flight // (args.tile_m * 5 * bh * 2))

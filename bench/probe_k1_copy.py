@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from mhc_cute.kernels import compile_kernel, fake_buffer, fake_tensors, mma, scalar_args  # noqa: E402  (first: sets the DSL's target)
+# mhc_cute.kernels first: it sets the DSL's target architecture before cutlass is imported
+from mhc_cute.kernels import compile_kernel, fake_buffer, fake_tensors, mma, scalar_args  # noqa: E402
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
@@ -106,7 +107,7 @@ def main() -> int:
     print(f"GPU: {torch.cuda.get_device_name(dev)}, copy bandwidth {bw / 1e12:.2f} TB/s, tactic {tactic.name}")
     for h in args.hidden:
         for m in args.m:
-            sets = mb.make_sets(m, h, mb.n_rotation_sets(m, h), dev, False)
+            sets = mb.rotated_sets(m, h, dev)
             floor_us = mb.floor_bytes(m, h) / bw * 1e6
             calls = {"kernel": launcher(tactic, sets, mma.MmaFusedHcKernel),
                      "copy-only": launcher(tactic, sets, CopyOnlyKernel)}

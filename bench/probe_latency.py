@@ -66,7 +66,7 @@ def main(argv=None):
     print(f"{'H':>5} {'M':>5} {'backend':>9} | {'cold r20':>8} {'cold r1':>8} {'hot r20':>8} {'hot r1':>8}")
     for h in args.hidden:
         for m in args.m:
-            cold = mb.make_sets(m, h, mb.n_rotation_sets(m, h), dev, False)
+            cold = mb.rotated_sets(m, h, dev)
             hot = cold[:2]
             for b in args.backends:
                 cells = [mb.time_graph(backend_call(b, rep), sets) for sets in (cold, hot) for rep in (20, 1)]

@@ -42,7 +42,7 @@ def main(argv=None):
     reduce_kernel = fused_hc._reduce_kernel
     for h in args.hidden:
         for m in args.m:
-            sets = mb.make_sets(m, h, mb.n_rotation_sets(m, h), dev, False)
+            sets = mb.rotated_sets(m, h, dev)
             whole = mb.time_graph(call, sets)
             fused_hc._reduce_kernel = _Skip()
             try:

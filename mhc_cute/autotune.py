@@ -316,7 +316,7 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
     tables: dict[str, dict[int, Choice]] = {}
     for h, b, cands in groups:
         torch.cuda.empty_cache()
-        sets = bm.make_sets(b, h, bm.n_rotation_sets(b, h), device, norm)
+        sets = bm.rotated_sets(b, h, device, norm)
         timed = []
         for name, t, default in cands:
             log(done, total, f"H={h} M={b} {name} {getattr(t, 'name', '')}")

@@ -63,6 +63,11 @@ def n_rotation_sets(m: int, hidden: int) -> int:
     return max(2, min(MAX_SETS, math.ceil(L2_FLUSH_BYTES / floor_bytes(m, hidden))))
 
 
+def rotated_sets(m: int, hidden: int, device, norm: bool = False) -> list[dict]:
+    """As many input sets as a timed run rotates through so that nothing stays in L2 (``n_rotation_sets``)."""
+    return make_sets(m, hidden, n_rotation_sets(m, hidden), device, norm)
+
+
 def make_sets(m: int, hidden: int, n: int, device, norm: bool, seed: int = 0) -> list[dict]:
     """``n`` independent input + weight sets (random, never zeros)."""
     from .reference import sinkhorn
@@ -206,7 +211,7 @@ def peer_calls(norm: bool) -> dict[str, Callable[[dict], object]]:
 def bench_one(name, call, m, hidden, device, norm, bandwidth, sets=None, eager=True) -> Result:
     r = Result(name, m, hidden)
     try:
-        sets = sets or make_sets(m, hidden, n_rotation_sets(m, hidden), device, norm)
+        sets = sets or rotated_sets(m, hidden, device, norm)
         r.graph_us = time_graph(call, sets)
         if eager:
             r.eager_us = time_eager(call, sets)

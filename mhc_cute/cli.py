@@ -92,7 +92,7 @@ def cmd_bench(args) -> int:
     results = []
     for h in args.hidden:
         for m in ms:
-            sets = bm.make_sets(m, h, bm.n_rotation_sets(m, h), dev, args.norm)
+            sets = bm.rotated_sets(m, h, dev, args.norm)
             for name, call in calls.items():
                 eager = not (name == "torch-compile" and m > 4096)
                 results.append(bm.bench_one(name, call, m, h, dev, args.norm, bandwidth, sets=sets, eager=eager))

@@ -68,8 +68,9 @@ def _post_stream(xf, r0, r1, r2, r3, p, c0, c1, c2, c3):
 def split_bf16x3(fn: torch.Tensor) -> torch.Tensor:
     """``fn`` [24, 4H] fp32 as ``[3, 24, 4H]`` bf16 terms with ``fn = w1 + w2 + w3`` exactly (each term takes the
     next 8 significant bits, round to nearest; bf16 has fp32's exponent range, so this holds for every weight
-    between about 2^-100 and bf16's largest finite value), so that ``a * w_i`` is exact in fp32 for bf16 ``a``; K reordered from ``j H + h`` to ``4 h + j`` (stream fastest), the order in which
-    ``_interleave_streams`` lays out the four streams' tiles."""
+    between about 2^-100 and bf16's largest finite value), so that ``a * w_i`` is exact in fp32 for bf16 ``a``;
+    K reordered from ``j H + h`` to ``4 h + j`` (stream fastest), the order in which ``_interleave_streams`` lays
+    out the four streams' tiles."""
     n_mix, k = fn.shape
     w = fn.float().view(n_mix, 4, k // 4).transpose(1, 2).reshape(n_mix, k)
     w1 = w.to(torch.bfloat16)
