@@ -159,8 +159,8 @@ class BigFusePhase:
         if cutlass.const_expr(self.batches <= 2):
             # residual_cur does not depend on the partials: the first batch of the collapse loads while the
             # partials are summed (two memory round trips overlap)
-            gtid, valid, row = self.round_token(0, m0, mLayerIn.shape[0])
-            first = self.load_batch(0, gtid, valid, mResCur[m0 + row, None])
+            gtid, _, row = self.round_token(0, m0, mLayerIn.shape[0])
+            first = self.load_batch(0, gtid, mResCur[m0 + row, None])
         self.sum_partials(storage, m0, mPartials)
         self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
 
@@ -242,7 +242,7 @@ class BigFusePhase:
                     if cutlass.const_expr(r == 0 and b == 0 and first is not None):
                         res = first
                     else:
-                        res = self.load_batch(b, gtid, valid, row_res)
+                        res = self.load_batch(b, gtid, row_res)
                     if cutlass.const_expr(r == 0 and b == 0):
                         self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
                     sumsq = self.collapse_batch(b, gtid, valid, res, pre, row_out, rounded, sumsq)
@@ -252,7 +252,7 @@ class BigFusePhase:
                 if valid:
                     n_batches = Int32(self.batches)
                 for b in cutlass.range(n_batches, unroll=1):
-                    res = self.load_batch(b, gtid, valid, row_res)
+                    res = self.load_batch(b, gtid, row_res)
                     if cutlass.const_expr(r == 0 and not self.sinkhorn_last):
                         if b == 0:
                             self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
@@ -272,16 +272,18 @@ class BigFusePhase:
             self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
 
     @cute.jit
-    def load_batch(self, b, gtid, valid, row_res):
-        """The 4 stream vectors of this thread's 8-vectors ``batch * b ...`` of a token, all loads in flight."""
+    def load_batch(self, b, gtid, row_res):
+        """The 4 stream vectors of this thread's 8-vectors ``batch * b ...`` of a token, all loads in flight.
+
+        The loads are unconditional (the vector index clamped; ``row_res`` is always a valid row, see
+        ``round_token``): a guarded load sits in a branch of its own, where the compiler also puts its bf16
+        widening, which then waits for it, so that each guarded vector cost one memory round trip in turn."""
         res = cute.make_rmem_tensor(du.row_major(self.batch, HC_MULT, du.VEC_BF16), BFloat16)
         for i in cutlass.range_constexpr(self.batch):
-            o = gtid + (b * self.batch + i) * self.group_threads
-            if valid:
-                if o < self.octets:
-                    for j in cutlass.range_constexpr(HC_MULT):
-                        src = cute.local_tile(row_res, (du.VEC_BF16,), (j * self.octets + o,))
-                        cute.autovec_copy(src, res[i, j, None])
+            o = cutlass.min(gtid + (b * self.batch + i) * self.group_threads, self.octets - 1)
+            for j in cutlass.range_constexpr(HC_MULT):
+                src = cute.local_tile(row_res, (du.VEC_BF16,), (j * self.octets + o,))
+                cute.autovec_copy(src, res[i, j, None])
         return res
 
     @cute.jit

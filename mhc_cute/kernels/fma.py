@@ -34,7 +34,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import Float32, Int32  # noqa: E402
+from cutlass import BFloat16, Float32, Int32  # noqa: E402
 
 from .. import tactics as tac  # noqa: E402
 from ..tactics import HC_MULT, N_MIXES, FmaTactic  # noqa: E402
@@ -232,21 +232,35 @@ class FmaFusedHc:
 
     @cute.jit
     def post_map(self, m0: Int32, h0: Int32, coefs: cute.Tensor, mX, mRes, mResCur, sAct: cute.Tensor):
-        """SPEC step 1 for the ``burst`` chunks at h0: residual_cur to global memory, fp32 values to ``sAct``."""
+        """SPEC step 1 for the ``burst`` chunks at h0: residual_cur to global memory, fp32 values to ``sAct``.
+
+        Every task's loads are issued first, unconditionally (token and task clamped to valid ones), and a warp
+        barrier follows them: otherwise ptxas issued two of the four residual loads only after computing with
+        the first two, which cost a second memory round trip on the critical path at small M (seen in the SASS).
+        """
         tidx, _, _ = cute.arch.thread_idx()
         m_total = mX.shape[0]
         octets_h = self.hidden // du.VEC_BF16
+        raw = cute.make_rmem_tensor(du.row_major(self.post_rounds, 1 + HC_MULT, du.VEC_BF16), BFloat16)
+        for r in cutlass.range_constexpr(self.post_rounds):
+            task = cutlass.min(tidx + r * self.threads, self.post_tasks - 1)
+            m = cutlass.min(m0 + task // self.octets, m_total - 1)
+            vec = h0 // du.VEC_BF16 + task % self.octets  # index of this 8-vector within a stream row
+            cute.autovec_copy(cute.local_tile(mX[m, None], (du.VEC_BF16,), (vec,)), raw[r, 0, None])
+            for k in cutlass.range_constexpr(HC_MULT):
+                src = cute.local_tile(mRes[m, None], (du.VEC_BF16,), (k * octets_h + vec,))
+                cute.autovec_copy(src, raw[r, 1 + k, None])
+        cute.arch.sync_warp()
         for r in cutlass.range_constexpr(self.post_rounds):
             task = tidx + r * self.threads
             if task < self.post_tasks:
                 t, o = task // self.octets, task % self.octets
                 m = m0 + t
                 if m < m_total:
-                    vec = h0 // du.VEC_BF16 + o  # index of this 8-vector within a stream row
-                    row_res, row_out = mRes[m, None], mResCur[m, None]
-                    xv = du.load_bf16x8(cute.local_tile(mX[m, None], (du.VEC_BF16,), (vec,)))
-                    res = [du.load_bf16x8(cute.local_tile(row_res, (du.VEC_BF16,), (k * octets_h + vec,)))
-                           for k in range(HC_MULT)]
+                    vec = h0 // du.VEC_BF16 + o
+                    row_out = mResCur[m, None]
+                    xv = raw[r, 0, None].load().to(Float32)
+                    res = [raw[r, 1 + k, None].load().to(Float32) for k in range(HC_MULT)]
                     for j in cutlass.range_constexpr(HC_MULT):
                         out = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
                         for e in cutlass.range_constexpr(du.VEC_BF16):
