@@ -66,7 +66,7 @@ class BigFusePhase:
     """
 
     def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4,
-                 sinkhorn_last: bool = False):
+                 sinkhorn_last: bool = False, sinkhorn_warp: bool = False):
         assert hidden % du.VEC_BF16 == 0 and threads % du.WARP == 0 and tokens <= threads
         self.hidden = hidden
         self.split_k = split_k
@@ -74,8 +74,12 @@ class BigFusePhase:
         self.threads = threads
         self.warps = threads // du.WARP
         self.norm_dtype = norm_dtype  # None, BFloat16 or Float32 (compile-time)
-        self.groups = max(g for g in range(1, min(tokens, self.warps) + 1) if self.warps % g == 0)
-        self.group_warps = self.warps // self.groups
+        # ``sinkhorn_warp``: the last warp runs the post gates and the Sinkhorn and no collapse, so that no
+        # collapse work waits behind that chain (else the first warp's collapse starts after it)
+        self.sinkhorn_warp = sinkhorn_warp
+        collapse_warps = self.warps - (1 if sinkhorn_warp else 0)
+        self.groups = max(g for g in range(1, min(tokens, collapse_warps) + 1) if collapse_warps % g == 0)
+        self.group_warps = collapse_warps // self.groups
         self.group_threads = self.group_warps * du.WARP
         self.rounds = -(-tokens // self.groups)
         self.octets = hidden // du.VEC_BF16
@@ -85,6 +89,7 @@ class BigFusePhase:
         # with more than two batches per thread, the Sinkhorn runs inside the first batch (overlapped with its
         # loads) unless ``sinkhorn_last`` (after the collapse, for kernels short of registers)
         self.sinkhorn_last = sinkhorn_last and self.batches > 2
+        assert not sinkhorn_warp or (self.batches <= 2 and tokens <= du.WARP)
         # with the norm, the rounded collapse is kept in registers for the second pass when it fits, else it
         # is stored (bf16, exact) and read back by the same thread
         self.keep_rounded = self.slots <= 8 and self.batches <= 2  # (compile-time slot indices)
@@ -172,7 +177,10 @@ class BigFusePhase:
         group = cute.arch.warp_idx() // self.group_warps
         n_valid = cutlass.min(m_total - m0, self.tokens)
         t = r * self.groups + group
-        return tidx % self.group_threads, t < n_valid, cutlass.min(t, n_valid - 1)
+        valid = t < n_valid
+        if cutlass.const_expr(self.sinkhorn_warp):
+            valid = valid & (group < self.groups)
+        return tidx % self.group_threads, valid, cutlass.min(t, n_valid - 1)
 
     @cute.jit
     def sum_partials(self, storage: BigFuseStorage, m0: Int32, mPartials: cute.Tensor):
@@ -230,6 +238,8 @@ class BigFusePhase:
         while the first batch of the first round is loading (``first``: that batch, when already loaded), or
         after the collapse (``sinkhorn_last``)."""
         group = cute.arch.warp_idx() // self.group_warps
+        if cutlass.const_expr(self.sinkhorn_warp):
+            self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
         for r in cutlass.range_constexpr(self.rounds):
             gtid, valid, tc = self.round_token(r, m0, mLayerIn.shape[0])
             sumsq = Float32(0.0)
@@ -243,7 +253,7 @@ class BigFusePhase:
                         res = first
                     else:
                         res = self.load_batch(b, gtid, row_res)
-                    if cutlass.const_expr(r == 0 and b == 0):
+                    if cutlass.const_expr(r == 0 and b == 0 and not self.sinkhorn_warp):
                         self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
                     sumsq = self.collapse_batch(b, gtid, valid, res, pre, row_out, rounded, sumsq)
             else:
@@ -377,10 +387,12 @@ class BigFusePhase:
         mCombOut: cute.Tensor,
         scalars: BigFuseScalars,
     ):
-        """One thread per token: post gates and the Sinkhorn of the comb mixes."""
+        """One thread per token (of the first warp, or of the ``sinkhorn_warp``): post gates and the Sinkhorn of
+        the comb mixes."""
         tidx, _, _ = cute.arch.thread_idx()
-        if tidx < self.tokens and m0 + tidx < mPostOut.shape[0]:
-            t, m = tidx, m0 + tidx
+        t = tidx - ((self.warps - 1) * du.WARP if self.sinkhorn_warp else 0)
+        if t >= 0 and t < self.tokens and m0 + t < mPostOut.shape[0]:
+            m = m0 + t
             rstd = self.rstd(storage, t, scalars.rms_eps)
             for j in cutlass.range_constexpr(HC_MULT):
                 mPostOut[m, j] = du.sigmoid(self.mix(storage, t, HC_MULT + j, rstd, 1)) * scalars.hc_post_mult_value
@@ -412,8 +424,9 @@ def partials_view(workspace, split_k: int, m):
 class BigFuseKernel:
     """Standalone big fuse: one CTA of ``threads`` threads per block of ``tokens`` tokens."""
 
-    def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4):
-        self.phase = BigFusePhase(hidden, split_k, tokens, threads, norm_dtype, batch)
+    def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4,
+                 sinkhorn_warp: bool = False):
+        self.phase = BigFusePhase(hidden, split_k, tokens, threads, norm_dtype, batch, sinkhorn_warp=sinkhorn_warp)
 
     @cute.jit
     def launch(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, stream):
@@ -440,12 +453,11 @@ class BigFuseKernel:
 def standalone_big_fuse(hidden: int, split_k: int, norm_dtype, fuse: str) -> BigFuseKernel:
     """The big-fuse kernel of the two-launch paths (E, B): one token per CTA, shaped by ``fuse`` (see
     ``tactics.FUSE_SHAPES``). "lat": enough threads that each thread's 8-vectors of the token fit one batch of
-    4 loads in flight, so the collapse costs one memory round trip; "bw": 128 threads, batches of 2 (fewer
-    registers, so that many CTAs share an SM)."""
+    4 loads in flight, so the collapse costs one memory round trip, and a warp of its own for the Sinkhorn;
+    "bw": 128 threads, batches of 2 (fewer registers, so that many CTAs share an SM)."""
     if fuse == "lat":
         batch = 4
         per_batch = -(-(hidden // du.VEC_BF16) // batch)
-        threads = min(1024, max(64, -(-per_batch // du.WARP) * du.WARP))
-    else:
-        threads, batch = 128, 2
-    return BigFuseKernel(hidden, split_k, 1, threads, norm_dtype, batch)
+        threads = min(1024 - du.WARP, max(64, -(-per_batch // du.WARP) * du.WARP)) + du.WARP
+        return BigFuseKernel(hidden, split_k, 1, threads, norm_dtype, batch, sinkhorn_warp=True)
+    return BigFuseKernel(hidden, split_k, 1, 128, norm_dtype, 2)
