@@ -189,18 +189,23 @@ class BigFusePhase:
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         m_total = mPartials.shape[1]
         rounds = -(-self.split_k // self.warps)
+        exact = self.split_k % self.warps == 0
         for t in cutlass.range_constexpr(self.tokens):
-            # clamped indices keep every load in bounds and unconditional (all in flight at once); the
-            # out-of-range terms are replaced by an exact zero
+            # clamped indices keep every load in bounds and unconditional; the out-of-range terms are replaced
+            # by an exact zero
             m = cutlass.min(m0 + t, m_total - 1)
+            vals = [mPartials[warp + r * self.warps if exact else cutlass.min(warp + r * self.warps, self.split_k - 1),
+                              m, lane] for r in range(rounds)]
+            # a warp barrier before any of them is used: the compiler keeps every load above it (these and the
+            # caller's first collapse batch) in flight together; else ptxas may start the sum first and issue
+            # the collapse batch a memory round trip later (seen in the SASS with uneven splits)
+            cute.arch.sync_warp()
             acc = Float32(0.0)
             for r in cutlass.range_constexpr(rounds):
-                s = warp + r * self.warps
-                if cutlass.const_expr(self.split_k % self.warps == 0):
-                    acc = acc + mPartials[s, m, lane]
+                if cutlass.const_expr(exact):
+                    acc = acc + vals[r]
                 else:
-                    v = mPartials[cutlass.min(s, self.split_k - 1), m, lane]
-                    acc = acc + (v if s < self.split_k else Float32(0.0))
+                    acc = acc + (vals[r] if warp + r * self.warps < self.split_k else Float32(0.0))
             storage.partial_sums[warp, t, lane] = acc
         cute.arch.sync_threads()
         for base in cutlass.range_constexpr(0, self.tokens * PARTIAL_COLS, self.threads):
