@@ -24,7 +24,8 @@ MMA_BLOCK_H = 32  # H positions per pipeline stage (per stream): one 128-byte sw
 MMA_WG_THREADS = 128
 MMA_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per CTA on sm_90
 # Shapes of the standalone big-fuse kernel of the two-launch paths (E, B), ``fuse`` in a tactic: "lat" gives a
-# token enough threads that the collapse is one memory round trip (fastest when a few CTAs run: small M),
+# token enough threads that the collapse is one memory round trip, and the Sinkhorn a warp of its own (fastest
+# when a few CTAs run: small M),
 # "bw" keeps CTAs small so that many share an SM (fastest when the kernel streams: large M). Measured on an
 # H200 at H = 7168 (README): "lat" wins up to M = 32, "bw" from M = 256 on.
 FUSE_SHAPES = ("lat", "bw")
