@@ -241,8 +241,8 @@ class BigFusePhase:
     ):
         """layer_input = bf16(sum_j pre[j] * residual_cur[j]) (j in order), then the optional RMSNorm over the
         rounded values. Token group g handles tokens g, g + groups, ...; the post gates and the Sinkhorn run
-        while the first batch of the first round is loading (``first``: that batch, when already loaded), or
-        after the collapse (``sinkhorn_last``)."""
+        first in their own warp (``sinkhorn_warp``), else while the first batch of the first round is loading
+        (``first``: that batch, when already loaded), or after the collapse (``sinkhorn_last``)."""
         group = cute.arch.warp_idx() // self.group_warps
         if cutlass.const_expr(self.sinkhorn_warp):
             self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
