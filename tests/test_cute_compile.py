@@ -62,3 +62,17 @@ def test_standalone_big_fuse_shapes_compile(norm, fuse):
     problem = spec_problem(1088, "fp32", None if norm is None else "float32")
     tactic = FmaTactic("half_fma", 17, 2, 6, 256, fuse=fuse)
     assert fma.compile_fma(tactic, problem, problem.empty_outputs()) is not None  # running needs a GPU
+
+
+@pytest.mark.parametrize("hidden", [256, 1088, 4096, 7168, 16384])
+def test_latency_big_fuse_shape(hidden):
+    """The "lat" big fuse: one batch of loads per thread covers the token (one memory round trip), and the last
+    warp is the Sinkhorn's alone (no collapse work, so none waits behind that chain)."""
+    from mhc_cute.kernels.big_fuse import standalone_big_fuse
+
+    phase = standalone_big_fuse(hidden, 8, None, "lat").phase
+    assert phase.sinkhorn_warp and phase.tokens == 1 and phase.groups == 1
+    assert phase.threads == phase.group_threads + 32 <= 1024
+    assert phase.batches == 1 and phase.slots * phase.group_threads >= hidden // 8
+    bw = standalone_big_fuse(hidden, 8, None, "bw").phase
+    assert not bw.sinkhorn_warp and bw.group_threads == bw.threads == 128
