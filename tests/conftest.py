@@ -18,3 +18,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cuobjdump():
+    """Path of the cuobjdump that Triton's NVIDIA backend bundles (reads the SASS and resource usage of a cubin)."""
+    triton = pytest.importorskip("triton")
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(exe):
+        pytest.skip("no cuobjdump (triton's) to read the SASS and resource usage")
+    return exe

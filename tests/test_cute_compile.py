@@ -1,4 +1,5 @@
-"""CI (no GPU): every supported variant of the FMA paths compiles for sm_90a.
+"""CI (no GPU): every supported variant of the FMA paths compiles for sm_90a, and the small-M load order holds in
+the SASS of path E (checked with Triton's bundled cuobjdump).
 
 Variants cover each compile-time branch: both paths, no norm / bf16 / fp32 norm weight, the default tactic of
 every M bucket, token tiles 1..16, tile_n 3..24, 128/256/512 threads, one or two pipeline stages, splits that
@@ -7,6 +8,9 @@ processes (CuTe DSL compilation is not thread-safe and is CPU-bound).
 """
 
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -76,3 +80,64 @@ def test_latency_big_fuse_shape(hidden):
     assert phase.batches == 1 and phase.slots * phase.group_threads >= hidden // 8
     bw = standalone_big_fuse(hidden, 8, None, "bw").phase
     assert not bw.sinkhorn_warp and bw.group_threads == bw.threads == 128
+
+
+_COMPILE_E = """
+import sys
+from mhc_cute import tactics
+from mhc_cute.kernels import fma, spec_problem
+problem = spec_problem(int(sys.argv[2]), "fp32", None)
+fma.compile_fma(tactics.parse_tactic(sys.argv[1]), problem, problem.empty_outputs())
+"""
+
+
+def sass_functions(sass: str) -> dict:
+    """``cuobjdump -sass`` text -> {kernel name: [opcode of each instruction, predicates dropped]}."""
+    out, name = {}, None
+    for line in sass.splitlines():
+        if "Function : " in line:
+            name = line.split("Function : ")[1].strip()
+            out[name] = []
+        elif name and re.match(r"\s+/\*[0-9a-f]{4}\*/", line):
+            tokens = [t for t in line.split("*/", 1)[1].split() if not t.startswith("@")]
+            out[name].append(tokens[0].rstrip(";"))
+    return out
+
+
+def loads_issued_together(functions: dict) -> list:
+    """What breaks the small-M load order in path E's two kernels (empty: nothing). Kernel 1 must issue every
+    global load before its first FMA; the big fuse, before its first barrier, must issue the 16-byte loads of
+    its first collapse batch before it starts summing the partials (FADD)."""
+    problems = []
+    for name, ops in functions.items():
+        if "FmaFusedHc" in name:
+            first = next(i for i, op in enumerate(ops) if op.startswith("FFMA"))
+            late = sum(op.startswith("LDG") for op in ops[first:])
+            if late:
+                problems.append(f"kernel 1: {late} global loads after the first FFMA")
+        elif "BigFuseKernel" in name:
+            head = ops[:ops.index("BAR.SYNC.DEFER_BLOCKING")]
+            first_add = next(i for i, op in enumerate(head) if op == "FADD")
+            late = sum(op == "LDG.E.128" for op in head[first_add:])
+            if late or not any(op == "LDG.E.128" for op in head):
+                problems.append(f"big fuse: {late} collapse-batch loads after the partial sums start")
+    return problems
+
+
+@pytest.mark.slow
+def test_small_m_loads_in_flight_together(tmp_path, cuobjdump):
+    """Stop 15's latency fix, kept by the compiled code: path E at M = 1, H = 7168 (the shipped pick) issues its
+    loads so that each kernel waits for one memory round trip before computing (the compiler had put up to five
+    in series; on the H200 the fix took 0.7-1.1 µs off a call at M <= 16)."""
+    tactic = "half_fma:k112:t1:n6:w256:s1:b1:flat"
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    env.pop("MHC_CUTE_KERNEL_CACHE", None)  # compile for real: loading a cached object dumps nothing
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, "-c", _COMPILE_E, tactic, "7168"], env=env, check=True, timeout=1800,
+                   capture_output=True)
+    (cubin,) = tmp_path.glob("*.cubin")
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    functions = sass_functions(sass)
+    assert sum("FmaFusedHc" in n or "BigFuseKernel" in n for n in functions) == 2, list(functions)
+    assert loads_issued_together(functions) == []

@@ -138,15 +138,6 @@ def _compile_variants(out_dir: str, h: int, indices) -> None:
             shutil.move(f, dest)
 
 
-def _cuobjdump():
-    try:
-        import triton
-    except ImportError:
-        return None
-    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    return exe if os.path.exists(exe) else None
-
-
 @pytest.fixture(scope="module")
 def compile_report(tmp_path_factory):
     """Every variant compiled for sm_90a with its PTX and cubin kept, in parallel worker processes."""
@@ -173,7 +164,7 @@ def compile_report(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(VARIANTS)), ids=["-".join(map(str, v)) for v in VARIANTS])
-def test_compile_report(compile_report, i):
+def test_compile_report(compile_report, cuobjdump, i):
     path, precision, norm, tile_m = VARIANTS[i]
     n = 48 if precision == "fp32" else 24
     files = os.listdir(compile_report / str(i))
@@ -183,13 +174,10 @@ def test_compile_report(compile_report, i):
     text = (compile_report / str(i) / ptx[0]).read_text()
     assert ".target sm_90a" in text
     assert f"wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32" in text
-    exe = _cuobjdump()
-    if exe is None:
-        pytest.skip("no cuobjdump (triton's) to read the SASS and resource usage")
     cubin_path = str(compile_report / str(i) / cubin[0])
-    sass = subprocess.run([exe, "-sass", cubin_path], capture_output=True, text=True).stdout
+    sass = subprocess.run([cuobjdump, "-sass", cubin_path], capture_output=True, text=True).stdout
     assert re.search(rf"HGMMA\.64x{n}x8\.F32\.TF32", sass), "no TF32 HGMMA in the SASS"
-    usage = subprocess.run([exe, "--dump-resource-usage", cubin_path], capture_output=True, text=True).stdout
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", cubin_path], capture_output=True, text=True).stdout
     kernels = re.findall(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
     assert kernels, usage
     for name, reg, stack, local in kernels:
