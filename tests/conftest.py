@@ -28,3 +28,18 @@ def cuobjdump():
     if not os.path.exists(exe):
         pytest.skip("no cuobjdump (triton's) to read the SASS and resource usage")
     return exe
+
+
+@pytest.fixture(scope="session")
+def dump_env():
+    """``dump_env(dump_dir, keep)``: the environment of a subprocess that compiles CuTe kernels for sm_90a for real
+    (no persisted kernel cache: loading a cached object dumps nothing) and keeps ``keep`` ("ptx,cubin") files in
+    ``dump_dir``, with the repository and tests/ importable."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+
+    def make(dump_dir, keep: str = "ptx,cubin") -> dict:
+        env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP=keep, CUTE_DSL_DUMP_DIR=str(dump_dir))
+        env.pop("MHC_CUTE_KERNEL_CACHE", None)
+        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(tests), tests, env.get("PYTHONPATH", "")])
+        return env
+    return make

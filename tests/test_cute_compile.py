@@ -125,17 +125,13 @@ def loads_issued_together(functions: dict) -> list:
 
 
 @pytest.mark.slow
-def test_small_m_loads_in_flight_together(tmp_path, cuobjdump):
+def test_small_m_loads_in_flight_together(tmp_path, cuobjdump, dump_env):
     """Stop 15's latency fix, kept by the compiled code: path E at M = 1, H = 7168 (the shipped pick) issues its
     loads so that each kernel waits for one memory round trip before computing (the compiler had put up to five
     in series; on the H200 the fix took 0.7-1.1 µs off a call at M <= 16)."""
     tactic = "half_fma:k112:t1:n6:w256:s1:b1:flat"
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(tmp_path))
-    env.pop("MHC_CUTE_KERNEL_CACHE", None)  # compile for real: loading a cached object dumps nothing
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    subprocess.run([sys.executable, "-c", _COMPILE_E, tactic, "7168"], env=env, check=True, timeout=1800,
-                   capture_output=True)
+    subprocess.run([sys.executable, "-c", _COMPILE_E, tactic, "7168"], env=dump_env(tmp_path, "cubin"), check=True,
+                   timeout=1800, capture_output=True)
     (cubin,) = tmp_path.glob("*.cubin")
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     functions = sass_functions(sass)

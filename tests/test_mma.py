@@ -139,22 +139,18 @@ def _compile_variants(out_dir: str, h: int, indices) -> None:
 
 
 @pytest.fixture(scope="module")
-def compile_report(tmp_path_factory):
+def compile_report(tmp_path_factory, dump_env):
     """Every variant compiled for sm_90a with its PTX and cubin kept, in parallel worker processes."""
     out = tmp_path_factory.mktemp("mma_report")
-    here = os.path.dirname(os.path.abspath(__file__))
     workers = max(1, min(os.cpu_count() or 1, 8))
     procs = []
     for w in range(workers):
         dump = out / f"dump{w}"
         dump.mkdir()
-        env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(dump))
-        env.pop("MHC_CUTE_KERNEL_CACHE", None)  # compile for real: loading a cached object dumps nothing
-        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
         indices = list(range(w, len(VARIANTS), workers))
         procs.append(subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "compile", str(out), str(REPORT_H), json.dumps(indices)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=dump_env(dump), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))
     for p in procs:
         _, err = p.communicate(timeout=1800)
