@@ -65,6 +65,8 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256, 512])
     ap.add_argument("--sweep", action="store_true", help="time a small tactic sweep, not only the default")
+    ap.add_argument("--tactics", nargs="*", default=[], metavar="NAME",
+                    help="also time these tactics (names as printed) at every (H, M) where they are valid")
     ap.add_argument("--norm", action="store_true", help="with the fused RMSNorm (norm_weight)")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--check", action="store_true", help="check every timed tactic against the contract once")
@@ -80,6 +82,11 @@ def main(argv=None):
     norm = "torch.bfloat16" if args.norm else None
     plan = {(h, m, p): (sweep_tactics(p, m, h, sms) if args.sweep else [tac.default_fma_tactic(p, m, h, sms)])
             for h in args.hidden for m in args.m for p in PATHS}
+    for name in args.tactics:
+        t = tac.parse_tactic(name)
+        for (h, m, p), ts in plan.items():
+            if t.path == p and t not in ts and t.invalid_reason(h) is None:
+                ts.append(t)
     specs = [(t.name, h, norm) for (h, m, p), ts in plan.items() for t in ts]
     fma.precompile(specs)
     print(f"compiled {len(set(specs))} variants", flush=True)
