@@ -1,14 +1,25 @@
-"""What does a grid-wide barrier cost on this GPU? The one open question of the grid-persistent design sketched in
-the README (*Where the time goes at large M*): a kernel of ``--ctas`` CTAs, launched cooperatively (so that all
-of them are resident and a spin barrier cannot deadlock), that does nothing but ``rounds`` grid barriers. Each
-barrier: a CTA barrier, one thread per CTA fences and releases its arrival with an atomic add on a global counter and spins
-(acquire loads) until every CTA of this round has arrived, then a CTA barrier. The counter only grows (round r
-waits for ``(r + 1) * ctas``), so no reset is needed inside the kernel; the host zeroes it before each launch.
+"""What do grid-wide barriers cost on this GPU, alone and inside a streaming kernel? The open question of the
+grid-persistent design sketched in the README (*Where the time goes at large M*), which needs two grid barriers
+per round of tokens and reaches the issue's 80% only if they hide behind the round's memory traffic.
 
-µs per barrier = (time at ``--rounds`` barriers - time at one barrier) / (``--rounds`` - 1), launches timed
-back to back with CUDA events (median of ``--reps``).
+A kernel of ``--ctas`` CTAs (one per SM), launched cooperatively (all resident, so a spin barrier cannot deadlock),
+runs ``rounds`` rounds. In each round every thread but the first warp's stores the ``--vectors`` 16-byte vectors it
+loaded in the previous round to a destination buffer, issues the loads of the next round's vectors (in flight from
+then on), and the CTA passes ``--barriers`` grid barriers: a streaming copy with barriers between its rounds, like
+the persistent kernel (at H = 7168 and 96 tokens per round a CTA of 256 copying threads loads and stores about 13
+vectors per thread per round). With ``--vectors 0`` it only passes barriers.
 
-    python bench/probe_grid_barrier.py --ctas 128 132 --rounds 65
+A barrier: a CTA barrier; the first thread announces the CTA's arrival on a global counter and spins until every
+CTA of this barrier has arrived; a CTA barrier. The first warp copies nothing, as a scheduling warp of a
+warp-specialised kernel would not: a release fence waits for the issuing thread's own loads in flight.
+``atomic``: fence, atomic add (release), polled with atomic adds of 0
+(acquire); ``red``: a release reduction (``red.release.gpu``), polled with acquire loads. The counter only grows
+(barrier k waits for ``(k + 1) * ctas``), so the host zeroes it once per launch.
+
+µs per round = (time at ``--rounds`` rounds - time at one round) / (``--rounds`` - 1), launches timed back to back
+with CUDA events (median of ``--reps``); the copy's bandwidth counts its loads and stores.
+
+    python bench/probe_grid_barrier.py --ctas 128 132 --vectors 0 13 --barriers 0 1 2
 """
 
 import argparse
@@ -21,73 +32,133 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from mhc_cute.kernels import compile_kernel, fake_buffer  # noqa: E402  (first: sets the DSL's target arch)
+from mhc_cute.kernels import device_utils as du  # noqa: E402
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import Int32  # noqa: E402
+from cutlass import BFloat16, Int32  # noqa: E402
+
+BARRIER_KINDS = ("atomic", "red")
 
 
 class GridBarrierProbe:
-    def __init__(self, ctas: int, threads: int = 128):
-        self.ctas, self.threads = ctas, threads
+    def __init__(self, ctas: int, threads: int, vectors: int, barriers: int, kind: str):
+        assert kind in BARRIER_KINDS
+        self.ctas, self.threads, self.vectors, self.barriers, self.kind = ctas, threads, vectors, barriers, kind
 
     @cute.jit
-    def __call__(self, mCounter: cute.Tensor, a0, a1, a2, a3, rounds: Int32, a5, stream):
+    def __call__(self, mCounter: cute.Tensor, mSrc: cute.Tensor, mDst: cute.Tensor, a0, a1, a2, a3, rounds: Int32,
+                 a5, stream):
         # a0..a5: the six runtime scalars that mhc_cute.kernels.compile_kernel appends; a4 carries ``rounds``
-        self.kernel(mCounter, rounds).launch(grid=[self.ctas, 1, 1], block=[self.threads, 1, 1], stream=stream,
-                                             cooperative=True)
+        self.kernel(mCounter, mSrc, mDst, rounds).launch(grid=[self.ctas, 1, 1], block=[self.threads + du.WARP, 1, 1],
+                                                         stream=stream, cooperative=True)
 
-    @cute.kernel
-    def kernel(self, mCounter: cute.Tensor, rounds: Int32):
+    @cute.jit
+    def vector(self, buf: cute.Tensor, r, v):
+        """This copying thread's 16-byte vector ``v`` of round ``r`` in ``buf`` (consecutive threads, consecutive
+        vectors)."""
         tidx, _, _ = cute.arch.thread_idx()
-        for r in cutlass.range(rounds, unroll=1):
-            cute.arch.sync_threads()
-            if tidx == 0:
+        bidx, _, _ = cute.arch.block_idx()
+        i = ((r * self.ctas + bidx) * self.vectors + v) * self.threads + tidx - du.WARP
+        return cute.local_tile(buf, (du.VEC_BF16,), (i,))
+
+    @cute.jit
+    def load_round(self, mSrc: cute.Tensor, r, regs: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        if tidx >= du.WARP:
+            for v in cutlass.range_constexpr(self.vectors):
+                cute.autovec_copy(self.vector(mSrc, r, v), regs[v, None])
+
+    @cute.jit
+    def grid_barrier(self, mCounter: cute.Tensor, k):
+        tidx, _, _ = cute.arch.thread_idx()
+        cute.arch.sync_threads()
+        if tidx == 0:
+            target = (k + 1) * self.ctas
+            if cutlass.const_expr(self.kind == "atomic"):
                 cute.arch.fence_acq_rel_gpu()  # as a real kernel would: the CTA's stores before the arrival
                 cute.arch.atomic_add(mCounter.iterator, Int32(1), sem="release", scope="gpu")
-                target = (r + 1) * self.ctas
                 seen = cute.arch.atomic_add(mCounter.iterator, Int32(0), sem="acquire", scope="gpu")
                 while seen < target:
                     seen = cute.arch.atomic_add(mCounter.iterator, Int32(0), sem="acquire", scope="gpu")
-            cute.arch.sync_threads()
+            else:
+                cute.arch.red(mCounter.iterator, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+                seen = cute.arch.load(mCounter.iterator, Int32, sem="acquire", scope="gpu")
+                while seen < target:
+                    seen = cute.arch.load(mCounter.iterator, Int32, sem="acquire", scope="gpu")
+        cute.arch.sync_threads()
+
+    @cute.kernel
+    def kernel(self, mCounter: cute.Tensor, mSrc: cute.Tensor, mDst: cute.Tensor, rounds: Int32):
+        regs = cute.make_rmem_tensor(du.row_major(max(self.vectors, 1), du.VEC_BF16), BFloat16)
+        self.load_round(mSrc, 0, regs)
+        tidx, _, _ = cute.arch.thread_idx()
+        for r in cutlass.range(rounds, unroll=1):
+            if tidx >= du.WARP:
+                for v in cutlass.range_constexpr(self.vectors):
+                    cute.autovec_copy(regs[v, None], self.vector(mDst, r, v))
+            # the next round's loads are in flight through this round's barriers (clamped: the last round
+            # reloads its own vectors)
+            self.load_round(mSrc, cutlass.min(r + 1, rounds - 1), regs)
+            for b in cutlass.range_constexpr(self.barriers):
+                self.grid_barrier(mCounter, r * self.barriers + b)
 
 
-def compiled(ctas: int):
-    return compile_kernel(GridBarrierProbe(ctas), fake_buffer(Int32))
+def compiled(ctas: int, threads: int, vectors: int, barriers: int, kind: str):
+    return compile_kernel(GridBarrierProbe(ctas, threads, vectors, barriers, kind), fake_buffer(Int32),
+                          fake_buffer(BFloat16), fake_buffer(BFloat16))
 
 
-def launch_us(fn, counter: torch.Tensor, ctas: int, rounds: int, reps: int) -> float:
-    """Median µs per launch of ``rounds`` barriers, each launch after zeroing the counter."""
+def launch_us(fn, counter, src, dst, rounds: int, reps: int, expected: int) -> float:
+    """Median µs per launch of ``rounds`` rounds, each launch after zeroing the counter."""
     times = []
     for _ in range(reps):
         counter.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(counter, 0.0, 0.0, 0.0, 0.0, rounds, 0.0)
+        fn(counter, src, dst, 0.0, 0.0, 0.0, 0.0, rounds, 0.0)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    assert counter[0].item() == rounds * ctas, "the barriers did not all complete"
+    assert counter[0].item() == expected, "the barriers did not all complete"
     return statistics.median(times)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ctas", type=int, nargs="+", default=[128, 132])
+    ap.add_argument("--threads", type=int, default=256, help="copying threads per CTA (plus one barrier warp)")
+    ap.add_argument("--vectors", type=int, nargs="+", default=[0, 13], help="16-byte vectors per thread per round")
+    ap.add_argument("--barriers", type=int, nargs="+", default=[0, 1, 2], help="grid barriers per round")
+    ap.add_argument("--kinds", nargs="+", choices=BARRIER_KINDS, default=list(BARRIER_KINDS))
     ap.add_argument("--rounds", type=int, default=65)
-    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
     dev = torch.device("cuda")
     counter = torch.zeros(4, dtype=torch.int32, device=dev)
     print(f"GPU: {torch.cuda.get_device_name(dev)}")
     for ctas in args.ctas:
-        fn = compiled(ctas)
-        launch_us(fn, counter, ctas, 1, 5)  # warm-up
-        one = launch_us(fn, counter, ctas, 1, args.reps)
-        many = launch_us(fn, counter, ctas, args.rounds, args.reps)
-        per = (many - one) / (args.rounds - 1)
-        print(f"ctas={ctas:4d} one barrier {one:8.2f} us/launch  {args.rounds} barriers {many:8.2f} us/launch  "
-              f"-> {per:.2f} us per grid barrier", flush=True)
+        for vectors in args.vectors:
+            n = args.rounds * ctas * max(vectors, 1) * args.threads * du.VEC_BF16
+            src = torch.randn(n, device=dev).to(torch.bfloat16)
+            dst = torch.empty_like(src)
+            round_bytes = 2 * ctas * vectors * args.threads * 16  # loads and stores of one round
+            for kind in args.kinds:
+                for barriers in args.barriers:
+                    if barriers == 0 and (vectors == 0 or kind != args.kinds[0]):
+                        continue  # nothing to time, or the same kernel as the first kind's
+                    fn = compiled(ctas, args.threads, vectors, barriers, kind)
+                    launch_us(fn, counter, src, dst, 1, 3, barriers * ctas)  # warm-up
+                    one = launch_us(fn, counter, src, dst, 1, args.reps, barriers * ctas)
+                    many = launch_us(fn, counter, src, dst, args.rounds, args.reps, args.rounds * barriers * ctas)
+                    per = (many - one) / (args.rounds - 1)
+                    if vectors:
+                        assert torch.equal(dst, src), "the copy is wrong"
+                    bw = f"  copy {round_bytes / per / 1e6:6.2f} TB/s" if vectors else ""
+                    print(f"ctas={ctas:4d} vectors={vectors:3d} barriers={barriers} {kind if barriers else '-':6s} "
+                          f"{per:7.3f} us per round{bw}", flush=True)
+            del src, dst
+            torch.cuda.empty_cache()
     return 0
 
 
