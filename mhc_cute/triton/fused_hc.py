@@ -8,8 +8,8 @@ values: 24 fp32-accurate dot products and the sum of squares, written to partial
 tokens on tensor cores with ``fn`` split exactly into three bf16 terms (exact products, fp32 accumulation;
 Triton's FFMA ``tl.dot`` ran at ~10% of FP32 peak on an H200, which made the op compute bound). The split is
 done once per weight tensor (``split_bf16x3``, cached by ``weights.prepared``), so the kernel loads the terms as
-they are fed to the tensor cores. Each step's dot is added to an fp32 accumulator, and the squares to an
-elementwise tile reduced over H once after the K loop: the mixes stay within ~1e-7 of float64 (H200, M up to 8192).
+they are fed to the tensor cores. The K loop accumulates with compensation, so the mixes stay within ~1e-7 of
+float64.
 
 Reduce kernel, one program per token block: sums the partials over the splits in a fixed order, then RMS,
 mixes, gates, Sinkhorn (steps 2-5), the collapse re-reading ``residual_cur`` (step 6) and the optional RMSNorm
@@ -108,7 +108,7 @@ def _dot_fp32_exact(a, w_ptr, w_offs, w_mask, part_stride, acc):
 
 @triton.jit
 def _emit_stream(res_out_ptr, out_offs, mask, out, sq, acc, fn_ptr, fn_offs, fn_mask, USE_DOT: tl.constexpr):
-    """Store one rounded stream tile and add its squares (of the rounded values) to the ``sq`` tile. Small token
+    """Store one rounded stream tile and add its row sums of squares (of the rounded values) to ``sq``. Small token
     blocks (not ``USE_DOT``) also project it here, with fp32 FMAs into ``[BLOCK_M, BLOCK_H, 32]`` products reduced
     over H once after the K loop (``fn`` read as a ``[BLOCK_H, 32]`` tile, columns 24..31 masked to zero), so that
     only one stream tile is live at a time."""
@@ -117,7 +117,16 @@ def _emit_stream(res_out_ptr, out_offs, mask, out, sq, acc, fn_ptr, fn_offs, fn_
     if not USE_DOT:
         w = tl.load(fn_ptr + fn_offs, mask=fn_mask, other=0.0)
         acc += rf[:, :, None] * w[None, :, :]
-    return sq + rf * rf, acc
+    return sq + tl.sum(rf * rf, axis=1), acc
+
+
+@triton.jit
+def _kahan_add(total, comp, value):
+    """Compensated ``total + value``: the K loop adds hundreds of steps, and the gates need the mixes to about
+    1e-7 relative (plain fp32 accumulation over K = 4H loses ~1e-6)."""
+    y = value - comp
+    t = total + y
+    return t, (t - total) - y
 
 
 # M and the loop counts are not specialised on (Triton would compile again for M == 1 or M % 16 == 0)
@@ -161,8 +170,9 @@ def _main_kernel(
         acc = tl.zeros([BLOCK_M, 32], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_H, 32], dtype=tl.float32)
-    # squares summed elementwise over the K loop, reduced over H once after it (no cross-thread sum per step)
-    sq = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+    acc_comp = tl.zeros([BLOCK_M, 32], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sq_comp = tl.zeros([BLOCK_M], dtype=tl.float32)
     mask = tok_mask[:, None]
     w_mask = cols[None, :] < 24
     x_row = rows[:, None] * H
@@ -184,29 +194,31 @@ def _main_kernel(
         r1 = tl.load(res_ptr + res_row + H + h, mask=mask, other=0.0).to(tl.float32)
         r2 = tl.load(res_ptr + res_row + 2 * H + h, mask=mask, other=0.0).to(tl.float32)
         r3 = tl.load(res_ptr + res_row + 3 * H + h, mask=mask, other=0.0).to(tl.float32)
+        step_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         fn_h = w_base + hb * BLOCK_H  # read by the FMA projection only
 
         o0 = _post_stream(xf, r0, r1, r2, r3, p0, c00, c10, c20, c30)
-        sq, acc = _emit_stream(res_out_ptr, res_row + h, mask, o0, sq, acc, w_ptr, fn_h, w_mask, USE_DOT)
+        step_sq, acc = _emit_stream(res_out_ptr, res_row + h, mask, o0, step_sq, acc, w_ptr, fn_h, w_mask, USE_DOT)
         o1 = _post_stream(xf, r0, r1, r2, r3, p1, c01, c11, c21, c31)
-        sq, acc = _emit_stream(res_out_ptr, res_row + H + h, mask, o1, sq, acc, w_ptr, fn_h + H, w_mask, USE_DOT)
+        step_sq, acc = _emit_stream(res_out_ptr, res_row + H + h, mask, o1, step_sq, acc, w_ptr, fn_h + H, w_mask,
+                                    USE_DOT)
         o2 = _post_stream(xf, r0, r1, r2, r3, p2, c02, c12, c22, c32)
-        sq, acc = _emit_stream(res_out_ptr, res_row + 2 * H + h, mask, o2, sq, acc, w_ptr, fn_h + 2 * H, w_mask,
-                               USE_DOT)
+        step_sq, acc = _emit_stream(res_out_ptr, res_row + 2 * H + h, mask, o2, step_sq, acc, w_ptr, fn_h + 2 * H,
+                                    w_mask, USE_DOT)
         o3 = _post_stream(xf, r0, r1, r2, r3, p3, c03, c13, c23, c33)
-        sq, acc = _emit_stream(res_out_ptr, res_row + 3 * H + h, mask, o3, sq, acc, w_ptr, fn_h + 3 * H, w_mask,
-                               USE_DOT)
+        step_sq, acc = _emit_stream(res_out_ptr, res_row + 3 * H + h, mask, o3, step_sq, acc, w_ptr, fn_h + 3 * H,
+                                    w_mask, USE_DOT)
         if USE_DOT:
-            # one projection of the four streams per step (K = 4 BLOCK_H), its result added to acc (a program adds
-            # a few dozen steps at most: plain fp32 sums err ~1e-7, as the per-step compensated sum did on the H200)
+            # one projection of the four streams per step (K = 4 BLOCK_H), summed into acc with compensation
             a = _interleave_streams(o0, o1, o2, o3, BLOCK_M, BLOCK_H)
             step = _dot_fp32_exact(a, w_ptr, w_base + hb * (4 * BLOCK_H), w_mask, part_stride,
                                    tl.zeros([BLOCK_M, 32], dtype=tl.float32))
-            acc += step
+            acc, acc_comp = _kahan_add(acc, acc_comp, step)
+        sq, sq_comp = _kahan_add(sq, sq_comp, step_sq)
 
     if not USE_DOT:
         acc = tl.sum(acc, axis=1)
-    acc = tl.where(cols[None, :] == 24, tl.sum(sq, axis=1)[:, None], acc)
+    acc = tl.where(cols[None, :] == 24, sq[:, None], acc)
     part_offs = (pid_k * M + rows[:, None]) * 32 + cols[None, :]
     tl.store(part_ptr + part_offs, acc, mask=mask)
 
