@@ -70,22 +70,25 @@ class GridBarrierProbe:
                 cute.autovec_copy(self.vector(mSrc, r, v), regs[v, None])
 
     @cute.jit
+    def arrived(self, mCounter: cute.Tensor) -> Int32:
+        """The counter, read with acquire semantics (an atomic add of 0, or an acquire load)."""
+        if cutlass.const_expr(self.kind == "atomic"):
+            return cute.arch.atomic_add(mCounter.iterator, Int32(0), sem="acquire", scope="gpu")
+        return cute.arch.load(mCounter.iterator, Int32, sem="acquire", scope="gpu")
+
+    @cute.jit
     def grid_barrier(self, mCounter: cute.Tensor, k):
         tidx, _, _ = cute.arch.thread_idx()
         cute.arch.sync_threads()
         if tidx == 0:
-            target = (k + 1) * self.ctas
             if cutlass.const_expr(self.kind == "atomic"):
                 cute.arch.fence_acq_rel_gpu()  # as a real kernel would: the CTA's stores before the arrival
                 cute.arch.atomic_add(mCounter.iterator, Int32(1), sem="release", scope="gpu")
-                seen = cute.arch.atomic_add(mCounter.iterator, Int32(0), sem="acquire", scope="gpu")
-                while seen < target:
-                    seen = cute.arch.atomic_add(mCounter.iterator, Int32(0), sem="acquire", scope="gpu")
             else:
                 cute.arch.red(mCounter.iterator, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
-                seen = cute.arch.load(mCounter.iterator, Int32, sem="acquire", scope="gpu")
-                while seen < target:
-                    seen = cute.arch.load(mCounter.iterator, Int32, sem="acquire", scope="gpu")
+            seen = self.arrived(mCounter)
+            while seen < (k + 1) * self.ctas:
+                seen = self.arrived(mCounter)
         cute.arch.sync_threads()
 
     @cute.kernel
