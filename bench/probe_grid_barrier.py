@@ -11,11 +11,10 @@ vectors per thread per round). With ``--vectors 0`` it only passes barriers.
 
 A barrier: a CTA barrier; the first thread announces the CTA's arrival on a global counter and spins until every
 CTA of this barrier has arrived; a CTA barrier. The first warp copies nothing, as a scheduling warp of a
-warp-specialised kernel would not: a release fence waits for the issuing thread's own loads in flight.
-``atomic``: fence, atomic add (release), polled with atomic adds of 0
-(acquire); ``red``: a release reduction (``red.release.gpu``), polled with acquire loads. The counter only grows
-(barrier k waits for ``(k + 1) * ctas``), so the host zeroes it once per launch. ``--lags L``: also one split-phase
-barrier per round, each round ending with a wait for every CTA's arrival of round r - L (the counter read at the
+warp-specialised kernel would not: a release fence waits for the issuing thread's own loads in flight. ``atomic``:
+fence, atomic add (release), polled with atomic adds of 0 (acquire); ``red``: a release reduction
+(``red.release.gpu``), polled with acquire loads. The counter only grows (barrier k waits for ``(k + 1) * ctas``),
+so the host zeroes it once per launch. ``--lags L``: also one split-phase barrier per round, each round ending with a wait for every CTA's arrival of round r - L (the counter read at the
 round's start) and then the CTA's own arrival, which only the barrier thread waits for (the shape a persistent kernel
 software-pipelined over rounds would use).
 
