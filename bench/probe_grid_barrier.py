@@ -14,9 +14,10 @@ CTA of this barrier has arrived; a CTA barrier. The first warp copies nothing, a
 warp-specialised kernel would not: a release fence waits for the issuing thread's own loads in flight. ``atomic``:
 fence, atomic add (release), polled with atomic adds of 0 (acquire); ``red``: a release reduction
 (``red.release.gpu``), polled with acquire loads. The counter only grows (barrier k waits for ``(k + 1) * ctas``),
-so the host zeroes it once per launch. ``--lags L``: also one split-phase barrier per round, each round ending with a wait for every CTA's arrival of round r - L (the counter read at the
-round's start) and then the CTA's own arrival, which only the barrier thread waits for (the shape a persistent kernel
-software-pipelined over rounds would use).
+so the host zeroes it once per launch. ``--lags L``: also one split-phase barrier per round, each round ending
+with a wait for every CTA's arrival of round r - L (the counter read at the round's start) and then the CTA's own
+arrival, which only the barrier thread waits for (the shape a persistent kernel software-pipelined over rounds would
+use).
 
 µs per round = (time at ``--rounds`` rounds - time at one round) / (``--rounds`` - 1), launches timed back to back
 with CUDA events (median of ``--reps``); the copy's bandwidth counts its loads and stores.
