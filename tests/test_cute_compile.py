@@ -1,5 +1,5 @@
-"""CI (no GPU): every supported variant of the FMA paths compiles for sm_90a, and the small-M load order holds in
-the SASS of path E (checked with Triton's bundled cuobjdump).
+"""CI (no GPU): every supported variant of the FMA paths compiles for sm_90a, the small-M load order holds in
+the SASS of path E (checked with Triton's bundled cuobjdump), and the grid-barrier probe of bench/ compiles.
 
 Variants cover each compile-time branch: both paths, no norm / bf16 / fp32 norm weight, the default tactic of
 every M bucket, token tiles 1..16, tile_n 3..24, 128/256/512 threads, one or two pipeline stages, splits that
@@ -137,3 +137,15 @@ def test_small_m_loads_in_flight_together(tmp_path, cuobjdump, dump_env):
     functions = sass_functions(sass)
     assert sum("FmaFusedHc" in n or "BigFuseKernel" in n for n in functions) == 2, list(functions)
     assert loads_issued_together(functions) == []
+
+
+@pytest.mark.parametrize("vectors, barriers, kind, lag", [(0, 2, "atomic", 0), (13, 1, "red", 1)])
+def test_grid_barrier_probe_compiles(vectors, barriers, kind, lag):
+    """bench/probe_grid_barrier.py (the cooperative-launch probe behind the README's persistent design) keeps
+    compiling for sm_90a: blocking barriers of either kind and the split-phase one, alone and in the streaming copy."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    try:
+        import probe_grid_barrier
+    finally:
+        sys.path.pop(0)
+    assert callable(probe_grid_barrier.compiled(132, 256, vectors, barriers, kind, lag))
