@@ -143,9 +143,10 @@ def test_small_m_loads_in_flight_together(tmp_path, cuobjdump, dump_env):
 def test_grid_barrier_probe_compiles(vectors, barriers, kind, lag):
     """bench/probe_grid_barrier.py (the cooperative-launch probe behind the README's persistent design) keeps
     compiling for sm_90a: blocking barriers of either kind and the split-phase one, alone and in the streaming copy."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, bench)
     try:
         import probe_grid_barrier
     finally:
-        sys.path.pop(0)
+        sys.path.remove(bench)  # by value: the probe puts the repository root in front of it on import
     assert callable(probe_grid_barrier.compiled(132, 256, vectors, barriers, kind, lag))
