@@ -1,5 +1,6 @@
 """CI (no GPU): every supported variant of the FMA paths compiles for sm_90a, the small-M load order holds in
-the SASS of path E (checked with Triton's bundled cuobjdump), and the grid-barrier probe of bench/ compiles.
+the SASS of path E (checked with Triton's bundled cuobjdump), and the grid-barrier and publication probes of bench/
+compile.
 
 Variants cover each compile-time branch: both paths, no norm / bf16 / fp32 norm weight, the default tactic of
 every M bucket, token tiles 1..16, tile_n 3..24, 128/256/512 threads, one or two pipeline stages, splits that
@@ -150,3 +151,16 @@ def test_grid_barrier_probe_compiles(vectors, barriers, kind, lag):
     finally:
         sys.path.remove(bench)  # by value: the probe puts the repository root in front of it on import
     assert callable(probe_grid_barrier.compiled(132, 256, vectors, barriers, kind, lag))
+
+
+@pytest.mark.parametrize("mode", ["one", "signal", "warps"])
+def test_publish_probe_compiles(mode):
+    """bench/probe_publish.py (does one release arrival publish every warp's stores to other CTAs?) keeps compiling
+    for sm_90a, in the modes that exercise a writer barrier, a signal warp and per-warp arrivals."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, bench)
+    try:
+        import probe_publish
+    finally:
+        sys.path.remove(bench)  # by value: the probe puts the repository root in front of it on import
+    assert callable(probe_publish.compiled(128, 8, mode))
