@@ -8,6 +8,7 @@ do and do not divide evenly among the big fuse's warps, and a small and a large 
 processes (CuTe DSL compilation is not thread-safe and is CPU-bound).
 """
 
+import importlib
 import os
 import re
 import subprocess
@@ -140,27 +141,25 @@ def test_small_m_loads_in_flight_together(tmp_path, cuobjdump, dump_env):
     assert loads_issued_together(functions) == []
 
 
+def _bench_module(name: str):
+    """Import a script of bench/ (not a package) as a module."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, bench)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(bench)  # by value: the probes put the repository root in front of it on import
+
+
 @pytest.mark.parametrize("vectors, barriers, kind, lag", [(0, 2, "atomic", 0), (13, 1, "red", 1)])
 def test_grid_barrier_probe_compiles(vectors, barriers, kind, lag):
     """bench/probe_grid_barrier.py (the cooperative-launch probe behind the README's persistent design) keeps
     compiling for sm_90a: blocking barriers of either kind and the split-phase one, alone and in the streaming copy."""
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-    sys.path.insert(0, bench)
-    try:
-        import probe_grid_barrier
-    finally:
-        sys.path.remove(bench)  # by value: the probe puts the repository root in front of it on import
-    assert callable(probe_grid_barrier.compiled(132, 256, vectors, barriers, kind, lag))
+    assert callable(_bench_module("probe_grid_barrier").compiled(132, 256, vectors, barriers, kind, lag))
 
 
 @pytest.mark.parametrize("mode", ["one", "signal", "warps"])
 def test_publish_probe_compiles(mode):
     """bench/probe_publish.py (does one release arrival publish every warp's stores to other CTAs?) keeps compiling
     for sm_90a, in the modes that exercise a writer barrier, a signal warp and per-warp arrivals."""
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-    sys.path.insert(0, bench)
-    try:
-        import probe_publish
-    finally:
-        sys.path.remove(bench)  # by value: the probe puts the repository root in front of it on import
-    assert callable(probe_publish.compiled(128, 8, mode))
+    assert callable(_bench_module("probe_publish").compiled(128, 8, mode))
