@@ -163,3 +163,11 @@ def test_publish_probe_compiles(mode):
     """bench/probe_publish.py (does one release arrival publish every warp's stores to other CTAs?) keeps compiling
     for sm_90a, in the modes that exercise a writer barrier, a signal warp and per-warp arrivals."""
     assert callable(_bench_module("probe_publish").compiled(128, 8, mode))
+
+
+@pytest.mark.parametrize("busy_warps", [0, 7])
+def test_sinkhorn_probe_compiles(busy_warps):
+    """bench/probe_sinkhorn.py (cycles per Sinkhorn iteration behind the README's small-M analysis) keeps compiling
+    for sm_90a, alone and beside streaming warps."""
+    probe = _bench_module("probe_sinkhorn")
+    assert callable(probe.compile_probe(probe.SinkhornProbe(busy_warps)))
