@@ -1,5 +1,5 @@
 """What do grid-wide barriers cost on this GPU, alone and inside a streaming kernel? The open question of the
-grid-persistent design sketched in the README (*Where the time goes at large M*), which needs two grid barriers
+grid-persistent design sketched in docs/performance.md (*Where the time goes at large M*), which needs two grid barriers
 per round of tokens and reaches the issue's 80% only if they hide behind the round's memory traffic.
 
 A kernel of ``--ctas`` CTAs (one per SM), launched cooperatively (all resident, so a spin barrier cannot deadlock),

@@ -1,7 +1,7 @@
 """Does a CTA's release arrival make the global stores of *all* its warps visible to another CTA that acquires it?
-The question behind the persistent kernel's wrong results (README, *Where the time goes at large M*): its MMA
-warpgroup stores partial rows from four warps, then one thread (after a barrier of the four), or a separate warp,
-announces them on a counter that other CTAs poll.
+The question behind the persistent kernel's wrong results (docs/performance.md, *Where the time goes at large
+M*): its MMA warpgroup stores partial rows from four warps, then one thread (after a barrier of the four), or a
+separate warp, announces them on a counter that other CTAs poll.
 
 A cooperative launch of ``--ctas`` CTAs runs ``--rounds`` rounds. In each, the 128 writer threads of a CTA copy
 ``--bulk`` 16-byte vectors each (loads and stores: the memory traffic a streaming kernel has in flight), then store

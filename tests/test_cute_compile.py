@@ -153,8 +153,9 @@ def _bench_module(name: str):
 
 @pytest.mark.parametrize("vectors, barriers, kind, lag", [(0, 2, "atomic", 0), (13, 1, "red", 1)])
 def test_grid_barrier_probe_compiles(vectors, barriers, kind, lag):
-    """bench/probe_grid_barrier.py (the cooperative-launch probe behind the README's persistent design) keeps
-    compiling for sm_90a: blocking barriers of either kind and the split-phase one, alone and in the streaming copy."""
+    """bench/probe_grid_barrier.py (the cooperative-launch probe behind the persistent design in
+    docs/performance.md) keeps compiling for sm_90a: blocking barriers of either kind and the split-phase one, alone
+    and in the streaming copy."""
     assert callable(_bench_module("probe_grid_barrier").compiled(132, 256, vectors, barriers, kind, lag))
 
 
@@ -167,7 +168,7 @@ def test_publish_probe_compiles(mode):
 
 @pytest.mark.parametrize("busy_warps", [0, 7])
 def test_sinkhorn_probe_compiles(busy_warps):
-    """bench/probe_sinkhorn.py (cycles per Sinkhorn iteration behind the README's small-M analysis) keeps compiling
-    for sm_90a, alone and beside streaming warps."""
+    """bench/probe_sinkhorn.py (cycles per Sinkhorn iteration behind docs/performance.md's small-M analysis) keeps
+    compiling for sm_90a, alone and beside streaming warps."""
     probe = _bench_module("probe_sinkhorn")
     assert callable(probe.compile_probe(probe.SinkhornProbe(busy_warps)))
