@@ -79,14 +79,11 @@ def main() -> int:
     logits = torch.randn(32, 16, device=dev)
     junk = torch.rand(JUNK_FLOATS, device=dev)
     print(f"GPU: {torch.cuda.get_device_name()}")
+    c = torch.empty_like(logits)
+    cycles = torch.zeros(32, dtype=torch.int64, device=dev)
     for busy in (0, 7):
-        probe = SinkhornProbe(busy)
-        fn = None
+        fn = compile_probe(SinkhornProbe(busy))
         for repeat in (1, 20, 40):
-            c = logits.clone()
-            cycles = torch.zeros(32, dtype=torch.int64, device=dev)
-            if fn is None:
-                fn = compile_probe(probe)
             samples = []
             for _ in range(5):
                 c.copy_(logits)
