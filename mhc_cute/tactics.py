@@ -27,8 +27,10 @@ MMA_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per CTA on sm_90
 # token enough threads that the collapse is one memory round trip, and the Sinkhorn a warp of its own (fastest
 # when a few CTAs run: small M),
 # "bw" keeps CTAs small so that many share an SM (fastest when the kernel streams: large M). Measured on an
-# H200 at H = 7168 (README): "lat" wins up to M = 32, "bw" from M = 256 on.
-FUSE_SHAPES = ("lat", "bw")
+# H200 at H = 7168 (README): "lat" wins up to M = 32, "bw" from M = 256 on. "latp" and "bwp": the same shapes
+# with the Sinkhorn two lanes per token (measured on the H200: 2-4% faster at H = 7168 without the norm up to
+# M = 128, 1-5% slower at H = 4096 M = 32 and 128 and with the norm; docs/performance.md), for the tuner.
+FUSE_SHAPES = ("lat", "bw", "latp", "bwp")
 LATENCY_FUSE_MAX_M = 32
 ONE_LAUNCH_PATHS = ("all_fma", "all_mma")
 
@@ -120,7 +122,7 @@ class FmaTactic:
         return self
 
 
-_FMA_NAME = re.compile(r"^(half_fma|all_fma):k(\d+):t(\d+):n(\d+):w(\d+):s(\d+):b(\d+):f(lat|bw)$")
+_FMA_NAME = re.compile(rf"^(half_fma|all_fma):k(\d+):t(\d+):n(\d+):w(\d+):s(\d+):b(\d+):f({'|'.join(FUSE_SHAPES)})$")
 
 
 def parse_tactic(name: str):
@@ -230,7 +232,7 @@ class MmaTactic:
         return self
 
 
-_MMA_NAME = re.compile(r"^(half_mma|all_mma):k(\d+):m(\d+):s(\d+):f(lat|bw)$")
+_MMA_NAME = re.compile(rf"^(half_mma|all_mma):k(\d+):m(\d+):s(\d+):f({'|'.join(FUSE_SHAPES)})$")
 
 
 def default_mma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> MmaTactic:

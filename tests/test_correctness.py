@@ -47,3 +47,25 @@ def test_gpu_backend(backend, m, h, norm):
 @pytest.mark.parametrize("backend", ["half_mma", "all_mma"])
 def test_gpu_tf32(backend, m, h):
     _run_and_check(backend, m, h, True, "cuda", precision="tf32")
+
+
+# the big fuse with its Sinkhorn two lanes per token ("latp", "bwp") against its one-lane shape, per H
+_PAIR_TACTICS = {7168: ["half_fma:k112:t8:n6:w256:s1:b1:f{}", "half_mma:k8:m64:s3:f{}"],
+                 4096: ["half_fma:k64:t8:n6:w256:s1:b1:f{}", "half_mma:k8:m64:s3:f{}"]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("shape", ["lat", "bw"])
+@pytest.mark.parametrize("m,h,which", [(1, 7168, 0), (17, 4096, 0), (333, 7168, 1), (16, 4096, 1)])
+def test_gpu_pair_sinkhorn_same_bits(m, h, which, shape, norm):
+    """The two-lane Sinkhorn sums in the same order as the one-lane one: same bits, and the float64 contract."""
+    from mhc_cute import tactics
+    from mhc_cute.accuracy import run_backend
+
+    one, pair = (tactics.parse_tactic(_PAIR_TACTICS[h][which].format(s)) for s in (shape, shape + "p"))
+    problem = problem_of(make_inputs(m, h, seed=5 * m + h, device="cuda", norm=norm), "fp32")
+    check_backend(problem, pair.path, pair)
+    want, got = run_backend(problem, one.path, one), run_backend(problem, pair.path, pair)
+    for a, b in zip(want, got):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

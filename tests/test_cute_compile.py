@@ -23,7 +23,7 @@ pytest.importorskip("cutlass.cute")
 pytest.importorskip("tvm_ffi")
 
 from mhc_cute import tactics as tac  # noqa: E402
-from mhc_cute.tactics import FmaTactic  # noqa: E402
+from mhc_cute.tactics import FUSE_SHAPES, FmaTactic  # noqa: E402
 
 NORMS = (None, "torch.bfloat16", "torch.float32")
 
@@ -58,7 +58,7 @@ def test_every_fma_variant_compiles(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("*.o"))) == len(set(specs))
 
 
-@pytest.mark.parametrize("fuse", ["lat", "bw"])
+@pytest.mark.parametrize("fuse", FUSE_SHAPES)
 @pytest.mark.parametrize("norm", [None, torch.float32])
 def test_standalone_big_fuse_shapes_compile(norm, fuse):
     """Path E with each shape of its big-fuse kernel, at an H whose 8-vectors do not fill the last batch."""

@@ -67,7 +67,7 @@ class BigFusePhase:
     """
 
     def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4,
-                 sinkhorn_last: bool = False, sinkhorn_warp: bool = False):
+                 sinkhorn_last: bool = False, sinkhorn_warp: bool = False, pair_sinkhorn: bool = False):
         assert hidden % du.VEC_BF16 == 0 and threads % du.WARP == 0 and tokens <= threads
         self.hidden = hidden
         self.split_k = split_k
@@ -78,6 +78,10 @@ class BigFusePhase:
         # ``sinkhorn_warp``: the last warp runs the post gates and the Sinkhorn and no collapse, so that no
         # collapse work waits behind that chain (else the first warp's collapse starts after it)
         self.sinkhorn_warp = sinkhorn_warp
+        # ``pair_sinkhorn`` (blocks of up to 16 tokens): two lanes per token run the Sinkhorn, whose one-lane chain
+        # is issue bound, in one warp (``post_and_sinkhorn``)
+        assert not pair_sinkhorn or tokens <= du.WARP // 2
+        self.pair_sinkhorn = pair_sinkhorn
         collapse_warps = self.warps - (1 if sinkhorn_warp else 0)
         self.groups = max(g for g in range(1, min(tokens, collapse_warps) + 1) if collapse_warps % g == 0)
         self.group_warps = collapse_warps // self.groups
@@ -393,12 +397,32 @@ class BigFusePhase:
         mCombOut: cute.Tensor,
         scalars: BigFuseScalars,
     ):
-        """One thread per token (of the first warp, or of the ``sinkhorn_warp``): post gates and the Sinkhorn of
-        the comb mixes."""
+        """The post gates and the Sinkhorn of the comb mixes, in the first warps or the ``sinkhorn_warp``: one thread
+        per token, or with ``pair_sinkhorn`` two lanes per token, each with half of the post gates and two rows
+        (``du.sinkhorn_4x4``'s ``pair``). The pair form runs in the whole warp, since its shuffles need every lane;
+        a lane past the block's tokens repeats its last token and stores nothing."""
         tidx, _, _ = cute.arch.thread_idx()
-        t = tidx - ((self.warps - 1) * du.WARP if self.sinkhorn_warp else 0)
-        if t >= 0 and t < self.tokens and m0 + t < mPostOut.shape[0]:
-            m = m0 + t
+        pos = tidx - ((self.warps - 1) * du.WARP if self.sinkhorn_warp else 0)
+        if cutlass.const_expr(self.pair_sinkhorn):
+            if pos >= 0 and pos < du.WARP:  # warp-uniform
+                n_valid = cutlass.min(mPostOut.shape[0] - m0, self.tokens)
+                t, half = pos // 2, pos % 2
+                tc = cutlass.min(t, n_valid - 1)
+                rstd = self.rstd(storage, tc, scalars.rms_eps)
+                for j in cutlass.range_constexpr(HC_MULT // 2):
+                    post = du.sigmoid(self.mix(storage, tc, HC_MULT + HC_MULT // 2 * half + j, rstd, 1))
+                    if t < n_valid:
+                        mPostOut[m0 + t, HC_MULT // 2 * half + j] = post * scalars.hc_post_mult_value
+                n = HC_MULT * HC_MULT // 2
+                comb = cute.make_rmem_tensor((n,), Float32)
+                for i in cutlass.range_constexpr(n):
+                    comb[i] = self.mix(storage, tc, 2 * HC_MULT + n * half + i, rstd, 2)
+                du.sinkhorn_4x4(comb, scalars.hc_sinkhorn_eps, scalars.sinkhorn_repeat, pair=True)
+                if t < n_valid:
+                    for i in cutlass.range_constexpr(n):
+                        mCombOut[m0 + t, n * half + i] = comb[i]
+        elif pos >= 0 and pos < self.tokens and m0 + pos < mPostOut.shape[0]:
+            m, t = m0 + pos, pos
             rstd = self.rstd(storage, t, scalars.rms_eps)
             for j in cutlass.range_constexpr(HC_MULT):
                 mPostOut[m, j] = du.sigmoid(self.mix(storage, t, HC_MULT + j, rstd, 1)) * scalars.hc_post_mult_value
@@ -431,8 +455,9 @@ class BigFuseKernel:
     """Standalone big fuse: one CTA of ``threads`` threads per block of ``tokens`` tokens."""
 
     def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4,
-                 sinkhorn_warp: bool = False):
-        self.phase = BigFusePhase(hidden, split_k, tokens, threads, norm_dtype, batch, sinkhorn_warp=sinkhorn_warp)
+                 sinkhorn_warp: bool = False, pair_sinkhorn: bool = False):
+        self.phase = BigFusePhase(hidden, split_k, tokens, threads, norm_dtype, batch, sinkhorn_warp=sinkhorn_warp,
+                                  pair_sinkhorn=pair_sinkhorn)
 
     @cute.jit
     def launch(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, stream):
@@ -460,10 +485,12 @@ def standalone_big_fuse(hidden: int, split_k: int, norm_dtype, fuse: str) -> Big
     """The big-fuse kernel of the two-launch paths (E, B): one token per CTA, shaped by ``fuse`` (see
     ``tactics.FUSE_SHAPES``). "lat": enough threads that each thread's 8-vectors of the token fit one batch of
     4 loads in flight, so the collapse costs one memory round trip, and a warp of its own for the Sinkhorn;
-    "bw": 128 threads, batches of 2 (fewer registers, so that many CTAs share an SM)."""
-    if fuse == "lat":
+    "bw": 128 threads, batches of 2 (fewer registers, so that many CTAs share an SM). A trailing "p" ("latp",
+    "bwp"): the same shape with the Sinkhorn two lanes per token (``BigFusePhase``'s ``pair_sinkhorn``)."""
+    pair = fuse.endswith("p")
+    if fuse.removesuffix("p") == "lat":
         batch = 4
         per_batch = -(-(hidden // du.VEC_BF16) // batch)
         threads = min(1024 - du.WARP, max(64, -(-per_batch // du.WARP) * du.WARP)) + du.WARP
-        return BigFuseKernel(hidden, split_k, 1, threads, norm_dtype, batch, sinkhorn_warp=True)
-    return BigFuseKernel(hidden, split_k, 1, 128, norm_dtype, 2)
+        return BigFuseKernel(hidden, split_k, 1, threads, norm_dtype, batch, sinkhorn_warp=True, pair_sinkhorn=pair)
+    return BigFuseKernel(hidden, split_k, 1, 128, norm_dtype, 2, pair_sinkhorn=pair)

@@ -85,38 +85,48 @@ def sigmoid(x: Float32) -> Float32:
 
 
 @cute.jit
-def sinkhorn_4x4(c: cute.Tensor, eps: Float32, repeat: Int32):
-    """SPEC step 5 in place on ``c``, 16 fp32 registers in row-major order (one thread per token).
+def sinkhorn_4x4(c: cute.Tensor, eps: Float32, repeat: Int32, pair: cutlass.Constexpr[bool] = False):
+    """SPEC step 5 in place on ``c``: 16 fp32 registers in row-major order (one thread per token), or with ``pair``
+    the 8 of rows 0-1 (even lane) or rows 2-3 (odd lane, ``lane ^ 1``: two lanes per token).
 
     Row softmax (max-subtracted) + eps, a column step, then ``repeat - 1`` (row, column) steps; each step
-    divides by (sum + eps) through one reciprocal per row or column.
+    divides by (sum + eps) through one reciprocal per row or column. A column sum is ``(c0 + c1) + (c2 + c3)``
+    either way (with ``pair`` each lane sums its half and the halves cross in one shuffle; fp32 addition
+    commutes exactly), so both forms give the same bits. The one-lane chain is issue bound
+    (``bench/probe_sinkhorn.py``): the pair issues about a third fewer instructions per lane.
     """
-    for r in cutlass.range_constexpr(4):
+    rows = 2 if pair else 4
+    for r in cutlass.range_constexpr(rows):
         row_max = cute.arch.fmax(cute.arch.fmax(c[4 * r], c[4 * r + 1]), cute.arch.fmax(c[4 * r + 2], c[4 * r + 3]))
         for k in cutlass.range_constexpr(4):
             c[4 * r + k] = cute.math.exp(c[4 * r + k] - row_max, fastmath=True)
         inv = cute.arch.rcp_approx((c[4 * r] + c[4 * r + 1]) + (c[4 * r + 2] + c[4 * r + 3]))
         for k in cutlass.range_constexpr(4):
             c[4 * r + k] = c[4 * r + k] * inv + eps
-    _normalise_columns(c, eps)
+    _normalise_columns(c, eps, pair)
     for _ in cutlass.range(repeat - 1, unroll=1):
-        _normalise_rows(c, eps)
-        _normalise_columns(c, eps)
+        _normalise_rows(c, eps, rows)
+        _normalise_columns(c, eps, pair)
 
 
 @cute.jit
-def _normalise_rows(c: cute.Tensor, eps: Float32):
-    for r in cutlass.range_constexpr(4):
+def _normalise_rows(c: cute.Tensor, eps: Float32, rows: cutlass.Constexpr[int]):
+    for r in cutlass.range_constexpr(rows):
         inv = cute.arch.rcp_approx(((c[4 * r] + c[4 * r + 1]) + (c[4 * r + 2] + c[4 * r + 3])) + eps)
         for k in cutlass.range_constexpr(4):
             c[4 * r + k] = c[4 * r + k] * inv
 
 
 @cute.jit
-def _normalise_columns(c: cute.Tensor, eps: Float32):
+def _normalise_columns(c: cute.Tensor, eps: Float32, pair: cutlass.Constexpr[bool]):
     for k in cutlass.range_constexpr(4):
-        inv = cute.arch.rcp_approx(((c[k] + c[4 + k]) + (c[8 + k] + c[12 + k])) + eps)
-        for r in cutlass.range_constexpr(4):
+        if cutlass.const_expr(pair):
+            half = c[k] + c[4 + k]
+            total = half + cute.arch.shuffle_sync_bfly(half, offset=1)
+        else:
+            total = (c[k] + c[4 + k]) + (c[8 + k] + c[12 + k])
+        inv = cute.arch.rcp_approx(total + eps)
+        for r in cutlass.range_constexpr(2 if pair else 4):
             c[4 * r + k] = c[4 * r + k] * inv
 
 
