@@ -44,7 +44,7 @@ def session_specs(sm_count):
     """(FMA specs, MMA specs) of every variant a device session reaches (see the module docstring)."""
     sys.path[:0] = [os.path.join(HERE, "..", "tests"), HERE]
     import bench_mma
-    from test_correctness import GPU_HS, GPU_MS
+    from test_correctness import GPU_HS, GPU_MS, PAIR_TACTICS
 
     from mhc_cute import autotune, tactics
     from mhc_cute.benchmark import BENCH_MS
@@ -56,6 +56,13 @@ def session_specs(sm_count):
     for key, rows in autotune.load_shipped_tables().items():
         h = int(key.split("|")[2][1:])
         for t in (tactics.parse_tactic(c.tactic) for c in rows.values() if c.tactic):
+            for norm in (None, "bfloat16"):
+                if t.path in tactics.FMA_PATHS:
+                    fma.append((t.name, h, norm))
+                else:
+                    mma.append((t.name, h, "fp32", norm))
+    for h, names in PAIR_TACTICS.items():  # the big-fuse shapes test: each tactic in every shape
+        for t in (tactics.parse_tactic(n.format(shape)) for n in names for shape in tactics.FUSE_SHAPES):
             for norm in (None, "bfloat16"):
                 if t.path in tactics.FMA_PATHS:
                     fma.append((t.name, h, norm))

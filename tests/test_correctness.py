@@ -50,7 +50,7 @@ def test_gpu_tf32(backend, m, h):
 
 
 # the big fuse with its Sinkhorn two lanes per token ("latp", "bwp") against its one-lane shape, per H
-_PAIR_TACTICS = {7168: ["half_fma:k112:t8:n6:w256:s1:b1:f{}", "half_mma:k8:m64:s3:f{}"],
+PAIR_TACTICS = {7168: ["half_fma:k112:t8:n6:w256:s1:b1:f{}", "half_mma:k8:m64:s3:f{}"],
                  4096: ["half_fma:k64:t8:n6:w256:s1:b1:f{}", "half_mma:k8:m64:s3:f{}"]}
 
 
@@ -63,7 +63,7 @@ def test_gpu_pair_sinkhorn_same_bits(m, h, which, shape, norm):
     from mhc_cute import tactics
     from mhc_cute.accuracy import run_backend
 
-    one, pair = (tactics.parse_tactic(_PAIR_TACTICS[h][which].format(s)) for s in (shape, shape + "p"))
+    one, pair = (tactics.parse_tactic(PAIR_TACTICS[h][which].format(s)) for s in (shape, shape + "p"))
     problem = problem_of(make_inputs(m, h, seed=5 * m + h, device="cuda", norm=norm), "fp32")
     check_backend(problem, pair.path, pair)
     want, got = run_backend(problem, one.path, one), run_backend(problem, pair.path, pair)
