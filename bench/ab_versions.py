@@ -23,17 +23,20 @@ GRIDS = {
     + [(7168, 1, True), (7168, 8, True)],
     "wide": [(7168, m, False) for m in (1, 4, 16, 32, 64, 128, 256, 512, 2048, 8192)]
     + [(4096, m, False) for m in (1, 32, 128, 512, 2048)] + [(7168, m, True) for m in (1, 8, 32, 256)],
+    "decode": [(h, m, norm) for norm in (False, True) for h in (7168, 4096) for m in (1, 2, 4, 8, 16, 32, 256)],
 }
 
 
 def auto_picks(grid):
-    """(H, M, norm, tactic) with the shipped table's tactic for each point (its table ignores the norm)."""
+    """(H, M, norm, tactic) with the tactic ``auto`` runs at each point on an H200: the user's tuning cache, then
+    the shipped tables, a table with the point's norm flag first (as ``autotune.Selector.choose``)."""
     from mhc_cute import autotune, tactics
 
     tables = autotune.load_shipped_tables()
+    tables.update(autotune.load_user_tables())
     out = []
     for h, m, norm in grid:
-        key = next(k for k in tables if f"|H{h}|" in k)
+        key = next(k for n in (norm, not norm) for k in tables if f"|H{h}|" in k and f"|norm{int(n)}|" in k)
         choice = autotune.nearest(tables[key], autotune.bucket_of(m))
         out.append((h, m, norm, tactics.parse_tactic(choice.tactic)))
     return out
