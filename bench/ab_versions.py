@@ -12,7 +12,8 @@ numbers from one call compare).
                      python bench/ab_versions.py --tag new$r; done
 
 The script's directory comes first on ``sys.path`` (it holds no ``mhc_cute``), then ``PYTHONPATH``: that picks
-the tree. ``--check`` runs each point once against the float64 contract (``ok`` or the first failure).
+the tree. ``--check`` runs each point once against the float64 contract (``ok`` or the first failure). ``HOST`` lines: host µs
+to issue one eager call (``benchmark.host_us_per_call``).
 """
 
 import argparse
@@ -73,7 +74,9 @@ def main() -> int:
         sets = mb.rotated_sets(m, h, dev, norm)
         us = mb.time_graph(lambda s: mhc_fused_hc(**s), sets, reps=args.reps)
         check = (failure_of(problem_of(sets[0]), tactic.path, tactic) or "ok") if args.check else ""
+        host = mb.host_us_per_call(lambda s: mhc_fused_hc(**s), sets[0])
         print(f"AB {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {us:.2f} {check}", flush=True)
+        print(f"HOST {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {host:.2f}", flush=True)
         del sets
         torch.cuda.empty_cache()
     return 0
