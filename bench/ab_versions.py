@@ -12,8 +12,8 @@ numbers from one call compare).
                      python bench/ab_versions.py --tag new$r; done
 
 The script's directory comes first on ``sys.path`` (it holds no ``mhc_cute``), then ``PYTHONPATH``: that picks
-the tree. ``--check`` runs each point once against the float64 contract (``ok`` or the first failure). ``HOST`` lines: host µs
-to issue one eager call (``benchmark.host_us_per_call``).
+the tree. ``--check`` runs each point once against the float64 contract (``ok`` or the first failure). ``HOST``
+lines: host µs to issue one eager call (``benchmark.host_us_per_call``).
 """
 
 import argparse
