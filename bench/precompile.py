@@ -53,21 +53,17 @@ def session_specs(sm_count):
     hiddens = sorted(set(GPU_HS) | {4096, 7168})
     fma, mma = specs_for(tactics.FMA_PATHS + tactics.MMA_PATHS, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count)
     mma += bench_mma.test_grid_specs(sm_count)
-    for key, rows in autotune.load_shipped_tables().items():
-        h = int(key.split("|")[2][1:])
-        for t in (tactics.parse_tactic(c.tactic) for c in rows.values() if c.tactic):
-            for norm in (None, "bfloat16"):
-                if t.path in tactics.FMA_PATHS:
-                    fma.append((t.name, h, norm))
-                else:
-                    mma.append((t.name, h, "fp32", norm))
-    for h, names in PAIR_TACTICS.items():  # the big-fuse shapes test: each tactic in every shape
-        for t in (tactics.parse_tactic(n.format(shape)) for n in names for shape in tactics.FUSE_SHAPES):
-            for norm in (None, "bfloat16"):
-                if t.path in tactics.FMA_PATHS:
-                    fma.append((t.name, h, norm))
-                else:
-                    mma.append((t.name, h, "fp32", norm))
+    named = [(int(key.split("|")[2][1:]), c.tactic)  # the shipped tables' picks
+             for key, rows in autotune.load_shipped_tables().items() for c in rows.values() if c.tactic]
+    named += [(h, n.format(shape)) for h, names in PAIR_TACTICS.items()  # the big-fuse shapes test
+              for n in names for shape in tactics.FUSE_SHAPES]
+    for h, name in named:
+        t = tactics.parse_tactic(name)
+        for norm in (None, "bfloat16"):
+            if t.path in tactics.FMA_PATHS:
+                fma.append((t.name, h, norm))
+            else:
+                mma.append((t.name, h, "fp32", norm))
     return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
 
 
