@@ -397,58 +397,46 @@ class BigFusePhase:
         mCombOut: cute.Tensor,
         scalars: BigFuseScalars,
     ):
-        """The post gates and the Sinkhorn of the comb mixes, in the first warps or the ``sinkhorn_warp``: one thread
-        per token, or with ``pair_sinkhorn`` two lanes per token, each with half of the post gates and two rows
-        (``du.sinkhorn_4x4``'s ``pair``). The pair form runs in the whole warp, since its shuffles need every lane;
-        a lane past the block's tokens repeats its last token and stores nothing."""
+        """The post gates and the Sinkhorn of the comb mixes, in the first warps or the ``sinkhorn_warp``: ``lanes``
+        lanes per token, each with its share of the post gates and of the rows (two lanes: ``du.sinkhorn_4x4``'s
+        ``pair``). The pair form runs in the whole warp, since its shuffles need every lane; a lane past the block's
+        tokens repeats the last token and stores nothing."""
         tidx, _, _ = cute.arch.thread_idx()
+        lanes = 2 if self.pair_sinkhorn else 1
         pos = tidx - ((self.warps - 1) * du.WARP if self.sinkhorn_warp else 0)
-        if cutlass.const_expr(self.pair_sinkhorn):
-            if pos >= 0 and pos < du.WARP:  # warp-uniform
-                n_valid = cutlass.min(mPostOut.shape[0] - m0, self.tokens)
-                t, half = pos // 2, pos % 2
-                tc = cutlass.min(t, n_valid - 1)
-                rstd = self.rstd(storage, tc, scalars.rms_eps)
-                for j in cutlass.range_constexpr(HC_MULT // 2):
-                    post = du.sigmoid(self.mix(storage, tc, HC_MULT + HC_MULT // 2 * half + j, rstd, 1))
-                    if t < n_valid:
-                        mPostOut[m0 + t, HC_MULT // 2 * half + j] = post * scalars.hc_post_mult_value
-                n = HC_MULT * HC_MULT // 2
-                comb = cute.make_rmem_tensor((n,), Float32)
-                for i in cutlass.range_constexpr(n):
-                    comb[i] = self.mix(storage, tc, 2 * HC_MULT + n * half + i, rstd, 2)
-                du.sinkhorn_4x4(comb, scalars.hc_sinkhorn_eps, scalars.sinkhorn_repeat, pair=True)
+        if pos >= 0 and pos < (du.WARP if self.pair_sinkhorn else self.tokens):  # warp-uniform for the pair form
+            n_valid = cutlass.min(mPostOut.shape[0] - m0, self.tokens)
+            t, share = pos // lanes, pos % lanes
+            tc = cutlass.min(t, n_valid - 1)
+            rstd = self.rstd(storage, tc, scalars.rms_eps)
+            gates = HC_MULT // lanes
+            for j in cutlass.range_constexpr(gates):
+                post = du.sigmoid(self.mix(storage, tc, HC_MULT + gates * share + j, rstd, 1))
                 if t < n_valid:
-                    for i in cutlass.range_constexpr(n):
-                        mCombOut[m0 + t, n * half + i] = comb[i]
-        elif pos >= 0 and pos < self.tokens and m0 + pos < mPostOut.shape[0]:
-            m, t = m0 + pos, pos
-            rstd = self.rstd(storage, t, scalars.rms_eps)
-            for j in cutlass.range_constexpr(HC_MULT):
-                mPostOut[m, j] = du.sigmoid(self.mix(storage, t, HC_MULT + j, rstd, 1)) * scalars.hc_post_mult_value
-            comb = cute.make_rmem_tensor((HC_MULT * HC_MULT,), Float32)
-            for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
-                comb[i] = self.mix(storage, t, 2 * HC_MULT + i, rstd, 2)
-            du.sinkhorn_4x4(comb, scalars.hc_sinkhorn_eps, scalars.sinkhorn_repeat)
-            for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
-                mCombOut[m, i] = comb[i]
+                    mPostOut[m0 + t, gates * share + j] = post * scalars.hc_post_mult_value
+            n = HC_MULT * HC_MULT // lanes
+            comb = cute.make_rmem_tensor((n,), Float32)
+            for i in cutlass.range_constexpr(n):
+                comb[i] = self.mix(storage, tc, 2 * HC_MULT + n * share + i, rstd, 2)
+            du.sinkhorn_4x4(comb, scalars.hc_sinkhorn_eps, scalars.sinkhorn_repeat, pair=self.pair_sinkhorn)
+            if t < n_valid:
+                for i in cutlass.range_constexpr(n):
+                    mCombOut[m0 + t, n * share + i] = comb[i]
 
 
 def flat_outputs(hidden: int, m, residual_cur, post_mix_cur, comb_mix_cur, layer_input):
     """Row-per-token views of the outputs: ``[M, 4H]``, ``[M, 4]``, ``[M, 16]``, ``[M, H]`` (host side of a jit)."""
     return (
-        cute.make_tensor(residual_cur.iterator, cute.make_layout((m, HC_MULT * hidden), stride=(HC_MULT * hidden, 1))),
-        cute.make_tensor(post_mix_cur.iterator, cute.make_layout((m, HC_MULT), stride=(HC_MULT, 1))),
-        cute.make_tensor(comb_mix_cur.iterator, cute.make_layout((m, HC_MULT * HC_MULT), stride=(HC_MULT * HC_MULT, 1))),
-        cute.make_tensor(layer_input.iterator, cute.make_layout((m, hidden), stride=(hidden, 1))),
+        cute.make_tensor(residual_cur.iterator, du.row_major(m, HC_MULT * hidden)),
+        cute.make_tensor(post_mix_cur.iterator, du.row_major(m, HC_MULT)),
+        cute.make_tensor(comb_mix_cur.iterator, du.row_major(m, HC_MULT * HC_MULT)),
+        cute.make_tensor(layer_input.iterator, du.row_major(m, hidden)),
     )
 
 
 def partials_view(workspace, split_k: int, m):
     """``[split_k, M, 32]`` fp32 over the start of the flat workspace buffer (host side of a jit)."""
-    return cute.make_tensor(
-        workspace.iterator, cute.make_layout((split_k, m, PARTIAL_COLS), stride=(m * PARTIAL_COLS, PARTIAL_COLS, 1))
-    )
+    return cute.make_tensor(workspace.iterator, du.row_major(split_k, m, PARTIAL_COLS))
 
 
 class BigFuseKernel:

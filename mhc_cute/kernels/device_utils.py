@@ -15,12 +15,13 @@ WARP = 32
 VEC_BF16 = 8  # bf16 elements in one 16-byte access
 
 
-def row_major(*shape: int):
-    """A compact row-major layout (CuTe's default is column-major): the last mode is contiguous."""
-    strides, step = [], 1
-    for extent in reversed(shape):
-        strides.append(step)
+def row_major(*shape):
+    """A compact row-major layout (CuTe's default is column-major): the last mode is contiguous. The first extent
+    may be dynamic (a token count)."""
+    strides, step = [1], 1
+    for extent in reversed(shape[1:]):
         step *= extent
+        strides.append(step)
     return cute.make_layout(shape, stride=tuple(reversed(strides)))
 
 

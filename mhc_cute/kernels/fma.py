@@ -106,10 +106,10 @@ class FmaFusedHc:
         stream,
     ):
         m, h = x.shape[0], self.hidden
-        mX = cute.make_tensor(x.iterator, cute.make_layout((m, h), stride=(h, 1)))
-        mRes = cute.make_tensor(residual.iterator, cute.make_layout((m, HC_MULT * h), stride=(HC_MULT * h, 1)))
-        mPost = cute.make_tensor(post_mix.iterator, cute.make_layout((m, HC_MULT), stride=(HC_MULT, 1)))
-        mComb = cute.make_tensor(comb_mix.iterator, cute.make_layout((m, HC_MULT * HC_MULT), stride=(HC_MULT * HC_MULT, 1)))
+        mX = cute.make_tensor(x.iterator, du.row_major(m, h))
+        mRes = cute.make_tensor(residual.iterator, du.row_major(m, HC_MULT * h))
+        mPost = cute.make_tensor(post_mix.iterator, du.row_major(m, HC_MULT))
+        mComb = cute.make_tensor(comb_mix.iterator, du.row_major(m, HC_MULT * HC_MULT))
         outs = flat_outputs(h, m, residual_cur, post_mix_cur, comb_mix_cur, layer_input)
         mPartials = partials_view(workspace, self.split_k, m)
         scalars = BigFuseScalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
