@@ -316,9 +316,10 @@ def compiled_fma(tactic: FmaTactic, problem, out):
     return _compiled.get((tactic, problem.hidden, norm), lambda: compile_fma(tactic, problem, out))
 
 
-def compile_fma(tactic: FmaTactic, problem, out):
-    """Compile paths E/F for ``tactic`` against fake tensors shaped like ``problem`` and ``out``."""
-    kernel = FmaFusedHc(tactic, problem.hidden, norm_dtype_of(problem.norm_weight))
+def compile_fma(tactic: FmaTactic, problem, out, kernel_class=None):
+    """Compile paths E/F for ``tactic`` against fake tensors shaped like ``problem`` and ``out``; ``kernel_class``:
+    ``FmaFusedHc`` or a subclass (``bench/probe_fma_phases.py``'s variants)."""
+    kernel = (kernel_class or FmaFusedHc)(tactic, problem.hidden, norm_dtype_of(problem.norm_weight))
     m = cute.sym_int()
     token_tensors = fake_tensors(problem.x, problem.residual, problem.post_mix, problem.comb_mix, tokens=m)
     outputs = fake_tensors(*out, tokens=m)
