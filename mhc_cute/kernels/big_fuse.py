@@ -397,31 +397,43 @@ class BigFusePhase:
         mCombOut: cute.Tensor,
         scalars: BigFuseScalars,
     ):
-        """The post gates and the Sinkhorn of the comb mixes, in the first warps or the ``sinkhorn_warp``: ``lanes``
-        lanes per token, each with its share of the post gates and of the rows (two lanes: ``du.sinkhorn_4x4``'s
-        ``pair``). The pair form runs in the whole warp, since its shuffles need every lane; a lane past the block's
-        tokens repeats the last token and stores nothing."""
+        """The post gates and the Sinkhorn of the comb mixes, in the first warps or the ``sinkhorn_warp``: one thread
+        per token, or with ``pair_sinkhorn`` two lanes per token, each with half of the post gates and two rows
+        (``du.sinkhorn_4x4``'s ``pair``). The pair form runs in the whole warp, since its shuffles need every lane;
+        a lane past the block's tokens repeats its last token and stores nothing. Kept as two branches: one body with
+        the lanes per token a compile-time value made the one-lane calls 2-15% slower on the H200 (scalar comb stores,
+        the gates' stores predicated one by one; ``bench/measured/h200_ab_unified_sinkhorn_stop21.txt``)."""
         tidx, _, _ = cute.arch.thread_idx()
-        lanes = 2 if self.pair_sinkhorn else 1
         pos = tidx - ((self.warps - 1) * du.WARP if self.sinkhorn_warp else 0)
-        if pos >= 0 and pos < (du.WARP if self.pair_sinkhorn else self.tokens):  # warp-uniform for the pair form
-            n_valid = cutlass.min(mPostOut.shape[0] - m0, self.tokens)
-            t, share = pos // lanes, pos % lanes
-            tc = cutlass.min(t, n_valid - 1)
-            rstd = self.rstd(storage, tc, scalars.rms_eps)
-            gates = HC_MULT // lanes
-            for j in cutlass.range_constexpr(gates):
-                post = du.sigmoid(self.mix(storage, tc, HC_MULT + gates * share + j, rstd, 1))
-                if t < n_valid:
-                    mPostOut[m0 + t, gates * share + j] = post * scalars.hc_post_mult_value
-            n = HC_MULT * HC_MULT // lanes
-            comb = cute.make_rmem_tensor((n,), Float32)
-            for i in cutlass.range_constexpr(n):
-                comb[i] = self.mix(storage, tc, 2 * HC_MULT + n * share + i, rstd, 2)
-            du.sinkhorn_4x4(comb, scalars.hc_sinkhorn_eps, scalars.sinkhorn_repeat, pair=self.pair_sinkhorn)
-            if t < n_valid:
+        if cutlass.const_expr(self.pair_sinkhorn):
+            if pos >= 0 and pos < du.WARP:  # warp-uniform
+                n_valid = cutlass.min(mPostOut.shape[0] - m0, self.tokens)
+                t, half = pos // 2, pos % 2
+                tc = cutlass.min(t, n_valid - 1)
+                rstd = self.rstd(storage, tc, scalars.rms_eps)
+                for j in cutlass.range_constexpr(HC_MULT // 2):
+                    post = du.sigmoid(self.mix(storage, tc, HC_MULT + HC_MULT // 2 * half + j, rstd, 1))
+                    if t < n_valid:
+                        mPostOut[m0 + t, HC_MULT // 2 * half + j] = post * scalars.hc_post_mult_value
+                n = HC_MULT * HC_MULT // 2
+                comb = cute.make_rmem_tensor((n,), Float32)
                 for i in cutlass.range_constexpr(n):
-                    mCombOut[m0 + t, n * share + i] = comb[i]
+                    comb[i] = self.mix(storage, tc, 2 * HC_MULT + n * half + i, rstd, 2)
+                du.sinkhorn_4x4(comb, scalars.hc_sinkhorn_eps, scalars.sinkhorn_repeat, pair=True)
+                if t < n_valid:
+                    for i in cutlass.range_constexpr(n):
+                        mCombOut[m0 + t, n * half + i] = comb[i]
+        elif pos >= 0 and pos < self.tokens and m0 + pos < mPostOut.shape[0]:
+            m, t = m0 + pos, pos
+            rstd = self.rstd(storage, t, scalars.rms_eps)
+            for j in cutlass.range_constexpr(HC_MULT):
+                mPostOut[m, j] = du.sigmoid(self.mix(storage, t, HC_MULT + j, rstd, 1)) * scalars.hc_post_mult_value
+            comb = cute.make_rmem_tensor((HC_MULT * HC_MULT,), Float32)
+            for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
+                comb[i] = self.mix(storage, t, 2 * HC_MULT + i, rstd, 2)
+            du.sinkhorn_4x4(comb, scalars.hc_sinkhorn_eps, scalars.sinkhorn_repeat)
+            for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
+                mCombOut[m, i] = comb[i]
 
 
 def flat_outputs(hidden: int, m, residual_cur, post_mix_cur, comb_mix_cur, layer_input):
