@@ -17,6 +17,7 @@ HC_MULT = 4
 PARTIAL_COLS = 32  # a split-K partial row: 24 dots, the sum of squares, 7 unused (one 128-byte line)
 MAX_SMEM_BYTES = 48 * 1024  # static smem budget per CTA (no opt-in carve-out needed)
 MAX_ACCUMULATORS = 64  # fp32 accumulators per thread (tokens_per_cta * tile_n) before register spills
+MMA_TILE_ROWS = 16  # tokens per warp-level MMA tile (m16n8k8)
 
 FMA_PATHS = ("half_fma", "all_fma")
 MMA_PATHS = ("half_mma", "all_mma")
@@ -59,6 +60,11 @@ class FmaTactic:
     ``stages`` is the depth of the weight pipeline: with 2, the weights of chunk c + 1 are in flight while
     chunk c is computed. ``burst`` chunks are post-mapped at once (activations of ``burst * chunk_h``
     positions loaded in one step).
+
+    ``warp_mma`` (a trailing ``:mma`` in the name): the projection runs on the tensor cores instead (warp-level
+    TF32 ``mma.sync`` m16n8k8, the weight split into hi + lo in registers, so it stays fp32-accurate): each warp
+    owns a K range of the chunk for all 24 columns and up to 32 tokens (16-row tiles), so the register tile is
+    small and the CTA reduces over its warps only. ``tile_n`` then only sets ``chunk_h``.
     """
 
     path: str  # "half_fma" (projection + big-fuse kernel) | "all_fma" (one launch, last CTA runs the big fuse)
@@ -69,6 +75,7 @@ class FmaTactic:
     stages: int = 1
     burst: int = 1
     fuse: str = "bw"
+    warp_mma: bool = False
 
     @property
     def chunk_h(self) -> int:
@@ -77,12 +84,27 @@ class FmaTactic:
     @property
     def name(self) -> str:
         return (f"{self.path}:k{self.split_k}:t{self.tokens_per_cta}:n{self.tile_n}:"
-                f"w{self.threads}:s{self.stages}:b{self.burst}:f{self.fuse}")
+                f"w{self.threads}:s{self.stages}:b{self.burst}:f{self.fuse}" + (":mma" if self.warp_mma else ""))
+
+    @property
+    def mma_rows(self) -> int:
+        """Token rows of the shared-memory activations with ``warp_mma``: whole 16-row MMA tiles."""
+        return -(-self.tokens_per_cta // MMA_TILE_ROWS) * MMA_TILE_ROWS
+
+    @property
+    def mma_warp_k(self) -> int:
+        """K elements of a chunk per warp with ``warp_mma`` (4 * chunk_h over the warps)."""
+        return HC_MULT * self.chunk_h // (self.threads // 32)
 
     def smem_bytes(self) -> int:
-        """Shared memory of the projection phase: the fp32 chunk of the post-map output plus the reduction."""
+        """Shared memory of the projection phase: the fp32 chunk of the post-map output plus the reduction
+        (with ``warp_mma`` the reduction reuses the activations' buffer once the last chunk is projected)."""
+        warps = self.threads // 32
+        if self.warp_mma:
+            activations = self.mma_rows * HC_MULT * self.chunk_h * self.burst * 4
+            return max(activations, warps * self.mma_rows * (N_MIXES + 1) * 4)
         activations = self.tokens_per_cta * HC_MULT * self.chunk_h * self.burst * 4
-        reduction = (self.threads // 32) * self.tokens_per_cta * (self.tile_n + 1) * 4
+        reduction = warps * self.tokens_per_cta * (self.tile_n + 1) * 4
         return activations + reduction
 
     def invalid_reason(self, hidden: int) -> str | None:
@@ -103,7 +125,13 @@ class FmaTactic:
             return f"split_k must divide H = {hidden}"
         if (hidden // self.split_k) % self.chunk_h:
             return f"H / split_k = {hidden // max(self.split_k, 1)} must be a multiple of chunk_h = {self.chunk_h}"
-        if self.tokens_per_cta < 1 or self.tokens_per_cta * self.tile_n > MAX_ACCUMULATORS:
+        if self.warp_mma:
+            if not 1 <= self.tokens_per_cta <= 2 * MMA_TILE_ROWS:
+                return f"tokens_per_cta must be in [1, {2 * MMA_TILE_ROWS}] with warp_mma"
+            if (HC_MULT * self.chunk_h) % (self.threads // 32) or self.mma_warp_k % 16 or \
+                    self.chunk_h % self.mma_warp_k:
+                return "with warp_mma each warp's K range (4 chunk_h / warps) must be a multiple of 16 in one stream"
+        elif self.tokens_per_cta < 1 or self.tokens_per_cta * self.tile_n > MAX_ACCUMULATORS:
             return f"tokens_per_cta * tile_n must be in [1, {MAX_ACCUMULATORS}]"
         if self.stages not in (1, 2):
             return "stages must be 1 or 2"
@@ -122,15 +150,16 @@ class FmaTactic:
         return self
 
 
-_FMA_NAME = re.compile(rf"^(half_fma|all_fma):k(\d+):t(\d+):n(\d+):w(\d+):s(\d+):b(\d+):f({'|'.join(FUSE_SHAPES)})$")
+_FMA_NAME = re.compile(
+    rf"^(half_fma|all_fma):k(\d+):t(\d+):n(\d+):w(\d+):s(\d+):b(\d+):f({'|'.join(FUSE_SHAPES)})(:mma)?$")
 
 
 def parse_tactic(name: str):
     """The tactic object whose ``name`` is ``name``."""
     match = _FMA_NAME.match(name)
     if match:
-        path, *nums, fuse = match.groups()
-        return FmaTactic(path, *map(int, nums), fuse)
+        path, *nums, fuse, mma = match.groups()
+        return FmaTactic(path, *map(int, nums), fuse, mma is not None)
     match = _MMA_NAME.match(name)
     if match:
         path, *nums, fuse = match.groups()

@@ -69,3 +69,26 @@ def test_gpu_pair_sinkhorn_same_bits(m, h, which, shape, norm):
     want, got = run_backend(problem, one.path, one), run_backend(problem, pair.path, pair)
     for a, b in zip(want, got):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def warp_mma_tactics(path: str, h: int) -> list:
+    """Path E/F tactics with the projection on warp-level MMA: one 16- and one 32-token tile (two MMA tiles) with
+    a chunk per CTA, 8 tokens (half a tile) over four chunks, pipelined, and 3 tokens in 128-thread CTAs."""
+    from mhc_cute.tactics import FmaTactic
+
+    return [FmaTactic(path, h // 64, 16, 6, 256, warp_mma=True), FmaTactic(path, h // 64, 32, 6, 256, warp_mma=True),
+            FmaTactic(path, h // 256, 8, 6, 256, 2, 2, warp_mma=True),
+            FmaTactic(path, h // 128, 3, 6, 128, warp_mma=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("h", GPU_HS)
+@pytest.mark.parametrize("m", [1, 16, 17, 100, 1000])
+@pytest.mark.parametrize("which", range(4))
+@pytest.mark.parametrize("path", ["half_fma", "all_fma"])
+def test_gpu_fma_warp_mma(path, which, m, h, norm):
+    """The FMA paths' tensor-core projection (``warp_mma``) against the float64 contract of the FMA paths."""
+    tactic = warp_mma_tactics(path, h)[which]
+    problem = problem_of(make_inputs(m, h, seed=7 * m + h + which, device="cuda", norm=norm), "fp32")
+    check_backend(problem, path, tactic)

@@ -3,9 +3,9 @@ the SASS of path E (checked with Triton's bundled cuobjdump), and the grid-barri
 compile.
 
 Variants cover each compile-time branch: both paths, no norm / bf16 / fp32 norm weight, the default tactic of
-every M bucket, token tiles 1..16, tile_n 3..24, 128/256/512 threads, one or two pipeline stages, splits that
-do and do not divide evenly among the big fuse's warps, and a small and a large H. Compiles run in worker
-processes (CuTe DSL compilation is not thread-safe and is CPU-bound).
+every M bucket, token tiles 1..24, tile_n 3..24, 128/256/512 threads, one or two pipeline stages, the projection
+on FFMA or on warp-level MMA, splits that do and do not divide evenly among the big fuse's warps, and a small and a
+large H. Compiles run in worker processes (CuTe DSL compilation is not thread-safe and is CPU-bound).
 """
 
 import importlib
@@ -40,6 +40,8 @@ def variants() -> list:
             (FmaTactic(path, 5, 2, 6, 128, 2), 5120),  # 128 threads: chunk 32
             (FmaTactic(path, 4, 2, 24, 512), 4096),  # tile_n 24: one column group
             (FmaTactic(path, 1, 8, 6, 256, 2), 256),  # split 1
+            (FmaTactic(path, 112, 16, 6, 256, warp_mma=True), 7168),  # tensor-core projection, one MMA tile
+            (FmaTactic(path, 4, 24, 6, 128, 2, 2, warp_mma=True), 512),  # two MMA tiles (one partial), pipelined
         ]
         specs += [(t.name, h, NORMS[i % 2]) for i, (t, h) in enumerate(extra)]
     return specs

@@ -132,6 +132,26 @@ def _normalise_columns(c: cute.Tensor, eps: Float32, pair: cutlass.Constexpr[boo
 
 
 @cute.jit
+def sum_squares(v) -> Float32:
+    """``v[0]^2 + ... + v[n-1]^2`` of a small fp32 vector: a product, then an FMA chain."""
+    sq = v[0] * v[0]
+    for e in cutlass.range_constexpr(1, v.shape[0]):
+        sq = cute.math.fma(v[e], v[e], sq)
+    return sq
+
+
+@cute.jit
+def round_tf32(t: cute.Tensor):
+    """Round every fp32 element of the register tensor ``t`` to the nearest TF32 value (10 explicit mantissa
+    bits, ties to even; as ``mma.split_tf32`` does on the host), in place. The tensor cores read only a TF32
+    operand's top 19 bits, so a value passed unrounded would be truncated."""
+    bits = cute.recast_tensor(t, Int32)
+    for i in cutlass.range_constexpr(cute.size(t)):
+        b = bits[i]
+        bits[i] = (b + 0xFFF + ((b >> 13) & 1)) & -0x2000
+
+
+@cute.jit
 def load_bf16x8(src: cute.Tensor):
     """Eight contiguous bf16 (one 16-byte load; ``src`` must be 16-byte aligned) as an fp32 vector."""
     frag = cute.make_rmem_tensor((VEC_BF16,), BFloat16)

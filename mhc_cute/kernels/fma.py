@@ -34,10 +34,11 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import BFloat16, Float32, Int32  # noqa: E402
+from cutlass import BFloat16, Float32, Int32, TFloat32  # noqa: E402
+from cutlass.cute.nvgpu import warp  # noqa: E402
 
 from .. import tactics as tac  # noqa: E402
-from ..tactics import HC_MULT, N_MIXES, FmaTactic  # noqa: E402
+from ..tactics import HC_MULT, MMA_TILE_ROWS, N_MIXES, FmaTactic  # noqa: E402
 from ..workspace import get_workspace  # noqa: E402
 from . import (  # noqa: E402
     CompiledKernels, compile_in_processes, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, resolve_tactic,
@@ -48,6 +49,8 @@ from .big_fuse import BigFusePhase, BigFuseScalars, flat_outputs, partials_view,
 
 SUMSQ_COL = N_MIXES
 QUAD = 4  # fp32 elements in one 16-byte access
+MMA_N = 8  # mix columns per warp-MMA tile (m16n8k8): three tiles cover the 24
+MMA_K_VEC = 16  # K elements per 16-byte vector of a lane: two m16n8k8 steps (see ``project_mma``)
 
 
 class FmaFusedHc:
@@ -74,6 +77,16 @@ class FmaFusedHc:
         self.post_tasks = self.tokens * self.octets
         self.post_rounds = -(-self.post_tasks // self.threads)
         self.red_cols = self.tokens * (self.tile_n + 1)  # per warp: dots, then sums of squares
+        self.warp_mma = tactic.warp_mma
+        if self.warp_mma:
+            self.m_tiles = tactic.mma_rows // MMA_TILE_ROWS
+            self.act_rows = tactic.mma_rows  # token rows of sAct: whole MMA tiles (rows past the tokens unused)
+            self.warp_k = tactic.mma_warp_k
+            # a lane's weight fragment: rows g, g + 8, g + 16 (one per MMA tile) x its 16-byte vectors
+            self.w_shape = (N_MIXES // MMA_N, self.warp_k // MMA_K_VEC, QUAD)
+        else:
+            self.act_rows = self.tokens
+            self.w_shape = (self.tile_n, 1, QUAD)  # a thread's tile_n weight rows at its K vector
         self.fused = tactic.path == "all_fma"
         if self.fused:
             self.phase = BigFusePhase(hidden, tactic.split_k, self.tokens, self.threads, norm_dtype)
@@ -143,55 +156,73 @@ class FmaFusedHc:
         if cutlass.const_expr(not self.fused):
             cute.arch.griddepcontrol_launch_dependents()  # the big-fuse CTAs start early and wait for this grid
         smem = cutlass.memory.SmemAllocator()
-        sAct = smem.allocate_tensor(Float32, du.row_major(self.tokens, HC_MULT, self.load_h), 16)
-        sRed = smem.allocate_tensor(Float32, du.row_major(self.warps, self.red_cols), 16)
+        if cutlass.const_expr(self.warp_mma):
+            # one buffer: the activations, then (once the last chunk is projected) the reduction over warps
+            buf = smem.allocate_tensor(Float32, cute.make_layout(self.tactic.smem_bytes() // 4), 16)
+            sAct = cute.make_tensor(buf.iterator, du.row_major(self.act_rows, HC_MULT, self.load_h))
+            sRed = cute.make_tensor(buf.iterator, du.row_major(self.warps, self.act_rows, N_MIXES + 1))
+        else:
+            sAct = smem.allocate_tensor(Float32, du.row_major(self.tokens, HC_MULT, self.load_h), 16)
+            sRed = smem.allocate_tensor(Float32, du.row_major(self.warps, self.red_cols), 16)
         if cutlass.const_expr(self.fused):
             storage = self.phase.allocate(smem)
             sArrival = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
 
         m0 = block * self.tokens
-        group = tidx // self.group_threads  # warp-uniform
-        kvec = tidx % self.group_threads
-        stream_j, quad = kvec // self.quads, kvec % self.quads
         coefs = self.load_post_coefficients(m0, mPost, mComb)
-
-        acc = cute.make_rmem_tensor((self.tokens, self.tile_n), Float32)
+        if cutlass.const_expr(self.warp_mma):
+            # warp w owns K range [w warp_k, (w + 1) warp_k) of each chunk (inside one stream), every column
+            lane = cute.arch.lane_idx()
+            k0 = cute.arch.warp_idx() * self.warp_k
+            stream_j, quad = k0 // self.chunk_h, (k0 % self.chunk_h) // QUAD + lane % 4
+            w_row0, w_row_step = lane // 4, MMA_N
+            acc = cute.make_rmem_tensor((self.m_tiles, N_MIXES // MMA_N, 4), Float32)  # C fragments, summed
+            sumsq = cute.make_rmem_tensor((self.m_tiles, 2), Float32)  # rows g and g + 8 of each tile
+        else:
+            group = tidx // self.group_threads  # warp-uniform
+            kvec = tidx % self.group_threads
+            stream_j, quad = kvec // self.quads, kvec % self.quads
+            w_row0, w_row_step = group * self.tile_n, 1
+            acc = cute.make_rmem_tensor((self.tokens, self.tile_n), Float32)
+            sumsq = cute.make_rmem_tensor((self.tokens,), Float32)
         acc.fill(0.0)
-        sumsq = cute.make_rmem_tensor((self.tokens,), Float32)
         sumsq.fill(0.0)
-        # quad index of this thread's K vector in a weight row, at chunk 0 of this split
+        # quad index of this thread's (first) K vector in a weight row, at chunk 0 of this split
         fn_quad0 = stream_j * (self.hidden // QUAD) + split * (self.split_h // QUAD) + quad
-        weights = cute.make_rmem_tensor((self.tile_n, QUAD), Float32)
-        self.load_weights(weights, mFn, group, fn_quad0)
+        weights = cute.make_rmem_tensor(self.w_shape, Float32)
+        self.load_weights(weights, mFn, w_row0, w_row_step, fn_quad0)
         for c in cutlass.range(self.n_chunks, unroll=1):
             if cutlass.const_expr(self.tactic.stages == 2):
-                next_weights = cute.make_rmem_tensor((self.tile_n, QUAD), Float32)
+                next_weights = cute.make_rmem_tensor(self.w_shape, Float32)
                 if c + 1 < self.n_chunks:
-                    self.load_weights(next_weights, mFn, group, fn_quad0 + (c + 1) * self.quads)
+                    self.load_weights(next_weights, mFn, w_row0, w_row_step, fn_quad0 + (c + 1) * self.quads)
             elif c > 0:
-                self.load_weights(weights, mFn, group, fn_quad0 + c * self.quads)
+                self.load_weights(weights, mFn, w_row0, w_row_step, fn_quad0 + c * self.quads)
             sub = c % self.burst
             if sub == 0:
                 if c > 0:
                     cute.arch.sync_threads()  # the previous step's projections are done with sAct
                 self.post_map(m0, split * self.split_h + c * self.chunk_h, coefs, mX, mRes, mResCur, sAct)
                 cute.arch.sync_threads()
-            for t in cutlass.range_constexpr(self.tokens):
-                a = cute.local_tile(sAct[t, stream_j, None], (QUAD,), (sub * self.quads + quad,)).load()
-                # a 4-term dot first, then one rounding into the long accumulator (halves its rounding error)
-                for i in cutlass.range_constexpr(self.tile_n):
-                    dot = a[0] * weights[i, 0]
-                    for e in cutlass.range_constexpr(1, QUAD):
-                        dot = cute.math.fma(a[e], weights[i, e], dot)
-                    acc[t, i] = acc[t, i] + dot
-                if group == 0:
-                    sq = a[0] * a[0]
-                    for e in cutlass.range_constexpr(1, QUAD):
-                        sq = cute.math.fma(a[e], a[e], sq)
-                    sumsq[t] = sumsq[t] + sq
+            if cutlass.const_expr(self.warp_mma):
+                self.project_mma(sAct, stream_j, sub * self.quads + quad, weights, acc, sumsq)
+            else:
+                for t in cutlass.range_constexpr(self.tokens):
+                    a = cute.local_tile(sAct[t, stream_j, None], (QUAD,), (sub * self.quads + quad,)).load()
+                    # a 4-term dot first, then one rounding into the long accumulator (halves its rounding error)
+                    for i in cutlass.range_constexpr(self.tile_n):
+                        dot = a[0] * weights[i, 0, 0]
+                        for e in cutlass.range_constexpr(1, QUAD):
+                            dot = cute.math.fma(a[e], weights[i, 0, e], dot)
+                        acc[t, i] = acc[t, i] + dot
+                    if group == 0:
+                        sumsq[t] = sumsq[t] + du.sum_squares(a)
             if cutlass.const_expr(self.tactic.stages == 2):
                 weights.store(next_weights.load())
-        self.write_partials(m0, split, acc, sumsq, sRed, mPartials)
+        if cutlass.const_expr(self.warp_mma):
+            self.write_partials_mma(m0, split, acc, sumsq, sRed, mPartials)
+        else:
+            self.write_partials(m0, split, acc, sumsq, sRed, mPartials)
 
         if cutlass.const_expr(self.fused):
             # publish this CTA's partials and residual_cur: the barrier orders every thread's stores before
@@ -225,10 +256,57 @@ class FmaFusedHc:
         return coefs
 
     @cute.jit
-    def load_weights(self, weights: cute.Tensor, mFn: cute.Tensor, group: Int32, fn_quad: Int32):
-        for i in cutlass.range_constexpr(self.tile_n):
-            row = mFn[group * self.tile_n + i, None]
-            weights[i, None].store(du.load_f32x4(cute.local_tile(row, (QUAD,), (fn_quad,))))
+    def load_weights(self, weights: cute.Tensor, mFn: cute.Tensor, row0: Int32, row_step: int, fn_quad: Int32):
+        """``weights[i, v]`` = the 4 fp32 of weight row ``row0 + i row_step`` at quad ``fn_quad`` + 4 v."""
+        for i in cutlass.range_constexpr(self.w_shape[0]):
+            row = mFn[row0 + i * row_step, None]
+            for v in cutlass.range_constexpr(self.w_shape[1]):
+                vec = cute.local_tile(row, (QUAD,), (fn_quad + v * (MMA_K_VEC // QUAD),))
+                weights[i, v, None].store(du.load_f32x4(vec))
+
+    @cute.jit
+    def project_mma(self, sAct: cute.Tensor, stream_j, quad0, weights: cute.Tensor, acc: cute.Tensor,
+                    sumsq: cute.Tensor):
+        """One chunk's projection on the tensor cores (``warp_mma``): ``acc += A W`` for this warp's K range.
+
+        The K order inside each 16-wide vector is permuted so that both operands are 16-byte loads: lane (g, q)
+        holds H offsets 4q..4q+3 of it, and offsets 4q + 2s and 4q + 2s + 1 are its K columns q and q + 4 of
+        k-step s (the A fragment's rows g and g + 8 from shared memory, the B fragment's column g from its
+        weight row); a dot product does not depend on the order of K. The weight is split into TF32 hi + lo
+        (``du.round_tf32``; the activations are bf16 values, exact in TF32), two MMAs per step, and the
+        tensor cores accumulate one chunk from zero (their long sums drift) before an fp32 add into ``acc``.
+        """
+        lane = cute.arch.lane_idx()
+        atom = cute.make_mma_atom(warp.MmaTF32Op((MMA_TILE_ROWS, MMA_N, 8)))
+        hi = cute.make_rmem_tensor(self.w_shape, Float32)
+        hi.store(weights.load())
+        du.round_tf32(hi)
+        lo = cute.make_rmem_tensor(self.w_shape, Float32)
+        lo.store(weights.load() - hi.load())
+        du.round_tf32(lo)
+        n_tiles = N_MIXES // MMA_N
+        for mt in cutlass.range_constexpr(self.m_tiles):
+            tile = [cute.make_rmem_tensor((4, 1, 1), Float32) for _ in range(n_tiles)]
+            for nt in cutlass.range_constexpr(n_tiles):
+                tile[nt].fill(0.0)
+            for v in cutlass.range_constexpr(self.w_shape[1]):
+                rows = [sAct[mt * MMA_TILE_ROWS + lane // 4 + 8 * r, stream_j, None] for r in range(2)]
+                a = [cute.local_tile(row, (QUAD,), (quad0 + v * (MMA_K_VEC // QUAD),)).load() for row in rows]
+                for r in cutlass.range_constexpr(2):
+                    sumsq[mt, r] = sumsq[mt, r] + du.sum_squares(a[r])
+                for s in cutlass.range_constexpr(2):
+                    frag_a = cute.make_rmem_tensor((4, 1, 1), TFloat32)
+                    for e in cutlass.range_constexpr(4):  # (g, q), (g + 8, q), (g, q + 4), (g + 8, q + 4)
+                        frag_a[e, 0, 0] = a[e % 2][2 * s + e // 2]
+                    for nt in cutlass.range_constexpr(n_tiles):
+                        for part in (hi, lo):
+                            frag_b = cute.make_rmem_tensor((2, 1, 1), TFloat32)  # (q, g), (q + 4, g)
+                            for e in cutlass.range_constexpr(2):
+                                frag_b[e, 0, 0] = part[nt, v, 2 * s + e]
+                            cute.gemm(atom, tile[nt], frag_a, frag_b, tile[nt])
+            for nt in cutlass.range_constexpr(n_tiles):
+                for i in cutlass.range_constexpr(4):
+                    acc[mt, nt, i] = acc[mt, nt, i] + tile[nt][i, 0, 0]
 
     @cute.jit
     def post_map(self, m0: Int32, h0: Int32, coefs: cute.Tensor, mX, mRes, mResCur, sAct: cute.Tensor):
@@ -304,6 +382,40 @@ class FmaFusedHc:
                     else:
                         for u in cutlass.range_constexpr(self.warps_per_group):
                             total = total + sRed[u, self.tokens * self.tile_n + t]
+                    mPartials[split, m0 + t, col] = total
+
+
+    @cute.jit
+    def write_partials_mma(self, m0: Int32, split: Int32, acc: cute.Tensor, sumsq: cute.Tensor,
+                           sRed: cute.Tensor, mPartials: cute.Tensor):
+        """``write_partials`` for ``warp_mma``: each warp's C fragments (row g + 8 r, columns 8 nt + 2 q + a) and
+        its rows' sums of squares (over the lanes of a quad) to ``sRed``, then summed over the warps in order."""
+        tidx, _, _ = cute.arch.thread_idx()
+        lane, warp_i = cute.arch.lane_idx(), cute.arch.warp_idx()
+        cute.arch.sync_threads()  # every warp is done with the last chunk: sRed reuses sAct's memory
+        for mt in cutlass.range_constexpr(self.m_tiles):
+            for r in cutlass.range_constexpr(2):
+                sq = sumsq[mt, r]
+                sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=1)
+                sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=2)
+                row = mt * MMA_TILE_ROWS + lane // 4 + 8 * r
+                if row < self.tokens:
+                    for nt in cutlass.range_constexpr(N_MIXES // MMA_N):
+                        for a in cutlass.range_constexpr(2):
+                            sRed[warp_i, row, nt * MMA_N + 2 * (lane % 4) + a] = acc[mt, nt, 2 * r + a]
+                    if lane % 4 == 0:
+                        sRed[warp_i, row, SUMSQ_COL] = sq
+        cute.arch.sync_threads()
+        m_total = mPartials.shape[1]
+        row_cols = N_MIXES + 1
+        for base in cutlass.range_constexpr(0, self.tokens * row_cols, self.threads):
+            idx = base + tidx
+            if idx < self.tokens * row_cols:
+                t, col = idx // row_cols, idx % row_cols
+                if m0 + t < m_total:
+                    total = Float32(0.0)
+                    for w in cutlass.range_constexpr(self.warps):
+                        total = total + sRed[w, t, col]
                     mPartials[split, m0 + t, col] = total
 
 
