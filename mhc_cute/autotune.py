@@ -238,8 +238,9 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
     """What the tuner times for ``backend`` at M = ``m``: its default tactic and its neighbours in split_k
     (half and double), in the big-fuse shape (two-launch paths) and, for the FMA paths, in tokens per CTA and
     in the weight pipeline with wider post-map steps (where a CTA walks several chunks: at M = 32 on an H200,
-    ``stages=2, burst=4`` took 17% less time than the default); only valid ones. None stands for a backend
-    without tactics of its own (the reference, Triton's table)."""
+    ``stages=2, burst=4`` took 17% less time than the default), and from M = 8 the projection on warp MMA (16 or
+    32 tokens per CTA, 256 or 128 threads, one chunk per CTA, each big-fuse shape); only valid ones. None stands
+    for a backend without tactics of its own (the reference, Triton's table)."""
     from dataclasses import replace
 
     from . import tactics
@@ -249,6 +250,11 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
         variants = [base] + [replace(base, split_k=k) for k in (base.split_k // 2, base.split_k * 2) if k >= 1]
         variants += [replace(base, tokens_per_cta=t) for t in (1, 2, 4, 8) if t != base.tokens_per_cta]
         variants += [replace(base, stages=2, burst=b) for b in (1, 2, 4)]
+        if m >= 8:
+            for threads in (256, 128):
+                mma = replace(base, threads=threads, stages=1, burst=1, warp_mma=True)
+                mma = replace(mma, split_k=hidden // mma.chunk_h)
+                variants += [replace(mma, tokens_per_cta=t, fuse=f) for t in (16, 32) for f in tactics.FUSE_SHAPES]
     elif backend in tactics.MMA_PATHS:
         base = tactics.default_mma_tactic(backend, m, hidden, sm_count)
         variants = [base] + [replace(base, split_k=k) for k in (base.split_k // 2, base.split_k * 2) if k >= 1]
