@@ -25,6 +25,7 @@ GRIDS = {
     "wide": [(7168, m, False) for m in (1, 4, 16, 32, 64, 128, 256, 512, 2048, 8192)]
     + [(4096, m, False) for m in (1, 32, 128, 512, 2048)] + [(7168, m, True) for m in (1, 8, 32, 256)],
     "decode": [(h, m, norm) for norm in (False, True) for h in (7168, 4096) for m in (1, 4, 8, 16, 32, 256)],
+    "mid": [(h, m, norm) for norm in (False, True) for h in (7168, 4096) for m in (64, 128)],
 }
 
 
