@@ -13,6 +13,9 @@ and one H range of all 4 streams, walked in chunks of ``chunk_h`` positions. Per
 
 Then the CTA reduces over its threads (a reduce-scatter across each warp, then warps in order) and writes one
 partial row per token: ``partials[split, m, 0..23]`` dots, ``[.., 24]`` the sum of squares (layout: ``big_fuse``).
+With ``warp_mma`` (``:mma`` tactics) step 2 runs on the tensor cores instead (``project_mma``: each warp a K range
+of the chunk, every column, up to 32 tokens, TF32 hi + lo) and the CTA reduces over its warps only
+(``write_partials_mma``); on the H200 that pays from M = 16 (``docs/performance.md``).
 
 Path E launches the standalone big-fuse kernel after it (two launches, one compiled call). Path F runs the
 big fuse in the same launch: each CTA publishes its partials (release fence, atomic add on its token block's
@@ -357,7 +360,6 @@ class FmaFusedHc:
     def write_partials(self, m0: Int32, split: Int32, acc: cute.Tensor, sumsq: cute.Tensor,
                        sRed: cute.Tensor, mPartials: cute.Tensor):
         """Sum the register tiles over the threads of each column group, in a fixed order, into the partial rows."""
-        tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.warp_idx()
         # one warp reduction for all red_cols values (the sums of squares are zero outside group 0, unread)
         vals = [acc[t, i] for t in range(self.tokens) for i in range(self.tile_n)]
@@ -367,30 +369,13 @@ class FmaFusedHc:
                 if first + k < self.red_cols:
                     sRed[warp, first + k] = sums[k]
         cute.arch.sync_threads()
-        m_total = mPartials.shape[1]
-        row_cols = N_MIXES + 1
-        for base in cutlass.range_constexpr(0, self.tokens * row_cols, self.threads):
-            idx = base + tidx
-            if idx < self.tokens * row_cols:
-                t, col = idx // row_cols, idx % row_cols
-                if m0 + t < m_total:
-                    total = Float32(0.0)
-                    if col < N_MIXES:
-                        g, i = col // self.tile_n, col % self.tile_n
-                        for u in cutlass.range_constexpr(self.warps_per_group):
-                            total = total + sRed[g * self.warps_per_group + u, t * self.tile_n + i]
-                    else:
-                        for u in cutlass.range_constexpr(self.warps_per_group):
-                            total = total + sRed[u, self.tokens * self.tile_n + t]
-                    mPartials[split, m0 + t, col] = total
-
+        self.store_partials(m0, split, sRed, mPartials)
 
     @cute.jit
     def write_partials_mma(self, m0: Int32, split: Int32, acc: cute.Tensor, sumsq: cute.Tensor,
                            sRed: cute.Tensor, mPartials: cute.Tensor):
         """``write_partials`` for ``warp_mma``: each warp's C fragments (row g + 8 r, columns 8 nt + 2 q + a) and
         its rows' sums of squares (over the lanes of a quad) to ``sRed``, then summed over the warps in order."""
-        tidx, _, _ = cute.arch.thread_idx()
         lane, warp_i = cute.arch.lane_idx(), cute.arch.warp_idx()
         cute.arch.sync_threads()  # every warp is done with the last chunk: sRed reuses sAct's memory
         for mt in cutlass.range_constexpr(self.m_tiles):
@@ -406,6 +391,13 @@ class FmaFusedHc:
                     if lane % 4 == 0:
                         sRed[warp_i, row, SUMSQ_COL] = sq
         cute.arch.sync_threads()
+        self.store_partials(m0, split, sRed, mPartials)
+
+    @cute.jit
+    def store_partials(self, m0: Int32, split: Int32, sRed: cute.Tensor, mPartials: cute.Tensor):
+        """The CTA's partial rows from ``sRed`` (filled before a barrier): each (token, column) summed over the warps
+        that hold it, in a fixed order (the column group's warps, or with ``warp_mma`` every warp)."""
+        tidx, _, _ = cute.arch.thread_idx()
         m_total = mPartials.shape[1]
         row_cols = N_MIXES + 1
         for base in cutlass.range_constexpr(0, self.tokens * row_cols, self.threads):
@@ -414,8 +406,17 @@ class FmaFusedHc:
                 t, col = idx // row_cols, idx % row_cols
                 if m0 + t < m_total:
                     total = Float32(0.0)
-                    for w in cutlass.range_constexpr(self.warps):
-                        total = total + sRed[w, t, col]
+                    if cutlass.const_expr(self.warp_mma):
+                        for w in cutlass.range_constexpr(self.warps):
+                            total = total + sRed[w, t, col]
+                    else:
+                        if col < N_MIXES:
+                            g, i = col // self.tile_n, col % self.tile_n
+                            for u in cutlass.range_constexpr(self.warps_per_group):
+                                total = total + sRed[g * self.warps_per_group + u, t * self.tile_n + i]
+                        else:
+                            for u in cutlass.range_constexpr(self.warps_per_group):
+                                total = total + sRed[u, self.tokens * self.tile_n + t]
                     mPartials[split, m0 + t, col] = total
 
 
