@@ -1,8 +1,8 @@
 """Where path E's kernel 1 spends its time at small M: the shipped tactic against variants of it that skip one
 phase or more (the weight loads, the post-map's global loads and stores, the cross-thread reduction of the register
-tiles), timed as whole calls (CUDA-graph replay over rotated input and weight sets, as the benchmark does) and as
-kernel-1 durations and tails (CUPTI kernel timestamps through ``torch.profiler``). The variants compute wrong
-results: they are for timing only, and run only here.
+tiles; that last one applies to the FFMA projection only), timed as whole calls (CUDA-graph replay over rotated
+input and weight sets, as the benchmark does) and as kernel-1 durations and tails (CUPTI kernel timestamps through
+``torch.profiler``). The variants compute wrong results: they are for timing only, and run only here.
 
     python bench/probe_fma_phases.py --compile-only    # any machine: compile and persist the variants
     python bench/probe_fma_phases.py                   # on the GPU (with the same $MHC_CUTE_KERNEL_CACHE)
@@ -41,14 +41,13 @@ class PhaseProbe(fma.FmaFusedHc):
     SKIP: tuple = ()
 
     @cute.jit
-    def load_weights(self, weights: cute.Tensor, mFn: cute.Tensor, group, fn_quad):
+    def load_weights(self, weights: cute.Tensor, mFn: cute.Tensor, row0, row_step: int, fn_quad):
         if cutlass.const_expr("weights" in self.SKIP):
             tidx, _, _ = cute.arch.thread_idx()
-            for i in cutlass.range_constexpr(self.tile_n):
-                for e in cutlass.range_constexpr(fma.QUAD):
-                    weights[i, e] = Float32(tidx + fn_quad + i * fma.QUAD + e) * Float32(1e-3)
+            for i in cutlass.range_constexpr(cute.size(weights)):
+                weights[i] = Float32(tidx + fn_quad + row0 + i) * Float32(1e-3)
         else:
-            fma.FmaFusedHc.load_weights(self, weights, mFn, group, fn_quad)
+            fma.FmaFusedHc.load_weights(self, weights, mFn, row0, row_step, fn_quad)
 
     @cute.jit
     def post_map(self, m0, h0, coefs: cute.Tensor, mX, mRes, mResCur, sAct: cute.Tensor):
