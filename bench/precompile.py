@@ -7,9 +7,9 @@ same checkout (the file names carry a digest of the kernel sources and the CuTe 
     MHC_CUTE_KERNEL_CACHE=.kcache python bench/precompile.py --m 1 17 1000 --hidden 4096 7168 --norm both
 
 ``--session`` compiles every variant one device session reaches (``bench/device_session.sh``'s warm stage runs
-it): the GPU tests' default tactics over their grid (fp32 and tf32) and their explicit tactics, the bench grid's
-defaults and the shipped tables' tactics, with and without the norm. About 300 variants, 15 minutes on a 2-core
-CPU machine; packed for the device (2-4 MB):
+it): the GPU tests' default tactics over their grid (fp32 and tf32) and their explicit tactics (the big-fuse
+shapes, the warp-MMA tactics), the bench grid's defaults and the shipped tables' tactics, with and without the norm.
+About 400 variants, 15-20 minutes on a 2-core CPU machine; packed for the device (2-4 MB):
 
     MHC_CUTE_KERNEL_CACHE=/tmp/kc python bench/precompile.py --session
     mkdir -p .kcarry && tar -C /tmp/kc -cJf .kcarry/kcache.tar.xz .   # carry=[".devbundle", ".kcarry"]
@@ -44,7 +44,7 @@ def session_specs(sm_count):
     """(FMA specs, MMA specs) of every variant a device session reaches (see the module docstring)."""
     sys.path[:0] = [os.path.join(HERE, "..", "tests"), HERE]
     import bench_mma
-    from test_correctness import GPU_HS, GPU_MS, PAIR_TACTICS
+    from test_correctness import GPU_HS, GPU_MS, PAIR_TACTICS, warp_mma_tactics
 
     from mhc_cute import autotune, tactics
     from mhc_cute.benchmark import BENCH_MS
@@ -57,6 +57,8 @@ def session_specs(sm_count):
              for key, rows in autotune.load_shipped_tables().items() for c in rows.values() if c.tactic]
     named += [(h, n.format(shape)) for h, names in PAIR_TACTICS.items()  # the big-fuse shapes test
               for n in names for shape in tactics.FUSE_SHAPES]
+    named += [(h, t.name) for h in GPU_HS for path in tactics.FMA_PATHS  # the warp-MMA test
+              for t in warp_mma_tactics(path, h)]
     for h, name in named:
         t = tactics.parse_tactic(name)
         for norm in (None, "bfloat16"):
