@@ -30,7 +30,8 @@ def test_small_m_spreads_the_weight_read():
     assert 7168 // t.split_k == t.chunk_h  # one chunk each
 
 
-@pytest.mark.parametrize("t", [FmaTactic("all_fma", 112, 4, 6, 256), FmaTactic("half_fma", 7, 8, 3, 128, 2, 4, "lat")])
+@pytest.mark.parametrize("t", [FmaTactic("all_fma", 112, 4, 6, 256), FmaTactic("half_fma", 7, 8, 3, 128, 2, 4, "lat"),
+                               FmaTactic("half_fma", 112, 16, 12, 128, fuse="latp", warp_mma=True)])
 def test_name_round_trip(t):
     assert tac.parse_tactic(t.name) == t
     assert hash(t) == hash(tac.parse_tactic(t.name))
@@ -57,6 +58,10 @@ def test_parse_rejects_garbage():
         (FmaTactic("all_fma", 56, 1, 6, 256, 1, 4), 7168, "burst"),
         (FmaTactic("all_fma", 1, 1, 6, 256, fuse="lat"), 512, "two-launch paths only"),
         (FmaTactic("half_fma", 1, 1, 6, 256, fuse="fast"), 512, "fuse must be"),
+        (FmaTactic("half_fma", 8, 33, 6, 256, warp_mma=True), 512, "tokens_per_cta"),
+        (FmaTactic("half_fma", 8, 64, 24, 64, warp_mma=True), 512, "tokens_per_cta"),
+        (FmaTactic("half_fma", 16, 16, 4, 192, warp_mma=True), 512, "multiple of 16"),
+        (FmaTactic("half_fma", 8, 32, 6, 256, 1, 4, warp_mma=True), 4096, "shared memory"),
     ],
 )
 def test_invalid(t, h, why):

@@ -85,7 +85,7 @@ class FmaFusedHc:
             self.m_tiles = tactic.mma_rows // MMA_TILE_ROWS
             self.act_rows = tactic.mma_rows  # token rows of sAct: whole MMA tiles (rows past the tokens unused)
             self.warp_k = tactic.mma_warp_k
-            # a lane's weight fragment: rows g, g + 8, g + 16 (one per MMA tile) x its 16-byte vectors
+            # a lane's weight fragment: rows g, g + 8, g + 16 (one per 8-column N tile) x its 16-byte vectors
             self.w_shape = (N_MIXES // MMA_N, self.warp_k // MMA_K_VEC, QUAD)
         else:
             self.act_rows = self.tokens
