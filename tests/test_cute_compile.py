@@ -1,6 +1,6 @@
 """CI (no GPU): every supported variant of the FMA paths compiles for sm_90a, the small-M load order holds in
-the SASS of path E (checked with Triton's bundled cuobjdump), and the grid-barrier and publication probes of bench/
-compile.
+the SASS of path E and its warp-MMA projection compiles to TF32 HMMA without spills (checked with Triton's bundled
+cuobjdump), and the grid-barrier and publication probes of bench/ compile.
 
 Variants cover each compile-time branch: both paths, no norm / bf16 / fp32 norm weight, the default tactic of
 every M bucket, token tiles 1..24, tile_n 3..24, 128/256/512 threads, one or two pipeline stages, the projection
@@ -141,6 +141,23 @@ def test_small_m_loads_in_flight_together(tmp_path, cuobjdump, dump_env):
     functions = sass_functions(sass)
     assert sum("FmaFusedHc" in n or "BigFuseKernel" in n for n in functions) == 2, list(functions)
     assert loads_issued_together(functions) == []
+
+
+@pytest.mark.slow
+def test_warp_mma_projection_sass(tmp_path, cuobjdump, dump_env):
+    """Path E's projection on warp MMA (the shipped pick at M = 32, H = 7168: two 16-row tiles, two 16-wide K
+    vectors per warp) compiles to TF32 HMMA, 3 column tiles x 2 k8 steps x 2 vectors x 2 row tiles x (hi, lo) = 48
+    per warp, and spills nothing."""
+    tactic = "half_fma:k112:t32:n6:w256:s1:b1:flatp:mma"
+    subprocess.run([sys.executable, "-c", _COMPILE_E, tactic, "7168"], env=dump_env(tmp_path, "cubin"), check=True,
+                   timeout=1800, capture_output=True)
+    (cubin,) = tmp_path.glob("*.cubin")
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    (kernel1,) = [ops for name, ops in sass_functions(sass).items() if "FmaFusedHc" in name]
+    assert kernel1.count("HMMA.1688.F32.TF32") == 48
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
+    spills = re.findall(r"STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+    assert spills and all(s == ("0", "0") for s in spills), usage
 
 
 def _bench_module(name: str):
