@@ -26,9 +26,10 @@ def row_major(*shape):
 
 
 @cute.jit
-def warp_sum(val: Float32) -> Float32:
-    """Butterfly sum over the 32 lanes of a warp; every lane gets the result (fixed order: deterministic)."""
-    for i in cutlass.range_constexpr(5):
+def warp_sum(val: Float32, lanes: cutlass.Constexpr[int] = WARP) -> Float32:
+    """Butterfly sum over each group of ``lanes`` consecutive lanes (a power of two; the whole warp by default, 4 for
+    an MMA fragment's quad); every lane of the group gets the result (fixed order: deterministic)."""
+    for i in cutlass.range_constexpr(lanes.bit_length() - 1):
         val = val + cute.arch.shuffle_sync_bfly(val, offset=1 << i)
     return val
 

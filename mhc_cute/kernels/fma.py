@@ -380,9 +380,7 @@ class FmaFusedHc:
         cute.arch.sync_threads()  # every warp is done with the last chunk: sRed reuses sAct's memory
         for mt in cutlass.range_constexpr(self.m_tiles):
             for r in cutlass.range_constexpr(2):
-                sq = sumsq[mt, r]
-                sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=1)
-                sq = sq + cute.arch.shuffle_sync_bfly(sq, offset=2)
+                sq = du.warp_sum(sumsq[mt, r], lanes=4)
                 row = mt * MMA_TILE_ROWS + lane // 4 + 8 * r
                 if row < self.tokens:
                     for nt in cutlass.range_constexpr(N_MIXES // MMA_N):

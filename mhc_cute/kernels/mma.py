@@ -42,10 +42,12 @@ from cutlass import BFloat16, Float32, Int32, const_expr  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 
 from .. import tactics as tac  # noqa: E402
-from ..tactics import HC_MULT, MMA_BLOCK_H as BLOCK_H, MMA_WG_THREADS as WG_THREADS, N_MIXES, PARTIAL_COLS  # noqa: E402,E501
+from ..tactics import HC_MULT, MMA_BLOCK_H as BLOCK_H, MMA_WG_THREADS as WG_THREADS  # noqa: E402
+from ..tactics import N_MIXES, PARTIAL_COLS  # noqa: E402
 from ..tactics import MmaTactic, default_mma_tactic, mma_stage_bytes as stage_bytes  # noqa: E402
 from ..weights import prepared  # noqa: E402
 from ..workspace import get_workspace  # noqa: E402
+from . import device_utils as du  # noqa: E402
 from . import (  # noqa: E402
     CompiledKernels, compile_in_processes, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, resolve_tactic,
     scalar_args, spec_problem,
@@ -425,8 +427,7 @@ class MmaFusedHcKernel:
 
         # epilogue: partials[split, m, c] = dots (columns 2 t, 2 t + 1 of each 8-column block), sumsq
         for r in cutlass.range_constexpr(2):
-            sumsq[r] = sumsq[r] + cute.arch.shuffle_sync_bfly(sumsq[r], offset=1)
-            sumsq[r] = sumsq[r] + cute.arch.shuffle_sync_bfly(sumsq[r], offset=2)
+            sumsq[r] = du.warp_sum(sumsq[r], lanes=4)
         for r in cutlass.range_constexpr(2):
             m = m_tile * self.tile_m + rows[r]
             if m < m_total:
