@@ -239,7 +239,8 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
     (half and double), in the big-fuse shape (two-launch paths) and, for the FMA paths, in tokens per CTA and
     in the weight pipeline with wider post-map steps (where a CTA walks several chunks: at M = 32 on an H200,
     ``stages=2, burst=4`` took 17% less time than the default), and from M = 8 the projection on warp MMA (16 or
-    32 tokens per CTA, 256 or 128 threads, one chunk per CTA, each big-fuse shape); only valid ones. None stands
+    32 tokens per CTA, one chunk per CTA, each big-fuse shape; 256 threads, or 128 with the default's chunk or
+    one twice as wide: the 128-thread 64-position chunk won at H = 7168, M = 16 on the H200); only valid ones. None stands
     for a backend without tactics of its own (the reference, Triton's table)."""
     from dataclasses import replace
 
@@ -251,8 +252,8 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
         variants += [replace(base, tokens_per_cta=t) for t in (1, 2, 4, 8) if t != base.tokens_per_cta]
         variants += [replace(base, stages=2, burst=b) for b in (1, 2, 4)]
         if m >= 8:
-            for threads in (256, 128):
-                mma = replace(base, threads=threads, stages=1, burst=1, warp_mma=True)
+            for threads, tile_n in ((256, base.tile_n), (128, base.tile_n), (128, 2 * base.tile_n)):
+                mma = replace(base, threads=threads, tile_n=tile_n, stages=1, burst=1, warp_mma=True)
                 mma = replace(mma, split_k=hidden // mma.chunk_h)
                 variants += [replace(mma, tokens_per_cta=t, fuse=f) for t in (16, 32) for f in tactics.FUSE_SHAPES]
     elif backend in tactics.MMA_PATHS:

@@ -98,6 +98,15 @@ def test_fma_candidates_are_valid_and_include_the_default(backend, m, h):
     assert all(tactics.parse_tactic(c.name) == c for c in cands)
 
 
+def test_fma_candidates_include_the_warp_mma_shapes():
+    """From M = 8 the FMA candidates include the warp-MMA projection at 256 threads and at 128 threads with the
+    default's chunk and one twice as wide (the shape the shipped table has at H = 7168, M = 16)."""
+    names = {c.name for c in autotune.candidate_tactics("half_fma", 16, 7168, 132)}
+    assert {"half_fma:k112:t16:n6:w256:s1:b1:flatp:mma", "half_fma:k224:t16:n6:w128:s1:b1:flatp:mma",
+            "half_fma:k112:t16:n12:w128:s1:b1:flatp:mma"} <= names
+    assert not any(c.warp_mma for c in autotune.candidate_tactics("half_fma", 4, 7168, 132))
+
+
 def test_candidates_of_a_backend_without_tactics():
     assert autotune.candidate_tactics("triton", 64, 4096, 132) == [None]
 
