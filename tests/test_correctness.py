@@ -49,6 +49,29 @@ def test_gpu_tf32(backend, m, h):
     _run_and_check(backend, m, h, True, "cuda", precision="tf32")
 
 
+def shipped_picks():
+    """(H, M, tactic name, norm) of every row of the shipped tables: the tactics ``auto`` runs on their GPU."""
+    from mhc_cute import autotune
+
+    picks = set()
+    for key, rows in autotune.load_shipped_tables().items():
+        fields = key.split("|")
+        h, norm = int(fields[2][1:]), fields[4] == "norm1"
+        picks |= {(h, m, choice.tactic, norm) for m, choice in rows.items() if choice.tactic}
+    return sorted(picks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,m,name,norm", shipped_picks())
+def test_gpu_shipped_table_picks(h, m, name, norm):
+    """Every tactic of the shipped tables at its bucket's M, called by name (so on any GPU, not only the one the
+    table is for), against the float64 contract."""
+    from mhc_cute import tactics
+
+    tactic = tactics.parse_tactic(name)
+    check_backend(problem_of(make_inputs(m, h, seed=m + h, device="cuda", norm=norm), "fp32"), tactic.path, tactic)
+
+
 # the big fuse with its Sinkhorn two lanes per token ("latp", "bwp") against its one-lane shape, per H
 PAIR_TACTICS = {7168: ["half_fma:k112:t8:n6:w256:s1:b1:f{}", "half_mma:k8:m64:s3:f{}"],
                  4096: ["half_fma:k64:t8:n6:w256:s1:b1:f{}", "half_mma:k8:m64:s3:f{}"]}
