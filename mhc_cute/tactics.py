@@ -29,8 +29,9 @@ MMA_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per CTA on sm_90
 # when a few CTAs run: small M),
 # "bw" keeps CTAs small so that many share an SM (fastest when the kernel streams: large M). Measured on an
 # H200 at H = 7168 (README): "lat" wins up to M = 32, "bw" from M = 256 on. "latp" and "bwp": the same shapes
-# with the Sinkhorn two lanes per token (measured on the H200: 2-4% faster at H = 7168 without the norm up to
-# M = 128, 1-5% slower at H = 4096 M = 32 and 128 and with the norm; docs/performance.md), for the tuner.
+# with the Sinkhorn two lanes per token, for the tuner (with the element-scaling Sinkhorn they were 2-4% faster at
+# H = 7168 without the norm; with the scaling-vector one of stop 22 the one-lane shapes are faster there;
+# docs/performance.md).
 FUSE_SHAPES = ("lat", "bw", "latp", "bwp")
 LATENCY_FUSE_MAX_M = 32
 ONE_LAUNCH_PATHS = ("all_fma", "all_mma")
