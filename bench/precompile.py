@@ -53,7 +53,7 @@ def session_specs(sm_count):
     hiddens = sorted(set(GPU_HS) | {4096, 7168})
     fma, mma = specs_for(tactics.FMA_PATHS + tactics.MMA_PATHS, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count)
     mma += bench_mma.test_grid_specs(sm_count)
-    named = [(int(key.split("|")[2][1:]), c.tactic)  # the shipped tables' picks
+    named = [(autotune.TuneKey.parse(key).hidden, c.tactic)  # the shipped tables' picks
              for key, rows in autotune.load_shipped_tables().items() for c in rows.values() if c.tactic]
     named += [(h, n.format(shape)) for h, names in PAIR_TACTICS.items()  # the big-fuse shapes test
               for n in names for shape in tactics.FUSE_SHAPES]

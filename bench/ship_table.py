@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from mhc_cute.autotune import CACHE_FORMAT
+from mhc_cute.autotune import CACHE_FORMAT, TuneKey
 
 
 def main() -> int:
@@ -23,7 +23,7 @@ def main() -> int:
     if data.get("format") != CACHE_FORMAT:
         print(f"{args.tuned_json}: not a tune cache of format {CACHE_FORMAT}", file=sys.stderr)
         return 2
-    tables = {k: v for k, v in data["tables"].items() if k.split("|")[0] == args.gpu}
+    tables = {k: v for k, v in data["tables"].items() if TuneKey.parse(k).gpu == args.gpu}
     json.dump({"format": CACHE_FORMAT, "source": args.source, "tables": tables}, sys.stdout, indent=1)
     return 0
 

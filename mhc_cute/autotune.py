@@ -59,6 +59,13 @@ class TuneKey:
         return f"{self.gpu}|{self.sm_count}|H{self.hidden}|{self.precision}|norm{int(self.norm)}|v{self.version}"
 
     @staticmethod
+    def parse(key: str) -> "TuneKey":
+        """The inverse of ``as_str``."""
+        gpu, sm_count, hidden, precision, norm, version = key.split("|")
+        return TuneKey(gpu, int(sm_count), int(hidden.removeprefix("H")), precision, norm == "norm1",
+                       version.removeprefix("v"))
+
+    @staticmethod
     def for_device(device: torch.device, hidden: int, precision: str, norm: bool) -> "TuneKey":
         from . import __version__
 

@@ -121,13 +121,19 @@ def test_shipped_tables_parse_and_name_real_backends():
         assert all(c.backend in backends.BACKENDS for c in rows.values())
 
 
+def test_tune_key_round_trips():
+    key = autotune.TuneKey("NVIDIA H200", 132, 7168, "fp32", True, "0.2.0")
+    assert key.as_str() == "NVIDIA H200|132|H7168|fp32|norm1|v0.2.0"
+    assert autotune.TuneKey.parse(key.as_str()) == key
+
+
 def test_shipped_tactics_are_valid_for_their_backend_and_h():
     from mhc_cute import __version__, tactics
 
     tables = autotune.load_shipped_tables()
     assert all(k.endswith(f"|v{__version__}") for k in tables), "a shipped table from another version never matches"
     for key, rows in tables.items():
-        h = int(key.split("|")[2].removeprefix("H"))
+        h = autotune.TuneKey.parse(key).hidden
         for c in rows.values():
             if c.tactic is not None:
                 t = tactics.parse_tactic(c.tactic)

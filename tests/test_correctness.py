@@ -55,9 +55,8 @@ def shipped_picks():
 
     picks = set()
     for key, rows in autotune.load_shipped_tables().items():
-        fields = key.split("|")
-        h, norm = int(fields[2][1:]), fields[4] == "norm1"
-        picks |= {(h, m, choice.tactic, norm) for m, choice in rows.items() if choice.tactic}
+        k = autotune.TuneKey.parse(key)
+        picks |= {(k.hidden, m, choice.tactic, k.norm) for m, choice in rows.items() if choice.tactic}
     return sorted(picks)
 
 
