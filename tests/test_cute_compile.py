@@ -148,7 +148,7 @@ def test_warp_mma_projection_sass(tmp_path, cuobjdump, dump_env):
     """Path E's projection on warp MMA (the shipped pick at M = 32, H = 7168: two 16-row tiles, two 16-wide K
     vectors per warp) compiles to TF32 HMMA, 3 column tiles x 2 k8 steps x 2 vectors x 2 row tiles x (hi, lo) = 48
     per warp, and spills nothing."""
-    tactic = "half_fma:k112:t32:n6:w256:s1:b1:flatp:mma"
+    tactic = "half_fma:k112:t32:n6:w256:s1:b1:flat:mma"
     subprocess.run([sys.executable, "-c", _COMPILE_E, tactic, "7168"], env=dump_env(tmp_path, "cubin"), check=True,
                    timeout=1800, capture_output=True)
     (cubin,) = tmp_path.glob("*.cubin")
