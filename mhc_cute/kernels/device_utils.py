@@ -149,7 +149,7 @@ def _column_step(c: cute.Tensor, scale: _SinkhornScales, eps: Float32, pair: cut
             # rows 0-1 carry the eps term, rows 2-3 none (an fma with a zero addend rounds as the product alone)
             addend = Float32(cutlass.select_(cute.arch.lane_idx() % 2 == 0, eps * scale.v[k], Float32(0.0)))
             half = cute.math.fma(c[4 + k], scale.r[1], cute.math.fma(c[k], scale.r[0], addend))
-            total = half + cute.arch.shuffle_sync_bfly(half, offset=1)
+            total = warp_sum(half, lanes=2)
         else:
             top = cute.math.fma(c[4 + k], scale.r[1], cute.math.fma(c[k], scale.r[0], eps * scale.v[k]))
             total = top + cute.math.fma(c[12 + k], scale.r[3], c[8 + k] * scale.r[2])
