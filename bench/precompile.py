@@ -6,6 +6,8 @@ same checkout (the file names carry a digest of the kernel sources and the CuTe 
 
     MHC_CUTE_KERNEL_CACHE=.kcache python bench/precompile.py --m 1 17 1000 --hidden 4096 7168 --norm both
 
+``--tune`` compiles the candidates ``mhc-cute tune`` times at those M and H instead of the default tactics.
+
 ``--session`` compiles every variant one device session reaches (``bench/device_session.sh``'s warm stage runs
 it): the GPU tests' default tactics over their grid (fp32 and tf32) and their explicit tactics (the big-fuse
 shapes, the warp-MMA tactics), the bench grid's defaults and the shipped tables' tactics, with and without the norm.
@@ -37,6 +39,25 @@ def specs_for(backends, ms, hiddens, norms, precisions, sm_count):
                     elif b in tactics.MMA_PATHS:
                         for p in precisions:
                             mma.append((tactics.default_mma_tactic(b, m, h, sm_count).name, h, p, norm))
+    return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
+
+
+def tune_specs(backends, ms, hiddens, norms, precisions, sm_count):
+    """(FMA specs, MMA specs) of every candidate ``mhc-cute tune`` times for these backends, M and H."""
+    from mhc_cute import autotune, tactics
+
+    fma, mma = [], []
+    for h in hiddens:
+        for bucket in sorted({autotune.bucket_of(m) for m in ms}):
+            for b in backends:
+                for t in autotune.candidate_tactics(b, bucket, h, sm_count):
+                    for norm in norms:
+                        if t is None:
+                            continue
+                        if t.path in tactics.FMA_PATHS:
+                            fma.append((t.name, h, norm))
+                        else:
+                            mma += [(t.name, h, p, norm) for p in precisions]
     return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
 
 
@@ -72,6 +93,7 @@ def session_specs(sm_count):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--session", action="store_true", help="every variant of a device session (no --m/--hidden)")
+    ap.add_argument("--tune", action="store_true", help="the tuner's candidates at --m/--hidden, not the defaults")
     ap.add_argument("--m", type=int, nargs="+")
     ap.add_argument("--hidden", type=int, nargs="+")
     ap.add_argument("--norm", choices=["off", "on", "both"], default="both")
@@ -87,7 +109,8 @@ def main() -> int:
         fma_specs, mma_specs = session_specs(args.sm_count)
     elif args.m and args.hidden:
         norms = {"off": [None], "on": ["bfloat16"], "both": [None, "bfloat16"]}[args.norm]
-        fma_specs, mma_specs = specs_for(args.backends, args.m, args.hidden, norms, args.precision, args.sm_count)
+        specs = tune_specs if args.tune else specs_for
+        fma_specs, mma_specs = specs(args.backends, args.m, args.hidden, norms, args.precision, args.sm_count)
     else:
         ap.error("give --session, or --m and --hidden")
     from mhc_cute.kernels import fma, mma

@@ -3,7 +3,11 @@
 tables and noting where they came from.
 
     MHC_CUTE_CACHE_DIR=out mhc-cute tune ...   # on the GPU machine
-    python bench/ship_table.py out/tuned.json --gpu "NVIDIA H200" --source "..." > mhc_cute/tuned/nvidia_h200.json
+    python bench/ship_table.py out/tuned.json --gpu "NVIDIA H200" --compute-capability 9.0 --source "..." \
+        > mhc_cute/tuned/nvidia_h200.json
+
+With ``--compute-capability`` the tables also stand in for other GPUs of that architecture and SM count that have
+no table of their own (``mhc_cute.autotune``).
 """
 
 import argparse
@@ -18,13 +22,17 @@ def main() -> int:
     ap.add_argument("tuned_json", help="the tune cache file (format %d)" % CACHE_FORMAT)
     ap.add_argument("--gpu", required=True, help="the GPU name as torch reports it")
     ap.add_argument("--source", required=True, help="how and when the tables were measured")
+    ap.add_argument("--compute-capability", help='the GPU\'s, "major.minor" (e.g. 9.0)')
     args = ap.parse_args()
     data = json.load(open(args.tuned_json))
     if data.get("format") != CACHE_FORMAT:
         print(f"{args.tuned_json}: not a tune cache of format {CACHE_FORMAT}", file=sys.stderr)
         return 2
     tables = {k: v for k, v in data["tables"].items() if TuneKey.parse(k).gpu == args.gpu}
-    json.dump({"format": CACHE_FORMAT, "source": args.source, "tables": tables}, sys.stdout, indent=1)
+    out = {"format": CACHE_FORMAT, "source": args.source, "tables": tables}
+    if args.compute_capability:
+        out["compute_capability"] = args.compute_capability
+    json.dump(out, sys.stdout, indent=1)
     return 0
 
 

@@ -7,8 +7,11 @@ larger on ties), so a table tuned on a coarse grid still covers every M.
 
 Tables are keyed by ``TuneKey`` (GPU name, SM count, H, precision, norm on/off, package version). Lookup order:
 the user's cache (``$MHC_CUTE_CACHE_DIR`` or ``$XDG_CACHE_HOME/mhc_cute`` or ``~/.cache/mhc_cute``,
-``tuned.json``), then the tables shipped in ``mhc_cute/tuned/``, then the heuristic of ``backends.pick_auto``.
-A corrupt or stale cache file is ignored with a warning. ``MHC_CUTE_BACKEND`` forces a backend and
+``tuned.json``), then the tables shipped in ``mhc_cute/tuned/``, then a shipped table measured on another GPU of the
+same architecture (compute capability) and SM count (an H100 SXM or H800 takes the H200's: the same SMs and L2,
+and at the sizes where the picks differ most from the heuristic the call is bound by latency, not bandwidth), then
+the heuristic of ``backends.pick_auto``. A table for this GPU, of the call's norm flag or the other, wins over a
+stand-in. A corrupt or stale cache file is ignored with a warning. ``MHC_CUTE_BACKEND`` forces a backend and
 ``MHC_CUTE_TACTIC`` a tactic name for it.
 """
 
@@ -22,6 +25,7 @@ import tempfile
 import warnings
 from dataclasses import asdict, dataclass
 from importlib import resources
+from typing import NamedTuple
 
 import torch
 
@@ -108,18 +112,42 @@ def load_user_tables(path: str | None = None) -> dict[str, dict[int, Choice]]:
         return {}
 
 
-def load_shipped_tables() -> dict[str, dict[int, Choice]]:
-    tables = {}
+class ShippedFile(NamedTuple):
+    name: str
+    compute_capability: str | None  # "9.0": the architecture its tables were measured on (None: exact GPU only)
+    tables: dict[str, dict[int, Choice]]
+
+
+def shipped_files() -> list[ShippedFile]:
+    out = []
     try:
         files = [f for f in resources.files("mhc_cute").joinpath("tuned").iterdir() if f.name.endswith(".json")]
     except (FileNotFoundError, NotADirectoryError):
-        return tables
+        return out
     for f in sorted(files, key=lambda f: f.name):
         try:
-            tables.update(_read_tables(f.read_text(), f.name))
+            text = f.read_text()
+            out.append(ShippedFile(f.name, json.loads(text).get("compute_capability"), _read_tables(text, f.name)))
         except Exception as e:
             warnings.warn(f"mhc_cute: ignoring the shipped table {f.name} ({e})", stacklevel=2)
-    return tables
+    return out
+
+
+def load_shipped_tables() -> dict[str, dict[int, Choice]]:
+    return {key: rows for f in shipped_files() for key, rows in f.tables.items()}
+
+
+def stand_in_keys(files: list[ShippedFile]) -> dict[tuple, str]:
+    """{(compute capability, SM count, H, precision, norm, version): a shipped key measured on such a GPU}; of
+    several GPUs, the first file's (sorted by name) is kept."""
+    out = {}
+    for f in files:
+        if f.compute_capability is None:
+            continue
+        for key in f.tables:
+            k = TuneKey.parse(key)
+            out.setdefault((f.compute_capability, k.sm_count, k.hidden, k.precision, k.norm, k.version), key)
+    return out
 
 
 def save_user_tables(tables: dict[str, dict[int, Choice]], path: str | None = None) -> str:
@@ -152,13 +180,16 @@ class Selector:
 
     def __init__(self):
         self._tables: dict[str, dict[int, Choice]] | None = None
+        self._stand_ins: dict[tuple, str] = {}
         self._keys: dict[tuple, str] = {}
         self._resolved: dict[tuple, tuple] = {}
 
     def tables(self) -> dict[str, dict[int, Choice]]:
         if self._tables is None:
-            tables = load_shipped_tables()
+            files = shipped_files()
+            tables = {key: rows for f in files for key, rows in f.tables.items()}
             tables.update(load_user_tables())  # the user's own tuning wins over shipped defaults
+            self._stand_ins = stand_in_keys(files)
             self._tables = tables
         return self._tables
 
@@ -169,16 +200,27 @@ class Selector:
 
     def choose(self, device: torch.device, m: int, hidden: int, precision: str, norm: bool) -> Choice | None:
         """The tuned choice; a table tuned without the fused norm stands in for one with it (and back), since
-        the norm adds the same small epilogue to every backend."""
+        the norm adds the same small epilogue to every backend; then a shipped table of the same architecture
+        and SM count (module docstring)."""
         tables = self.tables()
-        for n in (norm, not norm):
-            kk = (device.index, hidden, precision, n)
-            key = self._keys.get(kk)
-            if key is None:
-                key = self._keys[kk] = TuneKey.for_device(device, hidden, precision, n).as_str()
+        keys = [self._key(device, hidden, precision, n) for n in (norm, not norm)]
+        for key in keys:
             if key in tables:
                 return nearest(tables[key], bucket_of(m))
+        cc = "{}.{}".format(*torch.cuda.get_device_capability(device))
+        for key in keys:
+            k = TuneKey.parse(key)
+            stand_in = self._stand_ins.get((cc, k.sm_count, k.hidden, k.precision, k.norm, k.version))
+            if stand_in is not None:
+                return nearest(tables[stand_in], bucket_of(m))
         return None
+
+    def _key(self, device: torch.device, hidden: int, precision: str, norm: bool) -> str:
+        kk = (device.index, hidden, precision, norm)
+        key = self._keys.get(kk)
+        if key is None:
+            key = self._keys[kk] = TuneKey.for_device(device, hidden, precision, norm).as_str()
+        return key
 
     def resolve(self, device: torch.device, m: int, hidden: int, precision: str, norm: bool):
         """(backend, tactic) for ``backend="auto"``: the env override, the tuned tables, else the heuristic.

@@ -121,6 +121,49 @@ def test_shipped_tables_parse_and_name_real_backends():
         assert all(c.backend in backends.BACKENDS for c in rows.values())
 
 
+def _fake_gpu(monkeypatch, tmp_path, name, sm_count, capability):
+    import types
+
+    import torch
+
+    monkeypatch.setenv("MHC_CUTE_CACHE_DIR", str(tmp_path))  # no user tables but the test's own
+    props = types.SimpleNamespace(name=name, multi_processor_count=sm_count)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev: capability)
+    return torch.device("cuda", 0)
+
+
+def _h200_row(hidden, norm, m):
+    from mhc_cute import __version__
+
+    key = autotune.TuneKey("NVIDIA H200", 132, hidden, "fp32", norm, __version__).as_str()
+    return autotune.nearest(autotune.load_shipped_tables()[key], bucket_of(m))
+
+
+@pytest.mark.parametrize("m,hidden,norm", [(1, 7168, False), (32, 7168, True), (100, 4096, False), (9000, 4096, True)])
+def test_a_gpu_of_the_shipped_architecture_and_sm_count_takes_its_table(monkeypatch, tmp_path, m, hidden, norm):
+    device = _fake_gpu(monkeypatch, tmp_path, "NVIDIA H100 80GB HBM3", 132, (9, 0))
+    choice = autotune.Selector().choose(device, m, hidden, "fp32", norm)
+    assert choice is not None and choice == _h200_row(hidden, norm, m)
+
+
+@pytest.mark.parametrize("sm_count,capability,hidden", [(114, (9, 0), 7168), (132, (8, 0), 7168),
+                                                       (132, (10, 0), 7168), (132, (9, 0), 5120)])
+def test_no_stand_in_for_another_architecture_sm_count_or_h(monkeypatch, tmp_path, sm_count, capability, hidden):
+    device = _fake_gpu(monkeypatch, tmp_path, "Some GPU", sm_count, capability)
+    assert autotune.Selector().choose(device, 32, hidden, "fp32", False) is None
+
+
+def test_a_gpu_s_own_table_wins_over_the_stand_in(monkeypatch, tmp_path):
+    from mhc_cute import __version__
+
+    device = _fake_gpu(monkeypatch, tmp_path, "NVIDIA H100 80GB HBM3", 132, (9, 0))
+    own = autotune.TuneKey("NVIDIA H100 80GB HBM3", 132, 7168, "fp32", True, __version__).as_str()
+    autotune.save_user_tables({own: {32: Choice("triton", None, 9.0)}})
+    # the GPU's own table with the norm serves a call without it before the H200's table without it
+    assert autotune.Selector().choose(device, 32, 7168, "fp32", False) == Choice("triton", None, 9.0)
+
+
 def test_tune_key_round_trips():
     key = autotune.TuneKey("NVIDIA H200", 132, 7168, "fp32", True, "0.2.0")
     assert key.as_str() == "NVIDIA H200|132|H7168|fp32|norm1|v0.2.0"
