@@ -54,12 +54,16 @@ def precompile(picks) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--grid", choices=sorted(GRIDS), default="small")
+    ap.add_argument("--points", nargs="+", metavar="H:M:NORM", help="these points instead of a grid (e.g. 7168:32:0)")
     ap.add_argument("--tag", default="run", help="label of this version in the output lines")
     ap.add_argument("--precompile", action="store_true", help="compile the grid's kernels (no GPU needed) and exit")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
-    picks = auto_picks(GRIDS[args.grid])
+    grid = GRIDS[args.grid]
+    if args.points:
+        grid = [(int(h), int(m), n == "1") for h, m, n in (p.split(":") for p in args.points)]
+    picks = auto_picks(grid)
     if args.precompile:
         precompile(picks)
         return 0
