@@ -244,12 +244,36 @@ class BigFusePhase:
         norm_w,
     ):
         """layer_input = bf16(sum_j pre[j] * residual_cur[j]) (j in order), then the optional RMSNorm over the
-        rounded values. Token group g handles tokens g, g + groups, ...; the post gates and the Sinkhorn run
-        first in their own warp (``sinkhorn_warp``), else while the first batch of the first round is loading
-        (``first``: that batch, when already loaded), or after the collapse (``sinkhorn_last``)."""
-        group = cute.arch.warp_idx() // self.group_warps
+        rounded values. Token group g handles tokens g, g + groups, ...; the post gates and the Sinkhorn run in
+        their own warp (``sinkhorn_warp``), which takes no other part in the collapse (so the CTA ends when the
+        longer of the two chains does: on the H200 the Sinkhorn warp's, `bench/probe_big_fuse_tail.py`), else
+        while the first batch of the first round is loading (``first``: that batch, when already loaded), or
+        after the collapse (``sinkhorn_last``)."""
         if cutlass.const_expr(self.sinkhorn_warp):
-            self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
+            if cute.arch.warp_idx() == self.warps - 1:
+                self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
+            else:
+                self.collapse_rounds(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first,
+                                     norm_w)
+        else:
+            self.collapse_rounds(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
+
+    @cute.jit
+    def collapse_rounds(
+        self,
+        storage: BigFuseStorage,
+        m0: Int32,
+        mNormW,
+        mResCur: cute.Tensor,
+        mPostOut: cute.Tensor,
+        mCombOut: cute.Tensor,
+        mLayerIn: cute.Tensor,
+        scalars: BigFuseScalars,
+        first,
+        norm_w,
+    ):
+        """``collapse`` for the threads that collapse (all, or all but the ``sinkhorn_warp``)."""
+        group = cute.arch.warp_idx() // self.group_warps
         for r in cutlass.range_constexpr(self.rounds):
             gtid, valid, tc = self.round_token(r, m0, mLayerIn.shape[0])
             sumsq = Float32(0.0)
@@ -372,16 +396,25 @@ class BigFusePhase:
 
     @cute.jit
     def group_sum(self, val: Float32, scratch: cute.Tensor, group) -> Float32:
-        """Sum over the threads of this token group (fixed order); every thread of the CTA must call it."""
+        """Sum over the threads of this token group (fixed order); every thread that collapses must call it."""
         val = du.warp_sum(val)
         if cute.arch.lane_idx() == 0:
             scratch[cute.arch.warp_idx()] = val
-        cute.arch.sync_threads()
+        self.collapse_barrier()
         total = Float32(0.0)
         for w in cutlass.range_constexpr(self.group_warps):
             total = total + scratch[group * self.group_warps + w]
-        cute.arch.sync_threads()
+        self.collapse_barrier()
         return total
+
+    @cute.jit
+    def collapse_barrier(self):
+        """A barrier of the threads that collapse: the CTA, or all warps but the ``sinkhorn_warp`` (named barrier 1),
+        which meanwhile runs the Sinkhorn and never reaches it."""
+        if cutlass.const_expr(self.sinkhorn_warp):
+            cute.arch.barrier(barrier_id=1, number_of_threads=(self.warps - 1) * du.WARP)
+        else:
+            cute.arch.sync_threads()
 
     @cute.jit
     def mix(self, storage: BigFuseStorage, t, c: int, rstd: Float32, group: int) -> Float32:
