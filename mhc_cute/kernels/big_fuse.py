@@ -172,7 +172,15 @@ class BigFusePhase:
             gtid, _, row = self.round_token(0, m0, mLayerIn.shape[0])
             first = self.load_batch(0, gtid, mResCur[m0 + row, None])
         self.sum_partials(storage, m0, mPartials)
-        self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
+        if cutlass.const_expr(self.sinkhorn_warp):
+            # the last warp runs only the post gates and the Sinkhorn, and exits: on the H200 that chain ends the
+            # call's tail (`bench/probe_big_fuse_tail.py`), and the collapse's barriers do not wait for it
+            if cute.arch.warp_idx() == self.warps - 1:
+                self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
+            else:
+                self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
+        else:
+            self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
 
     @cute.jit
     def round_token(self, r, m0: Int32, m_total):
@@ -244,35 +252,10 @@ class BigFusePhase:
         norm_w,
     ):
         """layer_input = bf16(sum_j pre[j] * residual_cur[j]) (j in order), then the optional RMSNorm over the
-        rounded values. Token group g handles tokens g, g + groups, ...; the post gates and the Sinkhorn run in
-        their own warp (``sinkhorn_warp``), which takes no other part in the collapse (so the CTA ends when the
-        longer of the two chains does: on the H200 the Sinkhorn warp's, `bench/probe_big_fuse_tail.py`), else
-        while the first batch of the first round is loading (``first``: that batch, when already loaded), or
-        after the collapse (``sinkhorn_last``)."""
-        if cutlass.const_expr(self.sinkhorn_warp):
-            if cute.arch.warp_idx() == self.warps - 1:
-                self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
-            else:
-                self.collapse_rounds(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first,
-                                     norm_w)
-        else:
-            self.collapse_rounds(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
-
-    @cute.jit
-    def collapse_rounds(
-        self,
-        storage: BigFuseStorage,
-        m0: Int32,
-        mNormW,
-        mResCur: cute.Tensor,
-        mPostOut: cute.Tensor,
-        mCombOut: cute.Tensor,
-        mLayerIn: cute.Tensor,
-        scalars: BigFuseScalars,
-        first,
-        norm_w,
-    ):
-        """``collapse`` for the threads that collapse (all, or all but the ``sinkhorn_warp``)."""
+        rounded values, by the threads that collapse (all, or all but the ``sinkhorn_warp``). Token group g handles
+        tokens g, g + groups, ...; the post gates and the Sinkhorn run while the first batch of the first round is
+        loading (``first``: that batch, when already loaded), or after the collapse (``sinkhorn_last``), unless
+        they have a warp of their own (``run``)."""
         group = cute.arch.warp_idx() // self.group_warps
         for r in cutlass.range_constexpr(self.rounds):
             gtid, valid, tc = self.round_token(r, m0, mLayerIn.shape[0])
