@@ -51,9 +51,9 @@ def tune_specs(backends, ms, hiddens, norms, precisions, sm_count):
         for bucket in sorted({autotune.bucket_of(m) for m in ms}):
             for b in backends:
                 for t in autotune.candidate_tactics(b, bucket, h, sm_count):
+                    if t is None:  # a backend without tactics of its own
+                        continue
                     for norm in norms:
-                        if t is None:
-                            continue
                         if t.path in tactics.FMA_PATHS:
                             fma.append((t.name, h, norm))
                         else:

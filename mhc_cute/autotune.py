@@ -119,6 +119,7 @@ class ShippedFile(NamedTuple):
 
 
 def shipped_files() -> list[ShippedFile]:
+    """The tables shipped in ``mhc_cute/tuned/``, one entry per file (an unreadable file is skipped with a warning)."""
     out = []
     try:
         files = [f for f in resources.files("mhc_cute").joinpath("tuned").iterdir() if f.name.endswith(".json")]
