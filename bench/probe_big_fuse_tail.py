@@ -6,7 +6,7 @@ summed, the Sinkhorn warp's start and end, and the first collapse warp's end. Ru
 tactic, CUDA-graph replay over rotated inputs); the stamps of the last call of each replay are read. The outputs are
 not checked: for timing only.
 
-    python bench/probe_big_fuse_tail.py --m 1 16 32 --hidden 7168     # on a GPU machine
+    python bench/probe_big_fuse_tail.py --m 1 16 32 --hidden 7168 --repeat 1 20     # on a GPU machine
 """
 
 import argparse
@@ -137,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--clock-ghz", type=float, default=1.98, help="SM clock to turn clock64 cycles into us")
+    ap.add_argument("--repeat", type=int, nargs="+", default=[20],
+                    help="sinkhorn_repeat values to run (1 and 20 split the Sinkhorn warp's iterations from the rest)")
     args = ap.parse_args(argv)
     from mhc_cute.problem import Scalars, validate
 
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
         return 2
     dev = torch.device("cuda")
     print(f"GPU: {torch.cuda.get_device_name()}; us from clock64 at {args.clock_ghz} GHz")
-    for m in args.m:
+    for m, repeat in ((m, r) for m in args.m for r in args.repeat):
         tactic = shipped_tactic(m, args.hidden)
         fn = compiled_probe(tactic, args.hidden)
         sets = mb.rotated_sets(m, args.hidden, dev, False)[:16]
@@ -157,7 +159,7 @@ def main(argv=None) -> int:
 
         def call(s):
             problem, _ = validate(s["x_prev"], s["residual_prev"], s["post_mix_prev"], s["comb_mix_prev"], s["fn"],
-                                  s["hc_scale"], s["hc_base"], None, Scalars(), "fp32")
+                                  s["hc_scale"], s["hc_base"], None, Scalars(sinkhorn_repeat=repeat), "fp32")
             out = problem.empty_outputs()
             fn(problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, problem.hc_scale,
                problem.hc_base, None, *out, ws, None, *scalar_args(problem.scalars))
@@ -191,7 +193,8 @@ def main(argv=None) -> int:
                     "CTA end after release": (b["gt_end"] - b["gt_released"]) / 1e3,
                     "CTA end after k1 end": (b["gt_end"] - k1_end) / 1e3,
                 })
-        print(f"M={m} H={args.hidden} {tactic.name}: medians over {args.replays} replays x {m} big-fuse CTAs "
+        print(f"M={m} H={args.hidden} sinkhorn_repeat={repeat} {tactic.name}: medians over {args.replays} replays "
+              f"x {m} big-fuse CTAs "
               f"(us; clock64 ones from the CTA's release)", flush=True)
         for k in rows[0]:
             v = [r[k] for r in rows]
