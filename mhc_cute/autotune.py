@@ -200,20 +200,25 @@ class Selector:
         self._resolved.clear()
 
     def choose(self, device: torch.device, m: int, hidden: int, precision: str, norm: bool) -> Choice | None:
-        """The tuned choice; a table tuned without the fused norm stands in for one with it (and back), since
-        the norm adds the same small epilogue to every backend; then a shipped table of the same architecture
-        and SM count (module docstring)."""
+        """The tuned choice (``table_key``'s table at M's bucket), or None."""
+        key = self.table_key(device, hidden, precision, norm)
+        return None if key is None else nearest(self.tables()[key], bucket_of(m))
+
+    def table_key(self, device: torch.device, hidden: int, precision: str, norm: bool) -> str | None:
+        """The key of the table ``auto`` uses on ``device``: this GPU's, where a table tuned without the fused norm
+        stands in for one with it (and back), since the norm adds the same small epilogue to every backend; then a
+        shipped table of the same architecture and SM count (module docstring); None: the heuristic."""
         tables = self.tables()
         keys = [self._key(device, hidden, precision, n) for n in (norm, not norm)]
         for key in keys:
             if key in tables:
-                return nearest(tables[key], bucket_of(m))
+                return key
         cc = "{}.{}".format(*torch.cuda.get_device_capability(device))
         for key in keys:
             k = TuneKey.parse(key)
             stand_in = self._stand_ins.get((cc, k.sm_count, k.hidden, k.precision, k.norm, k.version))
             if stand_in is not None:
-                return nearest(tables[stand_in], bucket_of(m))
+                return stand_in
         return None
 
     def _key(self, device: torch.device, hidden: int, precision: str, norm: bool) -> str:

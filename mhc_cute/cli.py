@@ -41,6 +41,17 @@ def cmd_info(args) -> int:
     for name, b in backends.BACKENDS.items():
         why = backends.unavailable_reason(name, dev)
         print(f"  {name:9s} {'available' if why is None else 'unavailable: ' + why:40s} {b.summary}")
+    if dev.type == "cuda" and torch.version.hip is None:
+        from . import autotune
+
+        print(f"auto's tuned tables (user cache: {autotune.cache_path()}):")
+        for hidden in (4096, 7168):
+            for norm in (False, True):
+                key = autotune.SELECTOR.table_key(dev, hidden, "fp32", norm)
+                mine = autotune.TuneKey.for_device(dev, hidden, "fp32", norm)
+                how = ("none: the heuristic" if key is None else key if autotune.TuneKey.parse(key).gpu == mine.gpu
+                       else f"{key} (a stand-in: same compute capability and SM count)")
+                print(f"  H={hidden} fp32 norm={int(norm)}: {how}")
     return 0
 
 

@@ -143,8 +143,10 @@ def _h200_row(hidden, norm, m):
 @pytest.mark.parametrize("m,hidden,norm", [(1, 7168, False), (32, 7168, True), (100, 4096, False), (9000, 4096, True)])
 def test_a_gpu_of_the_shipped_architecture_and_sm_count_takes_its_table(monkeypatch, tmp_path, m, hidden, norm):
     device = _fake_gpu(monkeypatch, tmp_path, "NVIDIA H100 80GB HBM3", 132, (9, 0))
-    choice = autotune.Selector().choose(device, m, hidden, "fp32", norm)
+    selector = autotune.Selector()
+    choice = selector.choose(device, m, hidden, "fp32", norm)
     assert choice is not None and choice == _h200_row(hidden, norm, m)
+    assert autotune.TuneKey.parse(selector.table_key(device, hidden, "fp32", norm)).gpu == "NVIDIA H200"
 
 
 @pytest.mark.parametrize("sm_count,capability,hidden", [(114, (9, 0), 7168), (132, (8, 0), 7168),
@@ -152,6 +154,7 @@ def test_a_gpu_of_the_shipped_architecture_and_sm_count_takes_its_table(monkeypa
 def test_no_stand_in_for_another_architecture_sm_count_or_h(monkeypatch, tmp_path, sm_count, capability, hidden):
     device = _fake_gpu(monkeypatch, tmp_path, "Some GPU", sm_count, capability)
     assert autotune.Selector().choose(device, 32, hidden, "fp32", False) is None
+    assert autotune.Selector().table_key(device, hidden, "fp32", False) is None
 
 
 def test_a_gpu_s_own_table_wins_over_the_stand_in(monkeypatch, tmp_path):
@@ -289,3 +292,23 @@ def test_tuner_drops_a_fast_but_wrong_pick(monkeypatch):
                                log=lambda *a: None)
     (rows,) = tables.values()
     assert rows[1].backend == "triton"
+
+
+def test_info_names_the_table_auto_uses(monkeypatch, tmp_path, capsys):
+    import types
+
+    import torch
+
+    from mhc_cute import backends, cli
+
+    monkeypatch.setenv("MHC_CUTE_CACHE_DIR", str(tmp_path))
+    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", multi_processor_count=132, major=9, minor=0,
+                                  total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev: (9, 0))
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, dev: None)
+    monkeypatch.setattr(autotune, "SELECTOR", autotune.Selector())
+    assert cli.cmd_info(None) == 0
+    out = capsys.readouterr().out
+    assert "H=7168 fp32 norm=0: NVIDIA H200|132|H7168|fp32|norm0" in out and "a stand-in" in out
