@@ -26,39 +26,38 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def specs_for(backends, ms, hiddens, norms, precisions, sm_count):
+def split_specs(pairs, norms, precisions):
+    """(FMA specs, MMA specs) of (H, tactic) ``pairs``, each with every norm (and, for MMA, every precision)."""
     from mhc_cute import tactics
 
     fma, mma = [], []
-    for h in hiddens:
-        for m in ms:
-            for norm in norms:
-                for b in backends:
-                    if b in tactics.FMA_PATHS:
-                        fma.append((tactics.default_fma_tactic(b, m, h, sm_count).name, h, norm))
-                    elif b in tactics.MMA_PATHS:
-                        for p in precisions:
-                            mma.append((tactics.default_mma_tactic(b, m, h, sm_count).name, h, p, norm))
+    for h, t in pairs:
+        for norm in norms:
+            if t.path in tactics.FMA_PATHS:
+                fma.append((t.name, h, norm))
+            else:
+                mma += [(t.name, h, p, norm) for p in precisions]
     return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
+
+
+def specs_for(backends, ms, hiddens, norms, precisions, sm_count):
+    """The default tactics of these backends at these M and H."""
+    from mhc_cute import tactics
+
+    default = {**{b: tactics.default_fma_tactic for b in tactics.FMA_PATHS},
+               **{b: tactics.default_mma_tactic for b in tactics.MMA_PATHS}}
+    pairs = [(h, default[b](b, m, h, sm_count)) for h in hiddens for m in ms for b in backends if b in default]
+    return split_specs(pairs, norms, precisions)
 
 
 def tune_specs(backends, ms, hiddens, norms, precisions, sm_count):
-    """(FMA specs, MMA specs) of every candidate ``mhc-cute tune`` times for these backends, M and H."""
-    from mhc_cute import autotune, tactics
+    """Every candidate ``mhc-cute tune`` times for these backends, M and H."""
+    from mhc_cute import autotune
 
-    fma, mma = [], []
-    for h in hiddens:
-        for bucket in sorted({autotune.bucket_of(m) for m in ms}):
-            for b in backends:
-                for t in autotune.candidate_tactics(b, bucket, h, sm_count):
-                    if t is None:  # a backend without tactics of its own
-                        continue
-                    for norm in norms:
-                        if t.path in tactics.FMA_PATHS:
-                            fma.append((t.name, h, norm))
-                        else:
-                            mma += [(t.name, h, p, norm) for p in precisions]
-    return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
+    buckets = sorted({autotune.bucket_of(m) for m in ms})
+    pairs = [(h, t) for h in hiddens for bucket in buckets for b in backends
+             for t in autotune.candidate_tactics(b, bucket, h, sm_count) if t is not None]
+    return split_specs(pairs, norms, precisions)
 
 
 def session_specs(sm_count):
@@ -80,14 +79,8 @@ def session_specs(sm_count):
               for n in names for shape in tactics.FUSE_SHAPES]
     named += [(h, t.name) for h in GPU_HS for path in tactics.FMA_PATHS  # the warp-MMA test
               for t in warp_mma_tactics(path, h)]
-    for h, name in named:
-        t = tactics.parse_tactic(name)
-        for norm in (None, "bfloat16"):
-            if t.path in tactics.FMA_PATHS:
-                fma.append((t.name, h, norm))
-            else:
-                mma.append((t.name, h, "fp32", norm))
-    return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
+    named_fma, named_mma = split_specs([(h, tactics.parse_tactic(n)) for h, n in named], [None, "bfloat16"], ["fp32"])
+    return list(dict.fromkeys(fma + named_fma)), list(dict.fromkeys(mma + named_mma))
 
 
 def main() -> int:

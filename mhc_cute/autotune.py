@@ -23,7 +23,7 @@ import os
 import sys
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from typing import NamedTuple
 
@@ -134,20 +134,25 @@ def shipped_files() -> list[ShippedFile]:
     return out
 
 
-def load_shipped_tables() -> dict[str, dict[int, Choice]]:
-    return {key: rows for f in shipped_files() for key, rows in f.tables.items()}
+def load_shipped_tables(files: list[ShippedFile] | None = None) -> dict[str, dict[int, Choice]]:
+    """The shipped tables by key (of ``files``, or of every shipped file)."""
+    return {key: rows for f in (shipped_files() if files is None else files) for key, rows in f.tables.items()}
 
 
-def stand_in_keys(files: list[ShippedFile]) -> dict[tuple, str]:
-    """{(compute capability, SM count, H, precision, norm, version): a shipped key measured on such a GPU}; of
-    several GPUs, the first file's (sorted by name) is kept."""
+def architecture_key(key: str, compute_capability: str) -> TuneKey:
+    """``key`` with its GPU name replaced by the architecture: the key under which a table stands in for GPUs of the
+    same compute capability and SM count."""
+    return replace(TuneKey.parse(key), gpu=f"sm {compute_capability}")
+
+
+def stand_in_keys(files: list[ShippedFile]) -> dict[TuneKey, str]:
+    """{``architecture_key``: a shipped key measured on such a GPU}; of several GPUs, the first file's (sorted by
+    name) is kept."""
     out = {}
     for f in files:
-        if f.compute_capability is None:
-            continue
-        for key in f.tables:
-            k = TuneKey.parse(key)
-            out.setdefault((f.compute_capability, k.sm_count, k.hidden, k.precision, k.norm, k.version), key)
+        if f.compute_capability is not None:
+            for key in f.tables:
+                out.setdefault(architecture_key(key, f.compute_capability), key)
     return out
 
 
@@ -181,14 +186,14 @@ class Selector:
 
     def __init__(self):
         self._tables: dict[str, dict[int, Choice]] | None = None
-        self._stand_ins: dict[tuple, str] = {}
+        self._stand_ins: dict[TuneKey, str] = {}
         self._keys: dict[tuple, str] = {}
         self._resolved: dict[tuple, tuple] = {}
 
     def tables(self) -> dict[str, dict[int, Choice]]:
         if self._tables is None:
             files = shipped_files()
-            tables = {key: rows for f in files for key, rows in f.tables.items()}
+            tables = load_shipped_tables(files)
             tables.update(load_user_tables())  # the user's own tuning wins over shipped defaults
             self._stand_ins = stand_in_keys(files)
             self._tables = tables
@@ -215,8 +220,7 @@ class Selector:
                 return key
         cc = "{}.{}".format(*torch.cuda.get_device_capability(device))
         for key in keys:
-            k = TuneKey.parse(key)
-            stand_in = self._stand_ins.get((cc, k.sm_count, k.hidden, k.precision, k.norm, k.version))
+            stand_in = self._stand_ins.get(architecture_key(key, cc))
             if stand_in is not None:
                 return stand_in
         return None
@@ -297,8 +301,6 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
     32 tokens per CTA, one chunk per CTA, each big-fuse shape; 256 threads, or 128 with the default's chunk or
     one twice as wide: the 128-thread 64-position chunk won at H = 7168, M = 16 on the H200); only valid ones. None stands
     for a backend without tactics of its own (the reference, Triton's table)."""
-    from dataclasses import replace
-
     from . import tactics
 
     if backend in tactics.FMA_PATHS:

@@ -48,8 +48,7 @@ def cmd_info(args) -> int:
         for hidden in (4096, 7168):
             for norm in (False, True):
                 key = autotune.SELECTOR.table_key(dev, hidden, "fp32", norm)
-                mine = autotune.TuneKey.for_device(dev, hidden, "fp32", norm)
-                how = ("none: the heuristic" if key is None else key if autotune.TuneKey.parse(key).gpu == mine.gpu
+                how = ("none: the heuristic" if key is None else key if autotune.TuneKey.parse(key).gpu == p.name
                        else f"{key} (a stand-in: same compute capability and SM count)")
                 print(f"  H={hidden} fp32 norm={int(norm)}: {how}")
     return 0
