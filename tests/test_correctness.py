@@ -114,3 +114,18 @@ def test_gpu_fma_warp_mma(path, which, m, h, norm):
     tactic = warp_mma_tactics(path, h)[which]
     problem = problem_of(make_inputs(m, h, seed=7 * m + h + which, device="cuda", norm=norm), "fp32")
     check_backend(problem, path, tactic)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("backend", ["torch"] + KERNEL_BACKENDS)
+def test_gpu_saturated_gates(backend, norm):
+    """Mixes far outside the sigmoid's range (|hc_base| of 100-300): gates of 0 and 1 (in fp32 1 + exp(-x)
+    overflows to inf), a one-hot comb softmax; every output finite and within the float64 contract."""
+    inputs = make_inputs(17, 4096, seed=11, device="cuda", norm=norm)
+    signs = torch.tensor([1.0, -1.0] * 12, device="cuda")
+    inputs["hc_base"] = signs * torch.linspace(100.0, 300.0, 24, device="cuda")
+    why = backends.unavailable_reason(backend, torch.device("cuda"))
+    if why is not None:
+        pytest.skip(f"{backend} unavailable: {why}")
+    check_backend(problem_of(inputs, "fp32"), backend)

@@ -60,10 +60,11 @@ class BigFusePhase:
     that work on different tokens at once (each thread derives the pre gates of its token from the summed
     row, so no barrier is needed before the collapse). The collapse is latency bound at small M: each thread
     issues the loads of ``batch`` 8-vectors (all 4 streams) before it uses any (the first batch together with
-    the partials), and the one long serial chain, the post gates and the Sinkhorn (one thread per token), runs
-    beside the collapse (in a warp of its own with ``sinkhorn_warp``, else in the first warp). The op's
-    own inputs (hc_base, hc_scale, the norm weight) are loaded first, before the partials (the standalone kernel
-    loads them before it waits for its producer grid): on the H200 that took 0.9-1.7 us off a call at M = 1.
+    the partials), and the one long serial chain, the Sinkhorn (one thread per token), runs beside the collapse
+    (in a warp of its own with ``sinkhorn_warp``, the post gates then computed by the collapse threads; else in
+    the first warp, with the post gates). The op's own inputs (hc_base, hc_scale, the norm weight) are loaded
+    first, before the partials (the standalone kernel loads them before it waits for its producer grid): on the
+    H200 that took 0.9-1.7 us off a call at M = 1.
     """
 
     def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4,
@@ -75,8 +76,8 @@ class BigFusePhase:
         self.threads = threads
         self.warps = threads // du.WARP
         self.norm_dtype = norm_dtype  # None, BFloat16 or Float32 (compile-time)
-        # ``sinkhorn_warp``: the last warp runs the post gates and the Sinkhorn and no collapse, so that no
-        # collapse work waits behind that chain (else the first warp's collapse starts after it)
+        # ``sinkhorn_warp``: the last warp runs the Sinkhorn and no collapse, so that no collapse work waits behind
+        # that chain (else the first warp's collapse starts after it), and the post gates leave it for the collapse
         self.sinkhorn_warp = sinkhorn_warp
         # ``pair_sinkhorn`` (blocks of up to 16 tokens): two lanes per token run the Sinkhorn, whose one-lane chain
         # is issue bound, in one warp (``post_and_sinkhorn``)
@@ -94,7 +95,9 @@ class BigFusePhase:
         # with more than two batches per thread, the Sinkhorn runs inside the first batch (overlapped with its
         # loads) unless ``sinkhorn_last`` (after the collapse, for kernels short of registers)
         self.sinkhorn_last = sinkhorn_last and self.batches > 2
-        assert not sinkhorn_warp or (self.batches <= 2 and tokens <= du.WARP)
+        # (``post_gates``: a collapse thread per gate)
+        assert not sinkhorn_warp or (self.batches <= 2 and tokens <= du.WARP
+                                     and tokens * HC_MULT <= collapse_warps * du.WARP)
         # with the norm, the rounded collapse is kept in registers for the second pass when it fits, else it
         # is stored (bf16, exact) and read back by the same thread
         self.keep_rounded = self.slots <= 8 and self.batches <= 2  # (compile-time slot indices)
@@ -165,6 +168,25 @@ class BigFusePhase:
     ):
         """The phase after ``prefetch`` (its first barrier publishes the constants); ``norm_w``: what ``prefetch``
         returned."""
+        if cutlass.const_expr(self.sinkhorn_warp):
+            # the last warp sums its share of the partials, runs only the Sinkhorn, and exits: on the H200 that
+            # chain ends the call's tail (`bench/probe_big_fuse_tail.py`); the collapse's barriers do not wait for
+            # it, and it issues none of the collapse's loads (its code would wait for them to free their registers)
+            if cute.arch.warp_idx() == self.warps - 1:
+                self.sum_partials(storage, m0, mPartials)
+                self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
+            else:
+                self.sum_and_collapse(storage, m0, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars,
+                                      norm_w)
+        else:
+            self.sum_and_collapse(storage, m0, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars,
+                                  norm_w)
+
+    @cute.jit
+    def sum_and_collapse(self, storage: BigFuseStorage, m0: Int32, mPartials: cute.Tensor, mNormW,
+                         mResCur: cute.Tensor, mPostOut: cute.Tensor, mCombOut: cute.Tensor, mLayerIn: cute.Tensor,
+                         scalars: BigFuseScalars, norm_w):
+        """``sum_partials`` then ``collapse``, by the threads that collapse."""
         first = None
         if cutlass.const_expr(self.batches <= 2):
             # residual_cur does not depend on the partials: the first batch of the collapse loads while the
@@ -172,15 +194,7 @@ class BigFusePhase:
             gtid, _, row = self.round_token(0, m0, mLayerIn.shape[0])
             first = self.load_batch(0, gtid, mResCur[m0 + row, None])
         self.sum_partials(storage, m0, mPartials)
-        if cutlass.const_expr(self.sinkhorn_warp):
-            # the last warp runs only the post gates and the Sinkhorn, and exits: on the H200 that chain ends the
-            # call's tail (`bench/probe_big_fuse_tail.py`), and the collapse's barriers do not wait for it
-            if cute.arch.warp_idx() == self.warps - 1:
-                self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
-            else:
-                self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
-        else:
-            self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
+        self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
 
     @cute.jit
     def round_token(self, r, m0: Int32, m_total):
@@ -190,10 +204,7 @@ class BigFusePhase:
         group = cute.arch.warp_idx() // self.group_warps
         n_valid = cutlass.min(m_total - m0, self.tokens)
         t = r * self.groups + group
-        valid = t < n_valid
-        if cutlass.const_expr(self.sinkhorn_warp):
-            valid = valid & (group < self.groups)
-        return tidx % self.group_threads, valid, cutlass.min(t, n_valid - 1)
+        return tidx % self.group_threads, t < n_valid, cutlass.min(t, n_valid - 1)
 
     @cute.jit
     def sum_partials(self, storage: BigFuseStorage, m0: Int32, mPartials: cute.Tensor):
@@ -233,9 +244,9 @@ class BigFusePhase:
 
     @cute.jit
     def rstd(self, storage: BigFuseStorage, t, rms_eps: Float32) -> Float32:
-        """rsqrt(sum(xf^2) / 4H + eps), correctly rounded steps: every mix is scaled by it."""
-        mean_sq = storage.mixes[t, SUMSQ_COL] / (HC_MULT * self.hidden)
-        return Float32(1.0) / cute.math.sqrt(mean_sq + rms_eps)
+        """rsqrt(sum(xf^2) / 4H + eps) within a few ulp, without branches (it starts the Sinkhorn warp's chain)."""
+        mean_sq = storage.mixes[t, SUMSQ_COL] * Float32(1.0 / (HC_MULT * self.hidden))
+        return du.rsqrt(mean_sq + rms_eps)
 
     @cute.jit
     def collapse(
@@ -255,7 +266,7 @@ class BigFusePhase:
         rounded values, by the threads that collapse (all, or all but the ``sinkhorn_warp``). Token group g handles
         tokens g, g + groups, ...; the post gates and the Sinkhorn run while the first batch of the first round is
         loading (``first``: that batch, when already loaded), or after the collapse (``sinkhorn_last``), unless
-        they have a warp of their own (``run``)."""
+        the Sinkhorn has a warp of its own (``run``): then the post gates run while round 0's last batch loads."""
         group = cute.arch.warp_idx() // self.group_warps
         for r in cutlass.range_constexpr(self.rounds):
             gtid, valid, tc = self.round_token(r, m0, mLayerIn.shape[0])
@@ -270,6 +281,8 @@ class BigFusePhase:
                         res = first
                     else:
                         res = self.load_batch(b, gtid, row_res)
+                    if cutlass.const_expr(r == 0 and b == self.batches - 1 and self.sinkhorn_warp):
+                        self.post_gates(storage, m0, mPostOut, scalars)
                     if cutlass.const_expr(r == 0 and b == 0 and not self.sinkhorn_warp):
                         self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
                     sumsq = self.collapse_batch(b, gtid, valid, res, pre, row_out, rounded, sumsq)
@@ -287,7 +300,7 @@ class BigFusePhase:
             if cutlass.const_expr(self.norm_dtype is not None):
                 total = self.group_sum(sumsq, storage.scratch, group)
                 if valid:
-                    r_norm = cute.math.rsqrt(total / self.hidden + scalars.norm_eps)
+                    r_norm = du.rsqrt(total * Float32(1.0 / self.hidden) + scalars.norm_eps)
                     if cutlass.const_expr(self.batches <= 2):
                         for b in cutlass.range_constexpr(self.batches):
                             self.normalise_batch(b, gtid, r_norm, mNormW, row_out, rounded, norm_w)
@@ -405,6 +418,20 @@ class BigFusePhase:
         return storage.mixes[t, c] * rstd * storage.constants[SCALE_AT + group] + storage.constants[c]
 
     @cute.jit
+    def post_gate(self, storage: BigFuseStorage, t, j, rstd: Float32, scalars: BigFuseScalars) -> Float32:
+        """SPEC step 4's post gate ``j`` of token ``t``."""
+        return du.sigmoid(self.mix(storage, t, HC_MULT + j, rstd, 1)) * scalars.hc_post_mult_value
+
+    @cute.jit
+    def post_gates(self, storage: BigFuseStorage, m0: Int32, mPostOut: cute.Tensor, scalars: BigFuseScalars):
+        """With the ``sinkhorn_warp``, the collapse threads compute the post gates, one gate of the block per thread
+        (called once, while a batch of the collapse loads): off the Sinkhorn warp's chain, which ends the call."""
+        tidx, _, _ = cute.arch.thread_idx()
+        t, j = tidx // HC_MULT, tidx % HC_MULT
+        if t < self.tokens and m0 + t < mPostOut.shape[0]:
+            mPostOut[m0 + t, j] = self.post_gate(storage, t, j, self.rstd(storage, t, scalars.rms_eps), scalars)
+
+    @cute.jit
     def post_and_sinkhorn(
         self,
         storage: BigFuseStorage,
@@ -413,12 +440,13 @@ class BigFusePhase:
         mCombOut: cute.Tensor,
         scalars: BigFuseScalars,
     ):
-        """The post gates and the Sinkhorn of the comb mixes, in the first warps or the ``sinkhorn_warp``: one thread
-        per token, or with ``pair_sinkhorn`` two lanes per token, each with half of the post gates and two rows
-        (``du.sinkhorn_4x4``'s ``pair``). The pair form runs in the whole warp, since its shuffles need every lane;
-        a lane past the block's tokens repeats its last token and stores nothing. Kept as two branches: one body with
-        the lanes per token a compile-time value made the one-lane calls 2-15% slower on the H200 (scalar comb stores,
-        the gates' stores predicated one by one; ``bench/measured/h200_ab_unified_sinkhorn_stop21.txt``)."""
+        """The post gates (unless ``sinkhorn_warp``: ``post_gates``) and the Sinkhorn of the comb mixes, in the first
+        warps or the ``sinkhorn_warp``: one thread per token, or with ``pair_sinkhorn`` two lanes per token, each
+        with half of the post gates and two rows (``du.sinkhorn_4x4``'s ``pair``). The pair form runs in the whole
+        warp, since its shuffles need every lane; a lane past the block's tokens repeats its last token and stores
+        nothing. Kept as two branches: one body with the lanes per token a compile-time value made the one-lane calls
+        2-15% slower on the H200 (scalar comb stores, the gates' stores predicated one by one;
+        ``bench/measured/h200_ab_unified_sinkhorn_stop21.txt``)."""
         tidx, _, _ = cute.arch.thread_idx()
         pos = tidx - ((self.warps - 1) * du.WARP if self.sinkhorn_warp else 0)
         if cutlass.const_expr(self.pair_sinkhorn):
@@ -427,10 +455,11 @@ class BigFusePhase:
                 t, half = pos // 2, pos % 2
                 tc = cutlass.min(t, n_valid - 1)
                 rstd = self.rstd(storage, tc, scalars.rms_eps)
-                for j in cutlass.range_constexpr(HC_MULT // 2):
-                    post = du.sigmoid(self.mix(storage, tc, HC_MULT + HC_MULT // 2 * half + j, rstd, 1))
-                    if t < n_valid:
-                        mPostOut[m0 + t, HC_MULT // 2 * half + j] = post * scalars.hc_post_mult_value
+                if cutlass.const_expr(not self.sinkhorn_warp):
+                    for j in cutlass.range_constexpr(HC_MULT // 2):
+                        post = self.post_gate(storage, tc, HC_MULT // 2 * half + j, rstd, scalars)
+                        if t < n_valid:
+                            mPostOut[m0 + t, HC_MULT // 2 * half + j] = post
                 n = HC_MULT * HC_MULT // 2
                 comb = cute.make_rmem_tensor((n,), Float32)
                 for i in cutlass.range_constexpr(n):
@@ -442,8 +471,9 @@ class BigFusePhase:
         elif pos >= 0 and pos < self.tokens and m0 + pos < mPostOut.shape[0]:
             m, t = m0 + pos, pos
             rstd = self.rstd(storage, t, scalars.rms_eps)
-            for j in cutlass.range_constexpr(HC_MULT):
-                mPostOut[m, j] = du.sigmoid(self.mix(storage, t, HC_MULT + j, rstd, 1)) * scalars.hc_post_mult_value
+            if cutlass.const_expr(not self.sinkhorn_warp):
+                for j in cutlass.range_constexpr(HC_MULT):
+                    mPostOut[m, j] = self.post_gate(storage, t, j, rstd, scalars)
             comb = cute.make_rmem_tensor((HC_MULT * HC_MULT,), Float32)
             for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
                 comb[i] = self.mix(storage, t, 2 * HC_MULT + i, rstd, 2)

@@ -83,8 +83,24 @@ def block_sum(val: Float32, scratch: cute.Tensor, n_warps: cutlass.Constexpr[int
 
 @cute.jit
 def sigmoid(x: Float32) -> Float32:
-    """Accurate to about an ulp (full-precision exp and division): the gates feed the collapse directly."""
-    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
+    """1 / (1 + exp(-x)), accurate to about an ulp (full-precision exp): the gates feed the collapse directly.
+
+    The division is its fast path written out (``rcp.approx`` refined by one FMA step, the instructions and bits
+    of IEEE division for every denominator below 2^126) without the slow-path branch around it, across which the
+    compiler does not interleave: a token's four gates then overlap instead of running one after another. Results
+    below 2^-126 (x < -87.3) flush to zero; a NaN stays NaN."""
+    d = Float32(1.0) + cute.math.exp(-x)
+    r = cute.arch.rcp_approx(d)
+    refined = cute.math.fma(r, -cute.math.fma(d, r, Float32(-1.0)), r)
+    return Float32(cutlass.select_(d == Float32(float("inf")), Float32(0.0), refined))
+
+
+@cute.jit
+def rsqrt(v: Float32) -> Float32:
+    """1/sqrt(v) for a positive normal ``v``: ``rsqrt.approx`` refined by one Newton step (within about an ulp), in
+    straight-line code where a correctly rounded sqrt and division each branch to a slow path."""
+    y = cute.math.rsqrt(v, fastmath=True)
+    return cute.math.fma(y * Float32(0.5), cute.math.fma(-v, y * y, Float32(1.0)), y)
 
 
 @cute.jit
