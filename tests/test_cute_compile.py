@@ -110,8 +110,10 @@ def sass_functions(sass: str) -> dict:
 
 def loads_issued_together(functions: dict) -> list:
     """What breaks the small-M load order in path E's two kernels (empty: nothing). Kernel 1 must issue every
-    global load before its first FMA; the big fuse, before its first barrier, must issue the 16-byte loads of
-    its first collapse batch before it starts summing the partials (FADD)."""
+    global load before its first FMA; the big fuse's collapse warps, before their first barrier, must issue the
+    16-byte loads of their first collapse batch before they start summing the partials (FADD). Their path to that
+    barrier is the first stretch of code between barriers and exits that has those loads and ends at a barrier
+    (in the "lat" shape the Sinkhorn warp's branch, which exits, comes first)."""
     problems = []
     for name, ops in functions.items():
         if "FmaFusedHc" in name:
@@ -120,11 +122,18 @@ def loads_issued_together(functions: dict) -> list:
             if late:
                 problems.append(f"kernel 1: {late} global loads after the first FFMA")
         elif "BigFuseKernel" in name:
-            head = ops[:ops.index("BAR.SYNC.DEFER_BLOCKING")]
-            first_add = next(i for i, op in enumerate(head) if op == "FADD")
+            stretches, stretch = [], []
+            for op in ops:
+                stretch.append(op)
+                if op in ("BAR.SYNC.DEFER_BLOCKING", "EXIT"):
+                    stretches.append(stretch)
+                    stretch = []
+            head = next((s for s in stretches if s[-1] != "EXIT" and "LDG.E.128" in s), [])
+            first_add = next((i for i, op in enumerate(head) if op == "FADD"), len(head))
             late = sum(op == "LDG.E.128" for op in head[first_add:])
-            if late or not any(op == "LDG.E.128" for op in head):
-                problems.append(f"big fuse: {late} collapse-batch loads after the partial sums start")
+            if late or not head:
+                problems.append(f"big fuse: {late} collapse-batch loads after the partial sums start"
+                                + ("" if head else " (no collapse-batch loads before a barrier)"))
     return problems
 
 
