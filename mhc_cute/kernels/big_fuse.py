@@ -35,6 +35,7 @@ from . import device_utils as du  # noqa: E402
 
 SUMSQ_COL = N_MIXES  # column of the sum of squares in a partial row
 SCALE_AT = N_MIXES  # hc_scale's place in the constants (after hc_base)
+SOFTMAX_LANES = HC_MULT * HC_MULT  # lanes per token of the Sinkhorn warp's lane-parallel softmax
 
 
 class BigFuseScalars(NamedTuple):
@@ -468,6 +469,22 @@ class BigFusePhase:
                 if t < n_valid:
                     for i in cutlass.range_constexpr(n):
                         mCombOut[m0 + t, n * half + i] = comb[i]
+        elif cutlass.const_expr(self.sinkhorn_warp and self.tokens * SOFTMAX_LANES <= du.WARP):
+            # the warp is the Sinkhorn's alone and its token count leaves 16 lanes per token: they take the comb mixes
+            # and the softmax one element each (``du.softmax_rows_by_lane``, the same bits), then every lane of the
+            # token gathers the 16 and runs the (one-lane) scaling steps; the token's first lane stores
+            n_valid = cutlass.min(mPostOut.shape[0] - m0, self.tokens)
+            t, e = pos // SOFTMAX_LANES, pos % SOFTMAX_LANES
+            tc = cutlass.min(t, n_valid - 1)
+            rstd = self.rstd(storage, tc, scalars.rms_eps)
+            k_e = du.softmax_rows_by_lane(self.mix(storage, tc, 2 * HC_MULT + e, rstd, 2), scalars.hc_sinkhorn_eps)
+            comb = cute.make_rmem_tensor((HC_MULT * HC_MULT,), Float32)
+            for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
+                comb[i] = cute.arch.shuffle_sync(k_e, offset=t * SOFTMAX_LANES + i)
+            du.sinkhorn_scaling(comb, scalars.hc_sinkhorn_eps, scalars.sinkhorn_repeat)
+            if e == 0 and t < n_valid:
+                for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
+                    mCombOut[m0 + t, i] = comb[i]
         elif pos >= 0 and pos < self.tokens and m0 + pos < mPostOut.shape[0]:
             m, t = m0 + pos, pos
             rstd = self.rstd(storage, t, scalars.rms_eps)

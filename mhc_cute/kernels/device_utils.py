@@ -120,6 +120,13 @@ def sinkhorn_4x4(c: cute.Tensor, eps: Float32, repeat: Int32, pair: cutlass.Cons
     exactly), so both forms give the same bits.
     """
     rows = 2 if pair else 4
+    softmax_rows(c, eps, rows)
+    sinkhorn_scaling(c, eps, repeat, pair)
+
+
+@cute.jit
+def softmax_rows(c: cute.Tensor, eps: Float32, rows: cutlass.Constexpr[int]):
+    """``sinkhorn_4x4``'s first step on ``rows`` rows of 4 in ``c``: row softmax (max-subtracted) + eps."""
     for i in cutlass.range_constexpr(rows):
         row_max = cute.arch.fmax(cute.arch.fmax(c[4 * i], c[4 * i + 1]), cute.arch.fmax(c[4 * i + 2], c[4 * i + 3]))
         for k in cutlass.range_constexpr(4):
@@ -127,6 +134,27 @@ def sinkhorn_4x4(c: cute.Tensor, eps: Float32, repeat: Int32, pair: cutlass.Cons
         inv = cute.arch.rcp_approx((c[4 * i] + c[4 * i + 1]) + (c[4 * i + 2] + c[4 * i + 3]))
         for k in cutlass.range_constexpr(4):
             c[4 * i + k] = c[4 * i + k] * inv + eps
+
+
+@cute.jit
+def softmax_rows_by_lane(x: Float32, eps: Float32) -> Float32:
+    """``softmax_rows`` with one element per lane (lanes 4 i .. 4 i + 3 of an aligned group of 16: row i), the row's
+    max and sum crossing in two butterfly shuffles each: the same roundings (max is exact, and the sum pairs as
+    ``(c0 + c1) + (c2 + c3)``), so the same bits. 16 lanes take the 16 exponentials and 4 reciprocals that one lane
+    would issue one after another."""
+    row_max = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+    row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
+    p = cute.math.exp(x - row_max, fastmath=True)
+    pair_sum = p + cute.arch.shuffle_sync_bfly(p, offset=1)
+    inv = cute.arch.rcp_approx(pair_sum + cute.arch.shuffle_sync_bfly(pair_sum, offset=2))
+    return p * inv + eps
+
+
+@cute.jit
+def sinkhorn_scaling(c: cute.Tensor, eps: Float32, repeat: Int32, pair: cutlass.Constexpr[bool] = False):
+    """``sinkhorn_4x4`` after the softmax: the column step and ``repeat - 1`` (row, column) steps on the scaling
+    vectors, then ``c = K_ij r_i s_j``."""
+    rows = 2 if pair else 4
     # u, r: this lane's rows; v, s: all four columns
     scale = _SinkhornScales(cute.make_rmem_tensor((rows,), Float32), cute.make_rmem_tensor((rows,), Float32),
                             cute.make_rmem_tensor((4,), Float32), cute.make_rmem_tensor((4,), Float32))
