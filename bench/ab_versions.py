@@ -59,6 +59,8 @@ def main() -> int:
     ap.add_argument("--precompile", action="store_true", help="compile the grid's kernels (no GPU needed) and exit")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--separated", action="store_true",
+                    help="also SEP lines: the calls separated by a non-PDL kernel (benchmark.time_graph_separated)")
     args = ap.parse_args()
     grid = GRIDS[args.grid]
     if args.points:
@@ -79,6 +81,10 @@ def main() -> int:
         sets = mb.rotated_sets(m, h, dev, norm)
         us = mb.time_graph(lambda s: mhc_fused_hc(**s), sets, reps=args.reps)
         check = (failure_of(problem_of(sets[0]), tactic.path, tactic) or "ok") if args.check else ""
+        if args.separated:
+            sep = mb.time_graph_separated(lambda s: mhc_fused_hc(**s), sets, mb.time_graph(mb.separator(), sets),
+                                          args.reps)
+            print(f"SEP {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {sep:.2f}", flush=True)
         host = mb.host_us_per_call(lambda s: mhc_fused_hc(**s), sets[0])
         print(f"AB {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {us:.2f} {check}", flush=True)
         print(f"HOST {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {host:.2f}", flush=True)

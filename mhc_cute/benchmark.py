@@ -5,6 +5,12 @@ in L2 between calls, as consecutive layers behave in a real model. "graph" times
 call per set (device time per call, launch gaps hidden); "eager" times are wall time per call of a plain Python
 loop (what an engine without graphs pays, host overhead included). Each is the median of several repeats. The
 floor is SPEC's cost model, ``((20H + 160) M + 96H) / B``, with B the copy bandwidth measured in the same run.
+
+The CuTe paths launch with programmatic dependent launch (PDL): in back-to-back calls each call's first kernel
+starts, and loads its weights, while the previous call's last kernel finishes. Between layers of a model another
+kernel runs, and one that does not trigger PDL (most torch ops) removes that overlap, so up to
+``SEPARATED_MAX_M`` the benchmark also times "sep": one call per set with a one-element torch kernel after each,
+minus a graph of those kernels alone (approximate: a separator partly hides behind the call before it).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from .problem import MhcFusedHcOutput
 BENCH_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # the default grid of M
 L2_FLUSH_BYTES = 256 << 20  # rotate through at least this much data (several times a Hopper L2)
 MAX_SETS = 64
+SEPARATED_MAX_M = 512  # up to here calls are short enough that the overlap of back-to-back calls matters
 
 
 @dataclass
@@ -31,6 +38,7 @@ class Result:
     m: int
     hidden: int
     graph_us: float | None = None
+    sep_us: float | None = None  # graph time with a non-PDL kernel between calls, that kernel's own time removed
     eager_us: float | None = None
     floor_frac: float | None = None  # floor time / graph time
     error: str | None = None
@@ -104,6 +112,27 @@ def time_graph(call: Callable[[dict], object], sets: list[dict], reps: int = 20)
         for s in sets:
             call(s)
     return statistics.median(replay_us(graph, len(sets), reps))
+
+
+def separator() -> Callable[[dict], None]:
+    """A call-shaped one-element torch kernel: it launches without PDL, so the call after it cannot start early."""
+    flag = torch.zeros(1, device="cuda")
+
+    def bump(_s):
+        flag.add_(1.0)
+    return bump
+
+
+def time_graph_separated(call: Callable[[dict], object], sets: list[dict], separator_us: float,
+                         reps: int = 20) -> float:
+    """Median µs per call of a graph making one call per set, each followed by ``separator()``, minus
+    ``separator_us`` (``time_graph(separator(), sets)``, measured once per set list)."""
+    bump = separator()
+
+    def call_then_bump(s):
+        call(s)
+        bump(s)
+    return time_graph(call_then_bump, sets, reps) - separator_us
 
 
 def replay_us(graph, calls_per_replay: int, reps: int = 20) -> list[float]:
@@ -208,11 +237,14 @@ def peer_calls(norm: bool) -> dict[str, Callable[[dict], object]]:
     return peers
 
 
-def bench_one(name, call, m, hidden, device, norm, bandwidth, sets=None, eager=True) -> Result:
+def bench_one(name, call, m, hidden, device, norm, bandwidth, sets=None, eager=True, separator_us=None) -> Result:
+    """One (backend or peer, M, H) cell; with ``separator_us`` also the separated time (``time_graph_separated``)."""
     r = Result(name, m, hidden)
     try:
         sets = sets or rotated_sets(m, hidden, device, norm)
         r.graph_us = time_graph(call, sets)
+        if separator_us is not None:
+            r.sep_us = time_graph_separated(call, sets, separator_us)
         if eager:
             r.eager_us = time_eager(call, sets)
         r.floor_frac = floor_bytes(m, hidden) / bandwidth * 1e6 / r.graph_us
@@ -223,9 +255,10 @@ def bench_one(name, call, m, hidden, device, norm, bandwidth, sets=None, eager=T
 
 def format_table(results: list[Result], bandwidth: float, gpu: str) -> str:
     lines = [f"GPU: {gpu}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
-             "graph = CUDA-graph replay µs/call, eager = wall µs/call, floor = SPEC floor / graph time"]
+             "graph = CUDA-graph replay µs/call (back to back), sep = the same with a non-PDL kernel between calls, "
+             "eager = wall µs/call, floor = SPEC floor / graph time"]
     names = list(dict.fromkeys(r.name for r in results))
-    head = f"{'H':>5} {'M':>6} | " + " | ".join(f"{n[:22]:>22}" for n in names)
+    head = f"{'H':>5} {'M':>6} | " + " | ".join(f"{n[:30]:>30}" for n in names)
     lines += [head, "-" * len(head)]
     by = {(r.hidden, r.m, r.name): r for r in results}
     for h, m in dict.fromkeys((r.hidden, r.m) for r in results):
@@ -233,12 +266,13 @@ def format_table(results: list[Result], bandwidth: float, gpu: str) -> str:
         for n in names:
             r = by.get((h, m, n))
             if r is None or r.graph_us is None:
-                cells.append(f"{'-' if r is None else 'error':>22}")
+                cells.append(f"{'-' if r is None else 'error':>30}")
             else:
+                sep = f"{r.sep_us:7.2f}" if r.sep_us is not None else "      -"
                 eager = f"{r.eager_us:7.1f}" if r.eager_us is not None else "    n/a"
-                cells.append(f"{r.graph_us:7.2f} {eager} {100 * r.floor_frac:4.0f}%")
+                cells.append(f"{r.graph_us:7.2f} {sep} {eager} {100 * r.floor_frac:4.0f}%")
         lines.append(f"{h:>5} {m:>6} | " + " | ".join(cells))
-    lines.append("cells: graph µs, eager µs, % of floor")
+    lines.append("cells: graph µs, sep µs, eager µs, % of floor")
     errors = [r for r in results if r.error]
     for r in errors:
         lines.append(f"error H={r.hidden} M={r.m} {r.name}: {r.error}")

@@ -103,9 +103,11 @@ def cmd_bench(args) -> int:
     for h in args.hidden:
         for m in ms:
             sets = bm.rotated_sets(m, h, dev, args.norm)
+            separator_us = bm.time_graph(bm.separator(), sets) if m <= bm.SEPARATED_MAX_M else None
             for name, call in calls.items():
                 eager = not (name == "torch-compile" and m > 4096)
-                results.append(bm.bench_one(name, call, m, h, dev, args.norm, bandwidth, sets=sets, eager=eager))
+                results.append(bm.bench_one(name, call, m, h, dev, args.norm, bandwidth, sets=sets, eager=eager,
+                                            separator_us=separator_us))
                 r = results[-1]
                 print(f"  H={h} M={m} {name}: {r.graph_us if r.error is None else r.error}", file=sys.stderr,
                       flush=True)

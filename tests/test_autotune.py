@@ -240,6 +240,16 @@ def test_bench_summary_compares_auto_with_the_fastest_backend_of_the_same_run():
     assert "H=512 M=1: 1.050 (fastest: half_fma)" in bm.auto_summary(rows, ["half_fma", "half_mma"])
 
 
+def test_bench_table_shows_the_separated_time_where_it_was_measured():
+    from mhc_cute import benchmark as bm
+
+    rows = [bm.Result("auto", 1, 512, graph_us=4.4, sep_us=6.1, eager_us=30.0, floor_frac=0.1),
+            bm.Result("auto", 2048, 512, graph_us=40.0, eager_us=60.0, floor_frac=0.5)]
+    lines = bm.format_table(rows, 4e12, "Fake GPU").splitlines()
+    assert lines[3].split("|")[1].split() == ["4.40", "6.10", "30.0", "10%"]
+    assert lines[4].split("|")[1].split() == ["40.00", "-", "60.0", "50%"]
+
+
 @pytest.mark.parametrize("other_us,want_default", [(4.95, True), (4.5, False)])
 def test_tuner_keeps_the_default_tactic_unless_another_is_clearly_faster(monkeypatch, other_us, want_default):
     import types

@@ -1,5 +1,6 @@
 """CUDA graphs, streams and threads (GPU): replay is bit-identical to eager for every kernel path, chained
-calls captured in one graph behave like consecutive layers, concurrent streams and host threads stay correct."""
+calls captured in one graph behave like consecutive layers (also with no kernel between them, where PDL overlaps
+them), concurrent streams and host threads stay correct."""
 
 import threading
 
@@ -76,6 +77,56 @@ def test_three_chained_layers_in_one_graph(backend):
                    residual_prev=captured[1].residual_cur, post_mix_prev=captured[1].post_mix_cur,
                    comb_mix_prev=captured[1].comb_mix_cur)
     check_outputs(captured[2], problem_of(last_in), **tolerances(backend, "fp32"))
+
+
+@pytest.mark.parametrize("m", [5, 300])
+@pytest.mark.parametrize("backend", PATHS)
+def test_directly_chained_calls(backend, m):
+    """Each call's outputs are the next call's inputs with no other kernel between them, so a call's kernel 1
+    (launched with PDL, its weights loaded before it waits) starts while the previous call's big fuse runs: eager
+    and in a graph, bit-identical to the same chain with the stream drained after every call. The graph is
+    replayed on fresh first-layer inputs each time, so a read of a stale input would show."""
+    _need(backend)
+    h = 4096
+    layers = [make_inputs(m, h, seed=200 + i, device="cuda", norm=bool(i % 2)) for i in range(6)]
+    keys = ("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev")
+
+    def chain(state, drain=False):
+        outs = []
+        for layer in layers:
+            o = mhc_fused_hc(**{**layer, **state}, backend=backend)
+            if drain:
+                torch.cuda.synchronize()
+            outs.append(o)
+            state = dict(zip(keys, (o.layer_input, o.residual_cur, o.post_mix_cur, o.comb_mix_cur)))
+        return outs
+
+    def first_inputs(seed):
+        return {k: v for k, v in make_inputs(m, h, seed=seed, device="cuda").items() if k in keys}
+
+    want = chain(first_inputs(300), drain=True)
+    got = chain(first_inputs(300))
+    torch.cuda.synchronize()
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert same_bits(w, g), f"eager layer {i} differs"
+    static = first_inputs(300)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(static)
+    for seed in (301, 302, 303):
+        fresh = first_inputs(seed)
+        for k in keys:
+            static[k].copy_(fresh[k])
+        graph.replay()
+        torch.cuda.synchronize()
+        want = chain(fresh, drain=True)
+        for i, (w, c) in enumerate(zip(want, captured)):
+            assert same_bits(w, c), f"replay on seed {seed}: layer {i} differs"
 
 
 @pytest.mark.parametrize("backend", PATHS)

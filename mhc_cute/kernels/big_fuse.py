@@ -540,6 +540,7 @@ class BigFuseKernel:
         norm_w = phase.prefetch(storage, mScale, mBase, mNormW)
         # launched with programmatic dependent launch: wait for the producer grid (and its memory) here
         cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()  # the next kernel (next call's kernel 1) may start its prologue
         phase.run(storage, bidx * phase.tokens, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars,
                   norm_w)
 

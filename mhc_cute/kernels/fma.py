@@ -131,7 +131,7 @@ class FmaFusedHc:
         scalars = BigFuseScalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
         self.kernel(mX, mRes, mPost, mComb, fn, hc_scale, hc_base, norm_weight, *outs, mPartials, counters,
                     scalars).launch(grid=[cute.ceil_div(m, self.tokens), self.split_k, 1],
-                                    block=[self.threads, 1, 1], stream=stream)
+                                    block=[self.threads, 1, 1], stream=stream, use_pdl=True)
         if cutlass.const_expr(not self.fused):
             self.big_fuse.launch(mPartials, hc_scale, hc_base, norm_weight, *outs, scalars, stream)
 
@@ -172,7 +172,6 @@ class FmaFusedHc:
             sArrival = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
 
         m0 = block * self.tokens
-        coefs = self.load_post_coefficients(m0, mPost, mComb)
         if cutlass.const_expr(self.warp_mma):
             # warp w owns K range [w warp_k, (w + 1) warp_k) of each chunk (inside one stream), every column
             lane = cute.arch.lane_idx()
@@ -194,6 +193,12 @@ class FmaFusedHc:
         fn_quad0 = stream_j * (self.hidden // QUAD) + split * (self.split_h // QUAD) + quad
         weights = cute.make_rmem_tensor(self.w_shape, Float32)
         self.load_weights(weights, mFn, w_row0, w_row_step, fn_quad0)
+        # launched with programmatic dependent launch: the first weights (an input no kernel of the stream writes)
+        # load while the previous kernel finishes; everything it may have written is read after this wait
+        cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(self.fused):
+            cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its own prologue
+        coefs = self.load_post_coefficients(m0, mPost, mComb)
         for c in cutlass.range(self.n_chunks, unroll=1):
             if cutlass.const_expr(self.tactic.stages == 2):
                 next_weights = cute.make_rmem_tensor(self.w_shape, Float32)

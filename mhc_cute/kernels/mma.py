@@ -222,7 +222,8 @@ class MmaFusedHcKernel:
             tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, mPost, mComb, mResOut, partials, tiled_mma,
             res_layout, x_layout, w_layout, mScale, mBase, mNormW, flat, counters, scalars,
         ).launch(
-            grid=[cute.ceil_div(m, tile_m) * self.split_k, 1, 1], block=[self.threads, 1, 1], stream=stream
+            grid=[cute.ceil_div(m, tile_m) * self.split_k, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            use_pdl=True,
         )
         if const_expr(not self.fused):
             self.big_fuse.launch(partials, mScale, mBase, mNormW, *flat, scalars, stream)
@@ -290,6 +291,10 @@ class MmaFusedHcKernel:
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
 
+        # launched with programmatic dependent launch: the setup above overlaps the previous kernel's end
+        cute.arch.griddepcontrol_wait()
+        if const_expr(self.fused):
+            cute.arch.griddepcontrol_launch_dependents()
         if warp_idx == self.producer_warp:
             self.produce(ab_pipeline, tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, sRes, sX, sW, m_tile,
                          blk_begin, n_blk)
