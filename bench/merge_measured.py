@@ -1,5 +1,6 @@
 """Merge `mhc-cute bench --json` files (a later file overrides an earlier one for the same H, M and name) into
-the README's markdown tables and a PNG plot.
+the README's markdown tables and a PNG plot ("auto sep": `auto`'s time with a non-PDL kernel between calls, where
+the run measured it).
 
     python bench/merge_measured.py bench/measured/h200_bench_stop12.json --plot bench/measured/h200.png
 """
@@ -32,8 +33,8 @@ def main() -> int:
     for h in sorted({k[0] for k in merged}, reverse=True):
         print(f"\n**H = {h}** (µs per call, CUDA-graph replay; the fastest mhc_cute backend in bold)\n")
         print("| M | " + " | ".join(c[1] for c in COLUMNS)
-              + " | auto % of floor | auto / fastest | auto vs TileKernels | auto eager |")
-        print("|---:|" + "---:|" * (len(COLUMNS) + 4))
+              + " | auto sep | auto % of floor | auto / fastest | auto vs TileKernels | auto eager |")
+        print("|---:|" + "---:|" * (len(COLUMNS) + 5))
         for m in sorted({k[1] for k in merged if k[0] == h}):
             row = {name: merged.get((h, m, name)) for name, _ in COLUMNS}
             best = fastest(graph_us, h, m, KERNELS)
@@ -44,7 +45,8 @@ def main() -> int:
             speedup = f"{tk['graph_us'] / auto['graph_us']:.2f}x" if auto and tk else "—"
             vs_best = f"{auto['graph_us'] / row[best]['graph_us']:.3f}" if auto else "—"
             eager = f"{auto['eager_us']:.0f}" if auto and auto.get("eager_us") else "—"
-            print(f"| {m} | " + " | ".join(cells) + f" | {floor} | {vs_best} | {speedup} | {eager} |")
+            sep = f"{auto['sep_us']:.1f}" if auto and auto.get("sep_us") else "—"
+            print(f"| {m} | " + " | ".join(cells) + f" | {sep} | {floor} | {vs_best} | {speedup} | {eager} |")
     if args.plot:
         plot([Result(r["name"], r["m"], r["hidden"], r["graph_us"]) for r in merged.values()], args.plot, gpu)
     return 0
