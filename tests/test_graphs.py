@@ -20,20 +20,26 @@ def _need(backend):
         pytest.skip(f"{backend} unavailable: {why}")
 
 
+def _capture(work):
+    """``work()`` run once on a side stream (compile, workspace), then captured: (graph, the capture's result)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        work()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = work()
+    return graph, captured
+
+
 @pytest.mark.parametrize("m", [3, 200])
 @pytest.mark.parametrize("backend", PATHS)
 def test_graph_replay_equals_eager(backend, m):
     _need(backend)
     inp = make_inputs(m, 4096, seed=11, device="cuda", norm=True)
     eager = mhc_fused_hc(**inp, backend=backend)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        mhc_fused_hc(**inp, backend=backend)  # warm on the capture stream (compile, workspace)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = mhc_fused_hc(**inp, backend=backend)
+    graph, captured = _capture(lambda: mhc_fused_hc(**inp, backend=backend))
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
@@ -60,14 +66,7 @@ def test_three_chained_layers_in_one_graph(backend):
 
     eager = chain(dict(first))
     static = {k: v.clone() for k, v in first.items()}
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = chain(static)
+    graph, captured = _capture(lambda: chain(static))
     graph.replay()
     torch.cuda.synchronize()
     for e, c in zip(eager, captured):
@@ -110,14 +109,7 @@ def test_directly_chained_calls(backend, m):
     for i, (w, g) in enumerate(zip(want, got)):
         assert same_bits(w, g), f"eager layer {i} differs"
     static = first_inputs(300)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = chain(static)
+    graph, captured = _capture(lambda: chain(static))
     for seed in (301, 302, 303):
         fresh = first_inputs(seed)
         for k in keys:
