@@ -139,15 +139,13 @@ def softmax_rows(c: cute.Tensor, eps: Float32, rows: cutlass.Constexpr[int]):
 @cute.jit
 def softmax_rows_by_lane(x: Float32, eps: Float32) -> Float32:
     """``softmax_rows`` with one element per lane (lanes 4 i .. 4 i + 3 of an aligned group of 16: row i), the row's
-    max and sum crossing in two butterfly shuffles each: the same roundings (max is exact, and the sum pairs as
-    ``(c0 + c1) + (c2 + c3)``), so the same bits. 16 lanes take the 16 exponentials and 4 reciprocals that one lane
+    max and sum crossing in two butterfly shuffles each: the same roundings (max is exact, and ``warp_sum`` pairs
+    the sum as ``(c0 + c1) + (c2 + c3)``), so the same bits. 16 lanes take the 16 exponentials and 4 reciprocals that one lane
     would issue one after another."""
     row_max = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
     row_max = cute.arch.fmax(row_max, cute.arch.shuffle_sync_bfly(row_max, offset=2))
     p = cute.math.exp(x - row_max, fastmath=True)
-    pair_sum = p + cute.arch.shuffle_sync_bfly(p, offset=1)
-    inv = cute.arch.rcp_approx(pair_sum + cute.arch.shuffle_sync_bfly(pair_sum, offset=2))
-    return p * inv + eps
+    return p * cute.arch.rcp_approx(warp_sum(p, lanes=4)) + eps
 
 
 @cute.jit
