@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import autotune, backends
-from .problem import MhcFusedHcOutput, Problem, Scalars, validate
+from .problem import MhcFusedHcOutput, Problem, Scalars, check_out_memory, flat_out, validate
 from .reference import HC_MULT
 
 
@@ -55,6 +55,7 @@ def mhc_fused_hc(
     backend: str = "auto",
     precision: str = "fp32",
     tactic=None,
+    out=None,
 ) -> MhcFusedHcOutput:
     """The mHC boundary op: post of the previous sublayer fused with pre of the next (``../shared/SPEC.md``).
 
@@ -62,36 +63,47 @@ def mhc_fused_hc(
     ``comb_mix_prev [..., 4, 4]`` (or ``[..., 16]``) fp32, ``fn [24, 4H]`` fp32, ``hc_scale [3]`` fp32,
     ``hc_base [24]`` fp32, ``norm_weight [H]`` bf16/fp32 or None. Returns ``MhcFusedHcOutput(residual_cur
     [..., 4, H] bf16, post_mix_cur [..., 4, 1] fp32, comb_mix_cur [..., 4, 4] fp32, layer_input [..., H] bf16)``;
-    outputs are fresh tensors. Non-contiguous or misaligned (not 16-byte) inputs are copied first.
+    outputs are fresh tensors, or with ``out`` the caller's. Non-contiguous or misaligned (not 16-byte) inputs are
+    copied first.
 
     ``backend``: ``"auto"`` (tuned choice for this GPU, the reference on a CPU), ``"torch"``, ``"triton"``,
     ``"half_fma"``, ``"all_fma"``, ``"half_mma"``, ``"all_mma"``. ``precision``: ``"fp32"`` (fp32-accurate
     projection) or ``"tf32"`` (allows a single-TF32 projection on the MMA paths; other backends stay fp32).
     ``tactic``: a tactic object or name for the chosen backend (advanced; None lets the backend choose).
+    ``out``: the caller's output buffers ``(residual_cur, post_mix_cur, comb_mix_cur, layer_input)`` (e.g. the
+    static buffers of a CUDA graph): the output shapes and dtypes (``post_mix_cur`` may be ``[..., 4]``,
+    ``comb_mix_cur`` ``[..., 16]``), contiguous, 16-byte aligned, sharing no memory with each other or with the
+    inputs; the op writes every element and returns them.
     """
     scalars = Scalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
     problem, lead = validate(
         x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight, scalars, precision
     )
+    flat = None if out is None else flat_out(out, lead, problem.hidden, problem.x.device)
     if torch.compiler.is_compiling():
         s = problem.scalars
-        out = torch.ops.mhc_cute.fused_hc(
-            problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, problem.hc_scale,
-            problem.hc_base, problem.norm_weight, s.rms_eps, s.hc_pre_eps, s.hc_sinkhorn_eps,
-            s.hc_post_mult_value, s.sinkhorn_repeat, s.norm_eps, backend, precision,
-        )
-        out = MhcFusedHcOutput(*out)
+        args = (problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, problem.hc_scale,
+                problem.hc_base, problem.norm_weight, s.rms_eps, s.hc_pre_eps, s.hc_sinkhorn_eps,
+                s.hc_post_mult_value, s.sinkhorn_repeat, s.norm_eps, backend, precision)
+        if flat is not None:
+            torch.ops.mhc_cute.fused_hc_out(*flat, *args)
+            return MhcFusedHcOutput(*out)
+        result = MhcFusedHcOutput(*torch.ops.mhc_cute.fused_hc(*args))
     else:
         # eager: call the implementation directly; the custom-op boundary costs host time per call
-        out = _dispatch(problem, backend, tactic)
+        if flat is not None:
+            check_out_memory(flat, problem)
+            _dispatch(problem, backend, tactic, flat)
+            return MhcFusedHcOutput(*out)
+        result = _dispatch(problem, backend, tactic)
     if len(lead) == 1:  # already [M, ...]
-        return out
+        return result
     h = problem.hidden
     return MhcFusedHcOutput(
-        out.residual_cur.view(*lead, HC_MULT, h),
-        out.post_mix_cur.view(*lead, HC_MULT, 1),
-        out.comb_mix_cur.view(*lead, HC_MULT, HC_MULT),
-        out.layer_input.view(*lead, h),
+        result.residual_cur.view(*lead, HC_MULT, h),
+        result.post_mix_cur.view(*lead, HC_MULT, 1),
+        result.comb_mix_cur.view(*lead, HC_MULT, HC_MULT),
+        result.layer_input.view(*lead, h),
     )
 
 
@@ -130,3 +142,43 @@ def _(x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, *args
         x.new_empty(m, HC_MULT, HC_MULT, dtype=torch.float32),
         x.new_empty(m, h),
     )
+
+
+@torch.library.custom_op(
+    "mhc_cute::fused_hc_out", mutates_args=("residual_cur", "post_mix_cur", "comb_mix_cur", "layer_input")
+)
+def _fused_hc_out_op(
+    residual_cur: torch.Tensor,
+    post_mix_cur: torch.Tensor,
+    comb_mix_cur: torch.Tensor,
+    layer_input: torch.Tensor,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    post_mix: torch.Tensor,
+    comb_mix: torch.Tensor,
+    fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    rms_eps: float,
+    hc_pre_eps: float,
+    hc_sinkhorn_eps: float,
+    hc_post_mult_value: float,
+    sinkhorn_repeat: int,
+    norm_eps: float,
+    backend: str,
+    precision: str,
+) -> None:
+    """``mhc_fused_hc(..., out=...)`` under ``torch.compile``: writes the flat output buffers in place."""
+    problem = Problem(
+        x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight,
+        Scalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps), precision,
+    )
+    out = MhcFusedHcOutput(residual_cur, post_mix_cur, comb_mix_cur, layer_input)
+    check_out_memory(out, problem)
+    _dispatch(problem, backend, out=out)
+
+
+@_fused_hc_out_op.register_fake
+def _(*args):
+    return None

@@ -108,6 +108,84 @@ def _signature(tensors, scalars, precision) -> tuple:
     return tuple(sig)
 
 
+INPUT_NAMES = ("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev", "fn", "hc_scale", "hc_base",
+               "norm_weight")  # the user's names of the Problem's tensors
+OUT_SHAPES = (  # per output: its dtype and the trailing shapes it may have (after the leading dims of x_prev)
+    ("residual_cur", torch.bfloat16, ((HC_MULT, None),)),
+    ("post_mix_cur", torch.float32, ((HC_MULT, 1), (HC_MULT,))),
+    ("comb_mix_cur", torch.float32, ((HC_MULT, HC_MULT), (HC_MULT * HC_MULT,))),
+    ("layer_input", torch.bfloat16, ((None,),)),
+)
+
+
+_OUT_VALIDATED: dict[tuple, tuple] = {}  # out= signature -> the flat shape to view each buffer as (None: as it is)
+
+
+def flat_out(out, lead: tuple[int, ...], hidden: int, device) -> MhcFusedHcOutput:
+    """The caller's output buffers (``out=``) checked (four tensors of the output shapes, or the flat
+    alternatives the inputs also accept, dtypes, device, contiguous) and viewed as the flat outputs the backends
+    write. A signature that passed once skips the checks, as in ``validate``. Memory checks (alignment, overlap)
+    need real pointers: ``check_out_memory``."""
+    try:
+        sig = (lead, hidden, device) + tuple((t.shape, t.stride(), t.dtype, t.device) for t in out)
+        shapes = _OUT_VALIDATED.get(sig)
+    except (TypeError, AttributeError):  # not a sequence of tensors: the full checks will say so
+        sig, shapes = None, None
+    if shapes is None:
+        shapes = _check_out(out, lead, hidden, device)
+        if sig is not None and len(_OUT_VALIDATED) < _MAX_SIGNATURES:
+            _OUT_VALIDATED[sig] = shapes
+    return MhcFusedHcOutput(*(t if shape is None else t.view(shape) for t, shape in zip(out, shapes)))
+
+
+def _check_out(out, lead, hidden, device) -> tuple:
+    if not isinstance(out, (tuple, list)) or len(out) != len(OUT_SHAPES):
+        _fail("out", "a tuple of 4 tensors (residual_cur, post_mix_cur, comb_mix_cur, layer_input)",
+              type(out).__name__ if not isinstance(out, (tuple, list)) else f"{len(out)} items")
+    m = math.prod(lead)
+    shapes = []
+    for t, (name, dtype, tails) in zip(out, OUT_SHAPES):
+        name = f"out.{name}"
+        tails = [tuple(hidden if d is None else d for d in tail) for tail in tails]
+        _check_tensor(name, t, (dtype,), None, device)
+        if tuple(t.shape) not in [lead + tail for tail in tails]:
+            _fail(name, "of shape " + " or ".join(str(list(lead + tail)) for tail in tails), list(t.shape))
+        if not t.is_contiguous():
+            _fail(name, "contiguous (the op writes it in place)", f"strides {list(t.stride())}")
+        flat = (m,) + tails[0]
+        shapes.append(None if tuple(t.shape) == flat else flat)
+    return tuple(shapes)
+
+
+def check_out_memory(out: MhcFusedHcOutput, problem: Problem) -> None:
+    """``out=`` buffers: 16-byte aligned bases, and no byte shared with another output or with any input the
+    op reads (the flattened problem's tensors; inputs may overlap each other, they are only read). Needs real
+    tensors (not the fake ones ``torch.compile`` traces)."""
+    outs = [(t.data_ptr(), t.nbytes) for t in out]
+    ins = [(t.data_ptr(), t.nbytes) for t in problem[:len(INPUT_NAMES)] if t is not None]
+    clash = any(p % ALIGN_BYTES for p, _ in outs)
+    for i, (p, n) in enumerate(outs):
+        e = p + n
+        for q, k in outs[i + 1:] + ins:
+            clash |= n > 0 and k > 0 and q < e and p < q + k
+    if clash:  # rare: find what to name
+        _out_memory_error(out, problem)
+
+
+def _out_memory_error(out: MhcFusedHcOutput, problem: Problem) -> None:
+    names = [f"out.{n}" for n in MhcFusedHcOutput._fields]
+    for name, t in zip(names, out):
+        if t.data_ptr() % ALIGN_BYTES:
+            _fail(name, f"{ALIGN_BYTES}-byte aligned", f"data_ptr % {ALIGN_BYTES} == {t.data_ptr() % ALIGN_BYTES}")
+    others = list(zip(names, out)) + [(n, t) for n, t in zip(INPUT_NAMES, problem) if t is not None]
+    for i, (name, t) in enumerate(zip(names, out)):
+        p = t.data_ptr()
+        for other, u in others[i + 1:]:
+            q = u.data_ptr()
+            if t.numel() and u.numel() and q < p + t.nbytes and p < q + u.nbytes:
+                _fail(name, f"a buffer that shares no memory with {other}", "overlapping memory")
+
+
 def _aligned(t):
     return t if t is None or t.data_ptr() % ALIGN_BYTES == 0 else t.clone()
 

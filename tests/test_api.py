@@ -163,6 +163,99 @@ def test_run_backend_writes_every_element():
     check_outputs(out, problem)
 
 
+# --- out=: the caller's output buffers ----------------------------------------------------------------------
+
+def _buffers(like):
+    """Output buffers of the shapes and dtypes of ``like``, filled with garbage (every element must be written)."""
+    return tuple(torch.full_like(t, float("nan")) for t in like)
+
+
+@pytest.mark.parametrize("lead", [(5,), (2, 3)])
+def test_out_buffers_are_written_and_returned(lead):
+    inp = make_inputs(math.prod(lead), 64, seed=4, norm=True, lead=lead)
+    want = call(inp)
+    bufs = _buffers(want)
+    got = call(inp, out=bufs)
+    assert isinstance(got, MhcFusedHcOutput)
+    for g, b, w in zip(got, bufs, want):
+        assert g is b
+        assert torch.equal(b, w)
+
+
+def test_out_accepts_the_flat_mix_shapes():
+    inp = make_inputs(3, 64, seed=5)
+    want = call(inp)
+    bufs = (torch.empty(3, 4, 64, dtype=torch.bfloat16), torch.empty(3, 4), torch.empty(3, 16),
+            torch.empty(3, 64, dtype=torch.bfloat16))
+    call(inp, out=bufs)
+    assert torch.equal(bufs[1], want.post_mix_cur.view(3, 4)) and torch.equal(bufs[2], want.comb_mix_cur.view(3, 16))
+    assert torch.equal(bufs[0], want.residual_cur) and torch.equal(bufs[3], want.layer_input)
+
+
+def test_out_with_zero_tokens():
+    inp = make_inputs(0, 64, lead=(0,))
+    bufs = _buffers(call(inp))
+    assert all(g is b for g, b in zip(call(inp, out=bufs), bufs))
+
+
+def test_out_under_torch_compile():
+    inp = make_inputs(6, 64, seed=6, norm=True, lead=(2, 3))
+    want = call(inp)
+    bufs = _buffers(want)
+    got = torch.compile(lambda i, o: mhc_fused_hc(**i, out=o), fullgraph=True, backend="eager")(inp, bufs)
+    assert all(g is b for g, b in zip(got, bufs)) and all(torch.equal(b, w) for b, w in zip(bufs, want))
+    bufs = _buffers(want)
+    doubled = torch.compile(lambda i, o: mhc_fused_hc(**i, out=o).layer_input * 2, fullgraph=True)(inp, bufs)
+    assert torch.equal(doubled, want.layer_input * 2) and all(torch.equal(b, w) for b, w in zip(bufs, want))
+
+
+def _misaligned(t):
+    """``t``'s shape and dtype at a base 2 bytes past a 16-byte boundary."""
+    raw = torch.empty(t.numel() * t.element_size() + 16, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % 16 + 2
+    return raw[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+
+
+BAD_OUT_CASES = {
+    "not a tuple": (lambda o, i: o[0], "out"),
+    "three items": (lambda o, i: o[:3], "out"),
+    "dtype": (lambda o, i: (o[0].float(),) + o[1:], "out.residual_cur"),
+    "shape": (lambda o, i: o[:3] + (o[3][:, :32],), "out.layer_input"),
+    "tokens": (lambda o, i: (o[0], o[1][:2]) + o[2:], "out.post_mix_cur"),
+    "device": (lambda o, i: o[:2] + (torch.empty(3, 4, 4, device="meta"), o[3]), "out.comb_mix_cur"),
+    "non-contiguous": (lambda o, i: o[:3] + (torch.empty(64, 3, dtype=torch.bfloat16).t(),), "out.layer_input"),
+    "misaligned": (lambda o, i: o[:3] + (_misaligned(o[3]),), "out.layer_input"),
+    "overlaps an output": (lambda o, i: o[:3] + (o[0].view(-1)[:3 * 64].view(3, 64),), "out.residual_cur"),
+    "overlaps an input": (lambda o, i: o[:3] + (i["x_prev"],), "out.layer_input"),
+    "overlaps the weight": (lambda o, i: (o[0], i["fn"].view(-1)[:12].view(3, 4, 1)) + o[2:], "out.post_mix_cur"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_OUT_CASES))
+def test_bad_out_names_the_buffer(case):
+    make_bad, name = BAD_OUT_CASES[case]
+    inp = make_inputs(3, 64, seed=8, norm=True)
+    bufs = _buffers(call(inp))
+    before = {k: v.clone() for k, v in inp.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        call(inp, out=make_bad(bufs, inp))
+    for k, v in before.items():  # nothing was written before the error
+        assert torch.equal(inp[k], v), k
+
+
+def test_out_may_sit_next_to_an_input_in_one_buffer():
+    """Adjacent slices of one allocation share no byte: accepted (an engine's arena)."""
+    inp = make_inputs(3, 64, seed=9)
+    arena = torch.empty(2 * 3 * 64, dtype=torch.bfloat16)
+    arena[:3 * 64].view(3, 64).copy_(inp["x_prev"])
+    inp = dict(inp, x_prev=arena[:3 * 64].view(3, 64))
+    want = call(inp)
+    bufs = (torch.empty_like(want.residual_cur), torch.empty_like(want.post_mix_cur),
+            torch.empty_like(want.comb_mix_cur), arena[3 * 64:].view(3, 64))
+    call(inp, out=bufs)
+    assert torch.equal(bufs[3], want.layer_input)
+
+
 # --- validation: each bad input gets a ValueError naming the argument -------------------------------------
 
 def _bad(inp, **changes):

@@ -219,6 +219,16 @@ def test_interpreter_through_the_api(lead):
     torch.testing.assert_close(out.comb_mix_cur, ref.comb_mix_cur, rtol=1e-5, atol=1e-6)
 
 
+@interpreter
+def test_interpreter_writes_the_callers_buffers():
+    inputs = make_inputs(6, 64, seed=2, norm=True, lead=(2, 3))
+    want = mhc_fused_hc(**inputs, backend="triton")
+    bufs = tuple(torch.full_like(t, float("nan")) for t in want)
+    got = mhc_fused_hc(**inputs, backend="triton", out=bufs)
+    for g, b, w in zip(got, bufs, want):
+        assert g is b and torch.equal(b, w)
+
+
 # --- ahead-of-time compilation for the target GPUs (no GPU needed) ---------------------------------------------
 
 _COMPILE_SCRIPT = r"""
