@@ -107,34 +107,35 @@ def mhc_fused_hc(
     )
 
 
-@torch.library.custom_op("mhc_cute::fused_hc", mutates_args=())
-def _fused_hc_op(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    post_mix: torch.Tensor,
-    comb_mix: torch.Tensor,
-    fn: torch.Tensor,
-    hc_scale: torch.Tensor,
-    hc_base: torch.Tensor,
-    norm_weight: torch.Tensor | None,
-    rms_eps: float,
-    hc_pre_eps: float,
-    hc_sinkhorn_eps: float,
-    hc_post_mult_value: float,
-    sinkhorn_repeat: int,
-    norm_eps: float,
-    backend: str,
-    precision: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    problem = Problem(
-        x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight,
-        Scalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps), precision,
-    )
-    return tuple(_dispatch(problem, backend))
+# The op's inputs as the custom ops take them (flat tensors, then the scalars, the backend and the precision); one
+# schema for both ops, the out= one first taking the four buffers it writes.
+_OP_INPUTS = ("Tensor x, Tensor residual, Tensor post_mix, Tensor comb_mix, Tensor fn, Tensor hc_scale, "
+              "Tensor hc_base, Tensor? norm_weight, float rms_eps, float hc_pre_eps, float hc_sinkhorn_eps, "
+              "float hc_post_mult_value, int sinkhorn_repeat, float norm_eps, str backend, str precision")
+torch.library.define("mhc_cute::fused_hc", f"({_OP_INPUTS}) -> (Tensor, Tensor, Tensor, Tensor)")
+torch.library.define(
+    "mhc_cute::fused_hc_out",
+    f"(Tensor(a!) residual_cur, Tensor(b!) post_mix_cur, Tensor(c!) comb_mix_cur, Tensor(d!) layer_input, "
+    f"{_OP_INPUTS}) -> ()",
+)
 
 
-@_fused_hc_op.register_fake
-def _(x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, *args):
+def _run_op(out, x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, *scalars_and_mode):
+    """The body of the custom ops (real tensors, already flat): ``out`` None (fresh outputs) or the buffers."""
+    *scalars, backend, precision = scalars_and_mode
+    problem = Problem(x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, Scalars(*scalars), precision)
+    if out is not None:
+        check_out_memory(out, problem)
+    return _dispatch(problem, backend, out=out)
+
+
+@torch.library.impl("mhc_cute::fused_hc", "CompositeExplicitAutograd")
+def _fused_hc_op(*args):
+    return tuple(_run_op(None, *args))
+
+
+@torch.library.register_fake("mhc_cute::fused_hc")
+def _(x, *args):
     m, h = x.shape
     return (
         x.new_empty(m, HC_MULT, h),
@@ -144,41 +145,12 @@ def _(x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, *args
     )
 
 
-@torch.library.custom_op(
-    "mhc_cute::fused_hc_out", mutates_args=("residual_cur", "post_mix_cur", "comb_mix_cur", "layer_input")
-)
-def _fused_hc_out_op(
-    residual_cur: torch.Tensor,
-    post_mix_cur: torch.Tensor,
-    comb_mix_cur: torch.Tensor,
-    layer_input: torch.Tensor,
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    post_mix: torch.Tensor,
-    comb_mix: torch.Tensor,
-    fn: torch.Tensor,
-    hc_scale: torch.Tensor,
-    hc_base: torch.Tensor,
-    norm_weight: torch.Tensor | None,
-    rms_eps: float,
-    hc_pre_eps: float,
-    hc_sinkhorn_eps: float,
-    hc_post_mult_value: float,
-    sinkhorn_repeat: int,
-    norm_eps: float,
-    backend: str,
-    precision: str,
-) -> None:
+@torch.library.impl("mhc_cute::fused_hc_out", "CompositeExplicitAutograd")
+def _fused_hc_out_op(residual_cur, post_mix_cur, comb_mix_cur, layer_input, *args):
     """``mhc_fused_hc(..., out=...)`` under ``torch.compile``: writes the flat output buffers in place."""
-    problem = Problem(
-        x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight,
-        Scalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps), precision,
-    )
-    out = MhcFusedHcOutput(residual_cur, post_mix_cur, comb_mix_cur, layer_input)
-    check_out_memory(out, problem)
-    _dispatch(problem, backend, out=out)
+    _run_op(MhcFusedHcOutput(residual_cur, post_mix_cur, comb_mix_cur, layer_input), *args)
 
 
-@_fused_hc_out_op.register_fake
+@torch.library.register_fake("mhc_cute::fused_hc_out")
 def _(*args):
     return None
