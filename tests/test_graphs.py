@@ -12,6 +12,7 @@ from mhc_cute import MhcFusedHcOutput, backends, mhc_fused_hc
 
 pytestmark = pytest.mark.gpu
 PATHS = ["triton", "half_fma", "all_fma", "half_mma", "all_mma"]
+ACTIVATIONS = ("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev")
 
 
 def _need(backend):
@@ -49,16 +50,19 @@ def test_graph_replay_equals_eager(backend, m):
 @pytest.mark.parametrize("m", [3, 200])
 @pytest.mark.parametrize("backend", PATHS)
 def test_static_out_buffers_in_a_graph(backend, m):
-    """``out=``: the caller's buffers, written eagerly and by a graph replayed on new inputs (static buffers, as an
-    engine's graphs keep them), bit-identical to fresh outputs; every element written (buffers start as NaN)."""
+    """``out=``: the caller's buffers, written eagerly and by a graph replayed on new activations (static buffers,
+    as an engine's graphs keep them; the weights stay, as a layer's do: a graph keeps the prepared form of ``fn``
+    it was captured with), bit-identical to fresh outputs; every element written (buffers start as NaN)."""
     _need(backend)
-    sets = [make_inputs(m, 4096, seed=20 + i, device="cuda", norm=True) for i in range(3)]
+    weights = {k: v for k, v in make_inputs(m, 4096, seed=20, device="cuda", norm=True).items() if k not in ACTIVATIONS}
+    sets = [{**weights, **{k: v for k, v in make_inputs(m, 4096, seed=21 + i, device="cuda").items()
+                           if k in ACTIVATIONS}} for i in range(3)]
     fresh = [mhc_fused_hc(**s, backend=backend) for s in sets]
     bufs = tuple(torch.full_like(t, float("nan")) for t in fresh[0])
     got = mhc_fused_hc(**sets[0], backend=backend, out=bufs)
     assert all(g is b for g, b in zip(got, bufs)) and same_bits(got, fresh[0])
-    static = {k: v.clone() for k, v in sets[0].items() if isinstance(v, torch.Tensor)}
-    graph, _ = _capture(lambda: mhc_fused_hc(**static, backend=backend, out=bufs))
+    static = {k: sets[0][k].clone() for k in ACTIVATIONS}
+    graph, _ = _capture(lambda: mhc_fused_hc(**weights, **static, backend=backend, out=bufs))
     for s, want in zip(sets[1:], fresh[1:]):
         for b in bufs:
             b.fill_(float("nan"))
