@@ -323,16 +323,54 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
     return list(dict.fromkeys(v for v in variants if v.invalid_reason(hidden) is None))
 
 
-def precompile_candidates(candidates, precision: str, norm: bool) -> None:
+def auto_candidates(hidden: int, max_m: int, precision: str, sm_count: int) -> list:
+    """(H, tactic) of every CuTe kernel ``auto`` may run for 1 to ``max_m`` tokens on an NVIDIA GPU with
+    ``sm_count`` SMs, with or without the fused norm: each bucket's pick in every table (user cache and shipped)
+    of this SM count, H and precision, whichever GPU name it carries (a superset of one GPU's), and the default
+    tactic at every M of each path that runs without a tactic (the heuristic's ``half_fma`` and ``half_mma``,
+    ``backends.pick_auto``, and any path a table names without one)."""
+    from . import tactics
+
+    defaulted, picks = {"half_fma", "half_mma"}, []
+    tables = load_shipped_tables()
+    tables.update(load_user_tables())
+    for key, rows in tables.items():
+        k = TuneKey.parse(key)
+        if (k.sm_count, k.hidden, k.precision) != (sm_count, hidden, precision):
+            continue
+        for bucket in all_buckets(max_m):
+            choice = nearest(rows, bucket)
+            if choice is None or choice.backend not in tactics.FMA_PATHS + tactics.MMA_PATHS:
+                continue
+            tactic = _tactic_or_none(choice)
+            if tactic is None:
+                defaulted.add(choice.backend)
+            else:
+                picks.append((hidden, tactic))
+    defaults = [(hidden, default_tactic(path, m, hidden, sm_count)) for path in sorted(defaulted)
+                for m in range(1, max_m + 1)]
+    return list(dict.fromkeys(picks + defaults))
+
+
+def default_tactic(backend: str, m: int, hidden: int, sm_count: int):
+    """A CuTe path's default tactic at M = ``m``."""
+    from . import tactics
+
+    default = tactics.default_fma_tactic if backend in tactics.FMA_PATHS else tactics.default_mma_tactic
+    return default(backend, m, hidden, sm_count)
+
+
+def precompile_candidates(candidates, precision: str, norm: bool, norm_dtype: str = "bfloat16") -> None:
     """Compile the CuTe kernels of (H, tactic) ``candidates`` in parallel worker processes before timing them
-    (compiling one takes seconds); they persist in ``$MHC_CUTE_KERNEL_CACHE``, a temporary folder if unset."""
+    (compiling one takes seconds); they persist in ``$MHC_CUTE_KERNEL_CACHE``, a temporary folder if unset.
+    ``norm_dtype``: the norm weight's dtype name when ``norm`` (``benchmark.make_sets`` uses bf16)."""
     import tempfile
 
     from . import tactics
     from .kernels import KERNEL_CACHE_ENV
 
     os.environ.setdefault(KERNEL_CACHE_ENV, tempfile.mkdtemp(prefix="mhc_cute_kernels_"))
-    norm_name = "bfloat16" if norm else None  # the dtype of benchmark.make_sets' norm weight
+    norm_name = norm_dtype if norm else None
     fma_specs = [(t.name, h, norm_name) for h, t in candidates if t.path in tactics.FMA_PATHS]
     mma_specs = [(t.name, h, precision, norm_name) for h, t in candidates if t.path in tactics.MMA_PATHS]
     if fma_specs:

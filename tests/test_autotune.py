@@ -322,3 +322,47 @@ def test_info_names_the_table_auto_uses(monkeypatch, tmp_path, capsys):
     assert cli.cmd_info(None) == 0
     out = capsys.readouterr().out
     assert "H=7168 fp32 norm=0: NVIDIA H200|132|H7168|fp32|norm0" in out and "a stand-in" in out
+
+
+# --- mhc-cute precompile: every kernel auto may run, compiled ahead -------------------------------------------
+
+def test_auto_candidates_cover_the_tables_and_the_defaults(monkeypatch, tmp_path):
+    from mhc_cute import tactics
+
+    monkeypatch.setenv("MHC_CUTE_CACHE_DIR", str(tmp_path))  # no user cache: the shipped tables only
+    names = {t.name for _, t in autotune.auto_candidates(7168, 64, "fp32", 132)}
+    picks = {c.tactic for key, rows in autotune.load_shipped_tables().items() if "|132|H7168|fp32|" in key
+             for b, c in rows.items() if b <= 64 and c.tactic}
+    assert picks and picks <= names
+    for m in range(1, 65):
+        assert tactics.default_fma_tactic("half_fma", m, 7168, 132).name in names
+        assert tactics.default_mma_tactic("half_mma", m, 7168, 132).name in names
+    # another SM count: the H200's tables do not apply, only the defaults
+    other = {t.name for _, t in autotune.auto_candidates(7168, 64, "fp32", 114)}
+    assert other == {d(p, m, 7168, 114).name for m in range(1, 65)
+                     for p, d in (("half_fma", tactics.default_fma_tactic), ("half_mma", tactics.default_mma_tactic))}
+
+
+def test_precompile_command_fills_the_kernel_cache(tmp_path, monkeypatch):
+    from mhc_cute import cli
+
+    monkeypatch.setenv("MHC_CUTE_CACHE_DIR", str(tmp_path / "tables"))
+    monkeypatch.delenv("MHC_CUTE_KERNEL_CACHE", raising=False)
+    folder = tmp_path / "kernels"
+    assert cli.main(["precompile", "--hidden", "512", "--max-m", "1", "--norm", "none", "--sm-count", "132",
+                     "--cache", str(folder)]) == 0
+    # the default tactics of half_fma and half_mma at M = 1 (no table for H = 512)
+    assert sorted(p.name.split("_")[1] for p in folder.glob("*.o")) == ["fma", "mma"]
+
+
+def test_precompile_command_needs_a_folder_and_a_target(monkeypatch, capsys):
+    import torch
+
+    from mhc_cute import cli
+
+    monkeypatch.delenv("MHC_CUTE_KERNEL_CACHE", raising=False)
+    assert cli.main(["precompile", "--hidden", "512", "--sm-count", "132"]) == 2
+    assert "--cache" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["precompile", "--hidden", "512", "--cache", "unused"]) == 2
+    assert "--sm-count" in capsys.readouterr().err
