@@ -45,10 +45,11 @@ def auto_picks(grid):
 
 
 def precompile(picks) -> None:
-    from mhc_cute import autotune
+    from mhc_cute import autotune, benchmark as mb
 
     for norm in (False, True):
-        autotune.precompile_candidates([(h, t) for h, _, n, t in picks if n == norm], "fp32", norm)
+        autotune.precompile_candidates([(h, t) for h, _, n, t in picks if n == norm], "fp32",
+                                       mb.NORM_DTYPE if norm else None)
 
 
 def main() -> int:

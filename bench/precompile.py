@@ -44,9 +44,8 @@ def specs_for(backends, ms, hiddens, norms, precisions, sm_count):
     """The default tactics of these backends at these M and H."""
     from mhc_cute import tactics
 
-    default = {**{b: tactics.default_fma_tactic for b in tactics.FMA_PATHS},
-               **{b: tactics.default_mma_tactic for b in tactics.MMA_PATHS}}
-    pairs = [(h, default[b](b, m, h, sm_count)) for h in hiddens for m in ms for b in backends if b in default]
+    pairs = [(h, tactics.default_tactic(b, m, h, sm_count)) for h in hiddens for m in ms for b in backends
+             if b in tactics.FMA_PATHS + tactics.MMA_PATHS]
     return split_specs(pairs, norms, precisions)
 
 

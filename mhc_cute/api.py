@@ -91,11 +91,9 @@ def mhc_fused_hc(
         result = MhcFusedHcOutput(*torch.ops.mhc_cute.fused_hc(*args))
     else:
         # eager: call the implementation directly; the custom-op boundary costs host time per call
+        result = _run(problem, backend, tactic, flat)
         if flat is not None:
-            check_out_memory(flat, problem)
-            _dispatch(problem, backend, tactic, flat)
             return MhcFusedHcOutput(*out)
-        result = _dispatch(problem, backend, tactic)
     if len(lead) == 1:  # already [M, ...]
         return result
     h = problem.hidden
@@ -120,13 +118,19 @@ torch.library.define(
 )
 
 
+def _run(problem: Problem, backend: str, tactic, out: MhcFusedHcOutput | None) -> MhcFusedHcOutput:
+    """``_dispatch`` into fresh outputs (``out`` None) or the caller's flat buffers, checked against the problem's
+    memory first (real tensors only: eager calls and the custom ops' bodies)."""
+    if out is not None:
+        check_out_memory(out, problem)
+    return _dispatch(problem, backend, tactic, out)
+
+
 def _run_op(out, x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, *scalars_and_mode):
     """The body of the custom ops (real tensors, already flat): ``out`` None (fresh outputs) or the buffers."""
     *scalars, backend, precision = scalars_and_mode
     problem = Problem(x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, Scalars(*scalars), precision)
-    if out is not None:
-        check_out_memory(out, problem)
-    return _dispatch(problem, backend, out=out)
+    return _run(problem, backend, None, out)
 
 
 @torch.library.impl("mhc_cute::fused_hc", "CompositeExplicitAutograd")

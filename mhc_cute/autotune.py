@@ -347,32 +347,23 @@ def auto_candidates(hidden: int, max_m: int, precision: str, sm_count: int) -> l
                 defaulted.add(choice.backend)
             else:
                 picks.append((hidden, tactic))
-    defaults = [(hidden, default_tactic(path, m, hidden, sm_count)) for path in sorted(defaulted)
+    defaults = [(hidden, tactics.default_tactic(path, m, hidden, sm_count)) for path in sorted(defaulted)
                 for m in range(1, max_m + 1)]
     return list(dict.fromkeys(picks + defaults))
 
 
-def default_tactic(backend: str, m: int, hidden: int, sm_count: int):
-    """A CuTe path's default tactic at M = ``m``."""
-    from . import tactics
-
-    default = tactics.default_fma_tactic if backend in tactics.FMA_PATHS else tactics.default_mma_tactic
-    return default(backend, m, hidden, sm_count)
-
-
-def precompile_candidates(candidates, precision: str, norm: bool, norm_dtype: str = "bfloat16") -> None:
+def precompile_candidates(candidates, precision: str, norm_dtype: str | None) -> None:
     """Compile the CuTe kernels of (H, tactic) ``candidates`` in parallel worker processes before timing them
     (compiling one takes seconds); they persist in ``$MHC_CUTE_KERNEL_CACHE``, a temporary folder if unset.
-    ``norm_dtype``: the norm weight's dtype name when ``norm`` (``benchmark.make_sets`` uses bf16)."""
+    ``norm_dtype``: the norm weight's dtype name ("bfloat16", "float32"), or None without the fused norm."""
     import tempfile
 
     from . import tactics
     from .kernels import KERNEL_CACHE_ENV
 
     os.environ.setdefault(KERNEL_CACHE_ENV, tempfile.mkdtemp(prefix="mhc_cute_kernels_"))
-    norm_name = norm_dtype if norm else None
-    fma_specs = [(t.name, h, norm_name) for h, t in candidates if t.path in tactics.FMA_PATHS]
-    mma_specs = [(t.name, h, precision, norm_name) for h, t in candidates if t.path in tactics.MMA_PATHS]
+    fma_specs = [(t.name, h, norm_dtype) for h, t in candidates if t.path in tactics.FMA_PATHS]
+    mma_specs = [(t.name, h, precision, norm_dtype) for h, t in candidates if t.path in tactics.MMA_PATHS]
     if fma_specs:
         from .kernels import fma
 
@@ -412,7 +403,8 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
     groups = [(h, b, [(name, t, i == 0) for name in names
                       for i, t in enumerate(candidate_tactics(name, b, h, sm_count))])
               for h in hiddens for b in buckets]
-    precompile_candidates([(h, t) for h, _, cands in groups for _, t, _ in cands if t is not None], precision, norm)
+    precompile_candidates([(h, t) for h, _, cands in groups for _, t, _ in cands if t is not None], precision,
+                          bm.NORM_DTYPE if norm else None)
     total = sum(len(cands) for _, _, cands in groups)
     done = 0
     tables: dict[str, dict[int, Choice]] = {}

@@ -167,9 +167,9 @@ def cmd_precompile(args) -> int:
     t0 = time.perf_counter()
     n = 0
     for precision in args.precision:
+        candidates = [c for h in args.hidden for c in autotune.auto_candidates(h, args.max_m, precision, sm_count)]
         for norm in args.norm:
-            candidates = [c for h in args.hidden for c in autotune.auto_candidates(h, args.max_m, precision, sm_count)]
-            autotune.precompile_candidates(candidates, precision, norm != "none", norm)
+            autotune.precompile_candidates(candidates, precision, None if norm == "none" else norm)
             n += len(candidates)
     print(f"{n} CuTe kernel variants ready in {folder} ({time.perf_counter() - t0:.0f} s; H = "
           f"{', '.join(map(str, args.hidden))}; M <= {args.max_m}; {sm_count} SMs; norm weight "

@@ -127,9 +127,9 @@ def flat_out(out, lead: tuple[int, ...], hidden: int, device) -> MhcFusedHcOutpu
     write. A signature that passed once skips the checks, as in ``validate``. Memory checks (alignment, overlap)
     need real pointers: ``check_out_memory``."""
     try:
-        sig = (lead, hidden, device) + tuple((t.shape, t.stride(), t.dtype, t.device) for t in out)
+        sig = _signature(out, lead, (hidden, device))
         shapes = _OUT_VALIDATED.get(sig)
-    except (TypeError, AttributeError):  # not a sequence of tensors: the full checks will say so
+    except TypeError:  # not a sequence, or an unhashable item: the full checks will say so
         sig, shapes = None, None
     if shapes is None:
         shapes = _check_out(out, lead, hidden, device)

@@ -155,6 +155,12 @@ _FMA_NAME = re.compile(
     rf"^(half_fma|all_fma):k(\d+):t(\d+):n(\d+):w(\d+):s(\d+):b(\d+):f({'|'.join(FUSE_SHAPES)})(:mma)?$")
 
 
+def default_tactic(path: str, m: int, hidden: int, sm_count: int = 132):
+    """A CuTe path's default tactic at M = ``m`` (``default_fma_tactic`` or ``default_mma_tactic``)."""
+    default = default_fma_tactic if path in FMA_PATHS else default_mma_tactic
+    return default(path, m, hidden, sm_count)
+
+
 def parse_tactic(name: str):
     """The tactic object whose ``name`` is ``name``."""
     match = _FMA_NAME.match(name)
