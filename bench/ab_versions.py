@@ -1,8 +1,8 @@
 """Before/after timing of two versions of the package in one device run: `backend="auto"` (the shipped table's
-pick, so each version runs its own kernels with the same tactic names) over a grid of (H, M, norm), for whichever
-``mhc_cute`` is first on the Python path. Run it alternately for the two trees, in separate processes of one
-device call, and compare the medians line by line (machines differ by up to 9% for the same kernel, so only
-numbers from one call compare).
+pick, so each version runs its own kernels with the same tactic names), or a point's own tactic, over a grid of
+(H, M, norm), for whichever ``mhc_cute`` is first on the Python path. Run it alternately for the two trees, in
+separate processes of one device call, and compare the medians line by line (machines differ by up to 9% for the
+same kernel, so only numbers from one call compare).
 
     git archive HEAD mhc_cute | tar -x -C /tmp/old          # the version to compare against
     MHC_CUTE_KERNEL_CACHE=.kcache python bench/ab_versions.py --precompile     # on a CPU machine, both trees
@@ -29,18 +29,22 @@ GRIDS = {
 }
 
 
-def auto_picks(grid):
-    """(H, M, norm, tactic) with the tactic ``auto`` runs at each point on an H200: the user's tuning cache, then
-    the shipped tables, a table with the point's norm flag first (as ``autotune.Selector.choose``)."""
+def picks_of(grid):
+    """(H, M, norm, tactic, explicit) per point: a point's own tactic (explicit), else the one ``auto`` runs there on
+    an H200: the user's tuning cache, then the shipped tables, a table with the point's norm flag first (as
+    ``autotune.Selector.choose``)."""
     from mhc_cute import autotune, tactics
 
     tables = autotune.load_shipped_tables()
     tables.update(autotune.load_user_tables())
     out = []
-    for h, m, norm in grid:
+    for h, m, norm, *named in grid:
+        if named:
+            out.append((h, m, norm, tactics.parse_tactic(named[0]), True))
+            continue
         key = next(k for n in (norm, not norm) for k in tables if f"|H{h}|" in k and f"|norm{int(n)}|" in k)
         choice = autotune.nearest(tables[key], autotune.bucket_of(m))
-        out.append((h, m, norm, tactics.parse_tactic(choice.tactic)))
+        out.append((h, m, norm, tactics.parse_tactic(choice.tactic), False))
     return out
 
 
@@ -48,14 +52,16 @@ def precompile(picks) -> None:
     from mhc_cute import autotune, benchmark as mb
 
     for norm in (False, True):
-        autotune.precompile_candidates([(h, t) for h, _, n, t in picks if n == norm], "fp32",
+        autotune.precompile_candidates([(h, t) for h, _, n, t, _ in picks if n == norm], "fp32",
                                        mb.NORM_DTYPE if norm else None)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--grid", choices=sorted(GRIDS), default="small")
-    ap.add_argument("--points", nargs="+", metavar="H:M:NORM", help="these points instead of a grid (e.g. 7168:32:0)")
+    ap.add_argument("--points", nargs="+", metavar="H:M:NORM[:TACTIC]",
+                    help="these points instead of a grid (e.g. 7168:32:0, or 7168:256:0:all_fma:... to time that "
+                    "tactic instead of auto's pick)")
     ap.add_argument("--tag", default="run", help="label of this version in the output lines")
     ap.add_argument("--precompile", action="store_true", help="compile the grid's kernels (no GPU needed) and exit")
     ap.add_argument("--check", action="store_true")
@@ -65,8 +71,9 @@ def main() -> int:
     args = ap.parse_args()
     grid = GRIDS[args.grid]
     if args.points:
-        grid = [(int(h), int(m), n == "1") for h, m, n in (p.split(":") for p in args.points)]
-    picks = auto_picks(grid)
+        grid = [(int(h), int(m), n == "1", *([t] if t else [])) for h, m, n, t in
+                (p.split(":", 3) + [""] * (3 - p.count(":")) for p in args.points)]
+    picks = picks_of(grid)
     if args.precompile:
         precompile(picks)
         return 0
@@ -78,15 +85,19 @@ def main() -> int:
     from mhc_cute.api import mhc_fused_hc
 
     dev = torch.device("cuda")
-    for h, m, norm, tactic in picks:
+    for h, m, norm, tactic, explicit in picks:
         sets = mb.rotated_sets(m, h, dev, norm)
-        us = mb.time_graph(lambda s: mhc_fused_hc(**s), sets, reps=args.reps)
+        kwargs = dict(backend=tactic.path, tactic=tactic) if explicit else {}
+
+        def call(s):
+            return mhc_fused_hc(**s, **kwargs)
+
+        us = mb.time_graph(call, sets, reps=args.reps)
         check = (failure_of(problem_of(sets[0]), tactic.path, tactic) or "ok") if args.check else ""
         if args.separated:
-            sep = mb.time_graph_separated(lambda s: mhc_fused_hc(**s), sets, mb.time_graph(mb.separator(), sets),
-                                          args.reps)
+            sep = mb.time_graph_separated(call, sets, mb.time_graph(mb.separator(), sets), args.reps)
             print(f"SEP {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {sep:.2f}", flush=True)
-        host = mb.host_us_per_call(lambda s: mhc_fused_hc(**s), sets[0])
+        host = mb.host_us_per_call(call, sets[0])
         print(f"AB {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {us:.2f} {check}", flush=True)
         print(f"HOST {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {host:.2f}", flush=True)
         del sets

@@ -56,9 +56,9 @@ class TailPhase(BigFusePhase):
             stamps[slot + 3] = Int32(cute.arch.clock64())
 
     @cute.jit
-    def post_and_sinkhorn(self, storage, m0, mPostOut, mCombOut, scalars):
+    def sinkhorn(self, storage, m0, mCombOut, scalars):
         t0 = cute.arch.clock64()
-        BigFusePhase.post_and_sinkhorn(self, storage, m0, mPostOut, mCombOut, scalars)
+        BigFusePhase.sinkhorn(self, storage, m0, mCombOut, scalars)
         tidx, _, _ = cute.arch.thread_idx()
         stamps, slot, first_lane = self.stamps, self.slot, (self.warps - 1) * 32
         if tidx == first_lane:  # the Sinkhorn warp's first lane (one token per CTA)

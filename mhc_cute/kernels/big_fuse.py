@@ -62,10 +62,10 @@ class BigFusePhase:
     row, so no barrier is needed before the collapse). The collapse is latency bound at small M: each thread
     issues the loads of ``batch`` 8-vectors (all 4 streams) before it uses any (the first batch together with
     the partials), and the one long serial chain, the Sinkhorn (one thread per token), runs beside the collapse
-    (in a warp of its own with ``sinkhorn_warp``, the post gates then computed by the collapse threads; else in
-    the first warp, with the post gates). The op's own inputs (hc_base, hc_scale, the norm weight) are loaded
-    first, before the partials (the standalone kernel loads them before it waits for its producer grid): on the
-    H200 that took 0.9-1.7 us off a call at M = 1.
+    (in a warp of its own with ``sinkhorn_warp``, else in the first warp); the post gates are spread over the
+    collapse threads (``post_gates``). The op's own inputs (hc_base, hc_scale, the norm weight) are loaded first,
+    before the partials (the standalone kernel loads them before it waits for its producer grid): on the H200 that
+    took 0.9-1.7 us off a call at M = 1.
     """
 
     def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4,
@@ -81,7 +81,7 @@ class BigFusePhase:
         # that chain (else the first warp's collapse starts after it), and the post gates leave it for the collapse
         self.sinkhorn_warp = sinkhorn_warp
         # ``pair_sinkhorn`` (blocks of up to 16 tokens): two lanes per token run the Sinkhorn, whose one-lane chain
-        # is issue bound, in one warp (``post_and_sinkhorn``)
+        # is issue bound, in one warp (``sinkhorn``)
         assert not pair_sinkhorn or tokens <= du.WARP // 2
         self.pair_sinkhorn = pair_sinkhorn
         collapse_warps = self.warps - (1 if sinkhorn_warp else 0)
@@ -96,9 +96,8 @@ class BigFusePhase:
         # with more than two batches per thread, the Sinkhorn runs inside the first batch (overlapped with its
         # loads) unless ``sinkhorn_last`` (after the collapse, for kernels short of registers)
         self.sinkhorn_last = sinkhorn_last and self.batches > 2
-        # (``post_gates``: a collapse thread per gate)
-        assert not sinkhorn_warp or (self.batches <= 2 and tokens <= du.WARP
-                                     and tokens * HC_MULT <= collapse_warps * du.WARP)
+        assert not sinkhorn_warp or (self.batches <= 2 and tokens <= du.WARP)
+        self.collapse_threads = collapse_warps * du.WARP
         # with the norm, the rounded collapse is kept in registers for the second pass when it fits, else it
         # is stored (bf16, exact) and read back by the same thread
         self.keep_rounded = self.slots <= 8 and self.batches <= 2  # (compile-time slot indices)
@@ -175,7 +174,7 @@ class BigFusePhase:
             # it, and it issues none of the collapse's loads (its code would wait for them to free their registers)
             if cute.arch.warp_idx() == self.warps - 1:
                 self.sum_partials(storage, m0, mPartials)
-                self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
+                self.sinkhorn(storage, m0, mCombOut, scalars)
             else:
                 self.sum_and_collapse(storage, m0, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars,
                                       norm_w)
@@ -285,7 +284,8 @@ class BigFusePhase:
                     if cutlass.const_expr(r == 0 and b == self.batches - 1 and self.sinkhorn_warp):
                         self.post_gates(storage, m0, mPostOut, scalars)
                     if cutlass.const_expr(r == 0 and b == 0 and not self.sinkhorn_warp):
-                        self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
+                        self.post_gates(storage, m0, mPostOut, scalars)
+                        self.sinkhorn(storage, m0, mCombOut, scalars)
                     sumsq = self.collapse_batch(b, gtid, valid, res, pre, row_out, rounded, sumsq)
             else:
                 # a token-less group still runs the first batch's Sinkhorn hook
@@ -296,7 +296,8 @@ class BigFusePhase:
                     res = self.load_batch(b, gtid, row_res)
                     if cutlass.const_expr(r == 0 and not self.sinkhorn_last):
                         if b == 0:
-                            self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
+                            self.post_gates(storage, m0, mPostOut, scalars)
+                            self.sinkhorn(storage, m0, mCombOut, scalars)
                     sumsq = self.collapse_batch(b, gtid, valid, res, pre, row_out, rounded, sumsq)
             if cutlass.const_expr(self.norm_dtype is not None):
                 total = self.group_sum(sumsq, storage.scratch, group)
@@ -310,7 +311,8 @@ class BigFusePhase:
                             self.normalise_batch(b, gtid, r_norm, mNormW, row_out, rounded, None)
 
         if cutlass.const_expr(self.sinkhorn_last):
-            self.post_and_sinkhorn(storage, m0, mPostOut, mCombOut, scalars)
+            self.post_gates(storage, m0, mPostOut, scalars)
+            self.sinkhorn(storage, m0, mCombOut, scalars)
 
     @cute.jit
     def load_batch(self, b, gtid, row_res):
@@ -425,25 +427,19 @@ class BigFusePhase:
 
     @cute.jit
     def post_gates(self, storage: BigFuseStorage, m0: Int32, mPostOut: cute.Tensor, scalars: BigFuseScalars):
-        """With the ``sinkhorn_warp``, the collapse threads compute the post gates, one gate of the block per thread
-        (called once, while a batch of the collapse loads): off the Sinkhorn warp's chain, which ends the call."""
+        """The block's post gates, one per collapse thread (looping when the block has more): called once by
+        every collapse thread, while a batch of the collapse loads, so the gates' chain (rstd, a sigmoid) overlaps
+        those loads and stays off the Sinkhorn's, which ends the call."""
         tidx, _, _ = cute.arch.thread_idx()
-        t, j = tidx // HC_MULT, tidx % HC_MULT
-        if t < self.tokens and m0 + t < mPostOut.shape[0]:
-            mPostOut[m0 + t, j] = self.post_gate(storage, t, j, self.rstd(storage, t, scalars.rms_eps), scalars)
+        for base in cutlass.range_constexpr(0, self.tokens * HC_MULT, self.collapse_threads):
+            t, j = (base + tidx) // HC_MULT, (base + tidx) % HC_MULT
+            if t < self.tokens and m0 + t < mPostOut.shape[0]:
+                mPostOut[m0 + t, j] = self.post_gate(storage, t, j, self.rstd(storage, t, scalars.rms_eps), scalars)
 
     @cute.jit
-    def post_and_sinkhorn(
-        self,
-        storage: BigFuseStorage,
-        m0: Int32,
-        mPostOut: cute.Tensor,
-        mCombOut: cute.Tensor,
-        scalars: BigFuseScalars,
-    ):
-        """The post gates (unless ``sinkhorn_warp``: ``post_gates``) and the Sinkhorn of the comb mixes, in the first
-        warps or the ``sinkhorn_warp``: one thread per token, or with ``pair_sinkhorn`` two lanes per token, each
-        with half of the post gates and two rows (``du.sinkhorn_4x4``'s ``pair``). The pair form runs in the whole
+    def sinkhorn(self, storage: BigFuseStorage, m0: Int32, mCombOut: cute.Tensor, scalars: BigFuseScalars):
+        """The Sinkhorn of the comb mixes, in the first warps or the ``sinkhorn_warp``: one thread per token, or with
+        ``pair_sinkhorn`` two lanes per token, each with two rows (``du.sinkhorn_4x4``'s ``pair``). The pair form runs in the whole
         warp, since its shuffles need every lane; a lane past the block's tokens repeats its last token and stores
         nothing. Kept as two branches: one body with the lanes per token a compile-time value made the one-lane calls
         2-15% slower on the H200 (scalar comb stores, the gates' stores predicated one by one;
@@ -452,15 +448,10 @@ class BigFusePhase:
         pos = tidx - ((self.warps - 1) * du.WARP if self.sinkhorn_warp else 0)
         if cutlass.const_expr(self.pair_sinkhorn):
             if pos >= 0 and pos < du.WARP:  # warp-uniform
-                n_valid = cutlass.min(mPostOut.shape[0] - m0, self.tokens)
+                n_valid = cutlass.min(mCombOut.shape[0] - m0, self.tokens)
                 t, half = pos // 2, pos % 2
                 tc = cutlass.min(t, n_valid - 1)
                 rstd = self.rstd(storage, tc, scalars.rms_eps)
-                if cutlass.const_expr(not self.sinkhorn_warp):
-                    for j in cutlass.range_constexpr(HC_MULT // 2):
-                        post = self.post_gate(storage, tc, HC_MULT // 2 * half + j, rstd, scalars)
-                        if t < n_valid:
-                            mPostOut[m0 + t, HC_MULT // 2 * half + j] = post
                 n = HC_MULT * HC_MULT // 2
                 comb = cute.make_rmem_tensor((n,), Float32)
                 for i in cutlass.range_constexpr(n):
@@ -473,7 +464,7 @@ class BigFusePhase:
             # the warp is the Sinkhorn's alone and its token count leaves 16 lanes per token: they take the comb mixes
             # and the softmax one element each (``du.softmax_rows_by_lane``, the same bits), then every lane of the
             # token gathers the 16 and runs the (one-lane) scaling steps; the token's first lane stores
-            n_valid = cutlass.min(mPostOut.shape[0] - m0, self.tokens)
+            n_valid = cutlass.min(mCombOut.shape[0] - m0, self.tokens)
             t, e = pos // SOFTMAX_LANES, pos % SOFTMAX_LANES
             tc = cutlass.min(t, n_valid - 1)
             rstd = self.rstd(storage, tc, scalars.rms_eps)
@@ -485,12 +476,9 @@ class BigFusePhase:
             if e == 0 and t < n_valid:
                 for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
                     mCombOut[m0 + t, i] = comb[i]
-        elif pos >= 0 and pos < self.tokens and m0 + pos < mPostOut.shape[0]:
+        elif pos >= 0 and pos < self.tokens and m0 + pos < mCombOut.shape[0]:
             m, t = m0 + pos, pos
             rstd = self.rstd(storage, t, scalars.rms_eps)
-            if cutlass.const_expr(not self.sinkhorn_warp):
-                for j in cutlass.range_constexpr(HC_MULT):
-                    mPostOut[m, j] = self.post_gate(storage, t, j, rstd, scalars)
             comb = cute.make_rmem_tensor((HC_MULT * HC_MULT,), Float32)
             for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
                 comb[i] = self.mix(storage, t, 2 * HC_MULT + i, rstd, 2)
