@@ -366,3 +366,35 @@ def test_precompile_command_needs_a_folder_and_a_target(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["precompile", "--hidden", "512", "--cache", "unused"]) == 2
     assert "--sm-count" in capsys.readouterr().err
+
+
+_AUTO_AT_EVERY_M = """
+import sys
+import torch
+from mhc_cute import mhc_fused_hc
+from mhc_cute.accuracy import make_inputs
+hidden, max_m = int(sys.argv[1]), int(sys.argv[2])
+for m in range(1, max_m + 1):
+    mhc_fused_hc(**make_inputs(m, hidden, device="cuda"))
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_precompiled_folder_covers_auto_on_this_gpu(tmp_path):
+    """On a GPU: `mhc-cute precompile` for this GPU, then a fresh process calling `auto` at every M up to the
+    bound with that folder as its kernel cache compiles nothing (a kernel it lacked would be compiled and added)."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "kernels"
+    env = dict(os.environ, MHC_CUTE_CACHE_DIR=str(tmp_path / "tables"), MHC_CUTE_KERNEL_CACHE=str(folder))
+    env.pop("MHC_CUTE_BACKEND", None)
+    env.pop("MHC_CUTE_TACTIC", None)
+    subprocess.run([sys.executable, "-m", "mhc_cute.cli", "precompile", "--hidden", "4096", "--max-m", "40",
+                    "--norm", "none", "--precision", "fp32"], env=env, check=True, timeout=1200)
+    compiled = sorted(p.name for p in folder.glob("*.o"))
+    assert compiled
+    subprocess.run([sys.executable, "-c", _AUTO_AT_EVERY_M, "4096", "40"], env=env, check=True, timeout=600)
+    assert sorted(p.name for p in folder.glob("*.o")) == compiled
