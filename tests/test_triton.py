@@ -278,3 +278,28 @@ def test_split_bf16x3_is_exact_and_stream_interleaved():
     assert terms.shape == (3, 24, 4 * h) and terms.dtype == torch.bfloat16
     total = terms.double().sum(0)  # K order 4 h + j
     assert torch.equal(total, fn.double().view(24, 4, h).transpose(1, 2).reshape(24, 4 * h))
+
+
+# --- bench/probe_l2_reread.py's kernel, under the interpreter ---------------------------------------------------
+
+@interpreter
+@pytest.mark.parametrize("ratio", [0, 0.25, 1])
+def test_l2_reread_probe_copies_and_reads_its_windows(ratio):
+    """The probe's copy is exact and its extra reads are the windows it claims (the sums in ``sink``), wrapping
+    around the weight, at a ratio below, at and above one extra block per step."""
+    import importlib.util
+    import os
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    spec = importlib.util.spec_from_file_location("probe_l2_reread", os.path.join(bench, "probe_l2_reread.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    block, per_program = 16, 128
+    src = torch.randn(5 * per_program)
+    weight = torch.randn(3 * block)
+    dst, sink = torch.empty_like(src), torch.full((5,), float("nan"))
+    probe.launch(src, dst, weight, sink, per_program, block, ratio)
+    assert torch.equal(dst, src)
+    expected = probe.expected_sink(src, weight, per_program, block, ratio)
+    assert torch.allclose(sink.double(), expected, rtol=1e-5, atol=1e-4)
+    assert ratio == 0 or expected.abs().sum() > 0
