@@ -187,6 +187,24 @@ def test_grid_barrier_probe_compiles(vectors, barriers, kind, lag):
     assert callable(_bench_module("probe_grid_barrier").compiled(132, 256, vectors, barriers, kind, lag))
 
 
+@pytest.mark.parametrize("cluster, tokens", [(8, 24), (16, 32)])
+def test_cluster_probe_compiles(cluster, tokens):
+    """bench/probe_cluster.py (the cluster tail of the on-chip-collapse design in docs/performance.md: clusters of
+    8 and 16 CTAs with the design's shared memory, distributed shared-memory loads and stores) compiles for sm_90a."""
+    assert callable(_bench_module("probe_cluster").compiled(cluster, tokens, 215))
+
+
+def test_cluster_probe_host_model():
+    """The probe's float64 model of its gates: a fixed point the seeds set, which reading the CTA's own partials
+    instead of its peers' (a wrong mapping) would move."""
+    probe = _bench_module("probe_cluster")
+    torch = pytest.importorskip("torch")
+    seeds = 0.05 * torch.randn(8 * probe.ROW, generator=torch.Generator().manual_seed(0))
+    gate = probe.expected_gate(seeds, 8, 16, 128, 200)
+    own_only = probe.expected_gate(seeds[:probe.ROW].repeat(8), 8, 16, 128, 200)
+    assert 0.3 < gate < 0.7 and abs(gate - own_only) > 1e-2
+
+
 @pytest.mark.parametrize("mode", ["one", "signal", "warps"])
 def test_publish_probe_compiles(mode):
     """bench/probe_publish.py (does one release arrival publish every warp's stores to other CTAs?) keeps compiling
