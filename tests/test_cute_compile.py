@@ -194,6 +194,27 @@ def test_cluster_probe_compiles(cluster, tokens):
     assert callable(_bench_module("probe_cluster").compiled(cluster, tokens, 215))
 
 
+@pytest.mark.parametrize("sync", ["none", "all", "warp"])
+def test_onchip_skeleton_probe_compiles(sync):
+    """bench/probe_onchip_skeleton.py (the on-chip-collapse design's data movement with its cluster tail, three ways
+    to sync) compiles for sm_90a."""
+    assert callable(_bench_module("probe_onchip_skeleton").compiled(8, 8, 7168, 15, sync))
+
+
+def test_onchip_skeleton_reference():
+    """The probe's float64 reference: residual_cur is SPEC's post-map chain with its coefficients, layer_input the
+    gate-weighted sum of the rounded streams."""
+    probe = _bench_module("probe_onchip_skeleton")
+    torch = pytest.importorskip("torch")
+    x, res = torch.randn(6, 16).bfloat16(), torch.randn(6, 4, 16).bfloat16()
+    rows = torch.tensor([1, 4])
+    rc, li = probe.reference(x, res, rows, 8, "none")
+    j = 2
+    expect = x[4].double() * probe.post_coef(j) + sum(probe.comb_coef(k, j) * res[4, k].double() for k in range(4))
+    assert torch.allclose(rc[1, j], expect)
+    assert torch.allclose(li[0], 0.5 * rc[0].bfloat16().double().sum(0))
+
+
 def test_cluster_probe_host_model():
     """The probe's float64 model of its gates: a fixed point the seeds set, which reading the CTA's own partials
     instead of its peers' (a wrong mapping) would move."""

@@ -1,0 +1,292 @@
+"""The data movement of the on-chip-collapse design (docs/performance.md, *Where the time goes at large M*) without
+its projection: how close to the copy bandwidth do clusters of S CTAs stream the op's 20 H bytes per token when each
+tile of T tokens waits for a cluster tail before its collapse? An upper bound for that design, as the MMA warpgroup
+alone was for the persistent design of stop 17.
+
+Persistent clusters (``--clusters`` of them, all resident) walk the tiles c, c + clusters, ... CTA r of a cluster
+owns H / S positions of the tile's T tokens, a thread P octets (token, 8 positions). Per tile: the octets' 16-byte
+loads (4 `residual_prev` streams and `x_prev`) were issued during the previous tile; post-map (per stream j
+``x post_j + sum_k comb_kj rp_k`` with fixed coefficients, SPEC's chain), `residual_cur` rounded to bf16, stored to
+global and to shared memory; the next tile's loads are issued; the cluster tail of `bench/probe_cluster.py` (partial
+rows to shared memory, cluster barrier, DSMEM sums of the CTA's T / S tokens over the cluster, four sigmoids per token
+broadcast to every CTA, cluster barrier); the collapse, ``layer_input = sum_j gate_j residual_cur_j`` from shared
+memory, stored. Outputs are checked against float64. Three ways to sync (``SYNCS``): "none" (no tail, constant
+gates: the copy alone); "all" (every thread runs the tail's steps and arrives at the cluster barriers with release
+semantics: in the SASS a `MEMBAR.ALL.GPU` per arrival, which waits for the thread's memory operations in flight,
+the next tile's loads included); "warp" (a warp of its own runs the tail and arrives with release; the loading
+threads arrive relaxed, so their loads stay in flight).
+
+    python bench/probe_onchip_skeleton.py --cluster 8 16 --tokens 8 16 --hidden 7168 --m 8192
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from mhc_cute import benchmark as mb  # noqa: E402
+from mhc_cute.kernels import compile_kernel, fake_buffer  # noqa: E402  (first: sets the DSL's target arch)
+from mhc_cute.kernels import device_utils as du  # noqa: E402
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import BFloat16, Float32, Int32  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_cluster import GATES, ROW, load_peer, store_peer  # noqa: E402
+
+STREAMS = 4
+VEC = du.VEC_BF16
+SYNCS = ("none", "all", "warp")
+
+
+def post_coef(j: int) -> float:
+    return 0.5 + 0.125 * j
+
+
+def comb_coef(k: int, j: int) -> float:
+    return 0.25 + 0.0625 * (k - j)
+
+
+def partial_value(m, c, rank):
+    """The synthetic partial of token ``m``, column ``c`` from cluster rank ``rank`` (integers or tensors)."""
+    return ((m * 7 + c * 3 + rank) % 17) * (1.0 / 17) - 0.5
+
+
+class OnchipSkeleton:
+    def __init__(self, cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224):
+        assert sync in SYNCS
+        self.cluster, self.tokens, self.hidden, self.clusters, self.sync = cluster, tokens, hidden, clusters, sync
+        self.threads = threads  # the threads that load, post-map and collapse (plus the tail warp with "warp")
+        self.octets = hidden // cluster // VEC  # per token, in this CTA's slice
+        assert hidden % (cluster * VEC) == 0 and tokens % cluster == 0 and (tokens // cluster) * ROW <= threads
+        assert (tokens * self.octets) % threads == 0, "octets per tile must split evenly over the threads"
+        self.per_thread = tokens * self.octets // threads
+        self.own = tokens // cluster
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor, a0, a1, a2, a3,
+                 a4, a5, stream):
+        # a0..a5: the six runtime scalars that mhc_cute.kernels.compile_kernel appends (unused)
+        m = mX.shape[0] // self.hidden
+        x = cute.make_tensor(mX.iterator, du.row_major(m, self.hidden))
+        res = cute.make_tensor(mRes.iterator, du.row_major(m, STREAMS * self.hidden))
+        rc = cute.make_tensor(mRc.iterator, du.row_major(m, STREAMS * self.hidden))
+        li = cute.make_tensor(mLi.iterator, du.row_major(m, self.hidden))
+        block = self.threads + (du.WARP if self.sync == "warp" else 0)
+        self.kernel(x, res, rc, li).launch(grid=[self.clusters * self.cluster, 1, 1], block=[block, 1, 1],
+                                           cluster=[self.cluster, 1, 1], stream=stream)
+
+    @cute.jit
+    def cluster_barrier(self, releases):
+        """Every thread of the cluster: arrive (with release semantics where ``releases``, else relaxed), wait."""
+        if releases:
+            cute.arch.cluster_arrive()
+        else:
+            cute.arch.cluster_arrive_relaxed()
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def tail(self, tile, rank, partials: cute.Tensor, gates: cute.Tensor, first: Int32, step: int):
+        """The cluster tail, by the threads ``first``, ``first + 1``, ... (``step`` of them): the synthetic partial
+        rows of the tile, the DSMEM sums of this CTA's tokens, their gates into every CTA of the cluster."""
+        tidx, _, _ = cute.arch.thread_idx()
+        releases = tidx >= first
+        for i in cutlass.range_constexpr(0, self.tokens * ROW, step):
+            e = i + tidx - first
+            if releases and e < self.tokens * ROW:
+                t, c = e // ROW, e % ROW
+                m = tile * self.tokens + t
+                partials[t, c] = Float32(((m * 7 + c * 3 + rank) % 17)) * Float32(1.0 / 17) - Float32(0.5)
+        self.cluster_barrier(releases)
+        for i in cutlass.range_constexpr(0, self.own * GATES, step):
+            e = i + tidx - first
+            if releases and e < self.own * GATES:
+                token, c = rank * self.own + e // GATES, e % GATES
+                total = Float32(0.0)
+                for peer in cutlass.range_constexpr(self.cluster):
+                    total = total + load_peer(partials.iterator + (token * ROW + c), peer)
+                gate = du.sigmoid(total)
+                for peer in cutlass.range_constexpr(self.cluster):
+                    store_peer(gates.iterator + (token * GATES + c), peer, gate)
+        self.cluster_barrier(releases)
+
+    @cute.jit
+    def load_tile(self, raw: cute.Tensor, tile, rank, mX: cute.Tensor, mRes: cute.Tensor, loader):
+        tidx, _, _ = cute.arch.thread_idx()
+        if cutlass.const_expr(self.sync == "warp"):
+            if loader:
+                self.load_octets(raw, tile, rank, mX, mRes)
+        else:
+            self.load_octets(raw, tile, rank, mX, mRes)
+
+    @cute.jit
+    def load_octets(self, raw: cute.Tensor, tile, rank, mX: cute.Tensor, mRes: cute.Tensor):
+        """The tile's loads of the thread's octets (4 residual_prev vectors and one x_prev vector each)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        for p in cutlass.range_constexpr(self.per_thread):
+            q = tidx + p * self.threads
+            m = tile * self.tokens + q // self.octets
+            vec = rank * self.octets + q % self.octets
+            cute.autovec_copy(cute.local_tile(mX[m, None], (VEC,), (vec,)), raw[p, 0, None])
+            for k in cutlass.range_constexpr(STREAMS):
+                cute.autovec_copy(cute.local_tile(mRes[m, None], (VEC,), (k * (self.hidden // VEC) + vec,)),
+                                  raw[p, 1 + k, None])
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        rank = cute.arch.block_idx_in_cluster()
+        first = bidx // self.cluster
+        smem = cutlass.memory.SmemAllocator()
+        sRc = smem.allocate_tensor(BFloat16, du.row_major(self.tokens * STREAMS * self.octets, VEC), 16)
+        partials = smem.allocate_tensor(Float32, du.row_major(self.tokens, ROW), 16)
+        gates = smem.allocate_tensor(Float32, du.row_major(self.tokens, GATES), 16)
+        n_tiles = mX.shape[0] // self.tokens
+        count = (n_tiles - first + self.clusters - 1) // self.clusters
+        raw = cute.make_rmem_tensor(du.row_major(self.per_thread, 1 + STREAMS, VEC), BFloat16)
+        loader = tidx < self.threads  # (all threads but the tail warp of "warp")
+        # tile indices clamped, not loads skipped: a conditional fill of the loop-carried registers put them on
+        # the stack (the tail warp of "warp", whose release must not wait for loads, skips them all the same)
+        self.load_tile(raw, cutlass.min(first, n_tiles - 1), rank, mX, mRes, loader)
+        for it in cutlass.range(count, unroll=1):
+            tile = first + it * self.clusters
+            if loader:
+                self.post_map(raw, tile, rank, mRc, sRc)
+            # the next tile's loads fly during the tail and the collapse
+            self.load_tile(raw, cutlass.min(tile + self.clusters, n_tiles - 1), rank, mX, mRes, loader)
+            if cutlass.const_expr(self.sync == "all"):
+                self.tail(tile, rank, partials, gates, Int32(0), self.threads)
+            elif cutlass.const_expr(self.sync == "warp"):
+                self.tail(tile, rank, partials, gates, Int32(self.threads), du.WARP)
+            if loader:
+                self.collapse(tile, rank, sRc, gates, mLi)
+
+    @cute.jit
+    def post_map(self, raw: cute.Tensor, tile, rank, mRc: cute.Tensor, sRc: cute.Tensor):
+        """residual_cur of the thread's octets to global memory and to shared memory."""
+        tidx, _, _ = cute.arch.thread_idx()
+        for p in cutlass.range_constexpr(self.per_thread):
+            q = tidx + p * self.threads
+            t, o = q // self.octets, q % self.octets
+            m = tile * self.tokens + t
+            vec = rank * self.octets + o
+            xv = raw[p, 0, None].load().to(Float32)
+            rp = [raw[p, 1 + k, None].load().to(Float32) for k in range(STREAMS)]
+            for j in cutlass.range_constexpr(STREAMS):
+                out = cute.make_rmem_tensor((VEC,), Float32)
+                for e in cutlass.range_constexpr(VEC):
+                    chain = xv[e] * Float32(post_coef(j))
+                    for k in cutlass.range_constexpr(STREAMS):
+                        chain = cute.math.fma(Float32(comb_coef(k, j)), rp[k][e], chain)
+                    out[e] = chain
+                rounded = du.store_bf16x8(cute.local_tile(mRc[m, None], (VEC,), (j * (self.hidden // VEC) + vec,)),
+                                          out.load())
+                sRc[(t * STREAMS + j) * self.octets + o, None].store(rounded.to(BFloat16))
+
+    @cute.jit
+    def collapse(self, tile, rank, sRc: cute.Tensor, gates: cute.Tensor, mLi: cute.Tensor):
+        """layer_input of the thread's octets, from shared memory."""
+        tidx, _, _ = cute.arch.thread_idx()
+        for p in cutlass.range_constexpr(self.per_thread):
+            q = tidx + p * self.threads
+            t, o = q // self.octets, q % self.octets
+            m = tile * self.tokens + t
+            vals = [sRc[(t * STREAMS + j) * self.octets + o, None].load().to(Float32) for j in range(STREAMS)]
+            g = [Float32(0.5) if cutlass.const_expr(self.sync == "none") else gates[t, j] for j in range(STREAMS)]
+            out = cute.make_rmem_tensor((VEC,), Float32)
+            for e in cutlass.range_constexpr(VEC):
+                chain = g[0] * vals[0][e]
+                for j in cutlass.range_constexpr(1, STREAMS):
+                    chain = cute.math.fma(g[j], vals[j][e], chain)
+                out[e] = chain
+            du.store_bf16x8(cute.local_tile(mLi[m, None], (VEC,), (rank * self.octets + o,)), out.load())
+
+
+def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str):
+    return compile_kernel(OnchipSkeleton(cluster, tokens, hidden, clusters, sync), fake_buffer(BFloat16),
+                          fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16))
+
+
+def reference(x, res, rows, cluster: int, sync: str):
+    """float64 residual_cur and layer_input of the skeleton's arithmetic for the tokens ``rows`` of ``x`` [M, H] and
+    ``res`` [M, 4, H]."""
+    x64, r64 = x[rows].double(), res[rows].double()
+    rc = torch.stack([x64 * post_coef(j) + sum(comb_coef(k, j) * r64[:, k] for k in range(STREAMS))
+                      for j in range(STREAMS)], 1)
+    if sync != "none":
+        total = sum(partial_value(rows[:, None], torch.arange(GATES)[None, :], r) for r in range(cluster))
+        gates = torch.sigmoid(total.double())
+    else:
+        gates = torch.full((len(rows), GATES), 0.5, dtype=torch.float64)
+    rc_bf = rc.to(torch.bfloat16).double()  # the collapse reads the rounded residual_cur
+    return rc, (gates[:, :, None] * rc_bf).sum(1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cluster", type=int, nargs="+", default=[8])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8, 16], help="per tile (T / S tokens per CTA's tail)")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--m", type=int, default=8192)
+    ap.add_argument("--clusters", type=int, default=0, help="resident clusters (0: SMs // cluster - 1)")
+    ap.add_argument("--sync", nargs="+", choices=SYNCS, default=list(SYNCS))
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    bw = mb.measure_copy_bandwidth(dev)
+    h = args.hidden
+    print(f"GPU: {torch.cuda.get_device_name(dev)}, {sms} SMs; copy bandwidth {bw / 1e12:.2f} TB/s; H = {h}")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for cluster in args.cluster:
+        clusters = args.clusters or sms // cluster - 1
+        for tokens in args.tokens:
+            m = args.m // tokens * tokens
+            x = torch.randn(m, h, generator=g).to(torch.bfloat16)
+            res = torch.randn(m, STREAMS, h, generator=g).to(torch.bfloat16)
+            xd, resd = x.to(dev), res.to(dev)
+            for sync in args.sync:
+                try:
+                    fn = compiled(cluster, tokens, h, clusters, sync)
+                except Exception as e:  # a shape the probe or the DSL refuses: say so, go on
+                    print(f"S={cluster} T={tokens} sync={sync}: not compiled ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120]})", flush=True)
+                    continue
+                rc = torch.full((m, STREAMS, h), float("nan"), device=dev).to(torch.bfloat16)
+                li = torch.full((m, h), float("nan"), device=dev).to(torch.bfloat16)
+                fn(xd.view(-1), resd.view(-1), rc.view(-1), li.view(-1), 0.0, 0.0, 0.0, 0.0, 0, 0.0)
+                torch.cuda.synchronize()
+                rows = torch.cat([torch.arange(0, m, 97), torch.arange(m - 2 * tokens, m)])  # a spread and the end
+                rc_ref, li_ref = reference(x, res, rows, cluster, sync)
+                # normwise (the largest error over the largest value): NaN (an element not written) fails; every
+                # element is checked written
+                rc_err = ((rc[rows.to(dev)].cpu().double() - rc_ref).abs().max() / rc_ref.abs().max()).item()
+                li_err = ((li[rows.to(dev)].cpu().double() - li_ref).abs().max() / li_ref.abs().max()).item()
+                written = not (rc.isnan().any() or li.isnan().any())
+                ok = written and rc_err <= 2**-8 and li_err <= 2**-7
+                times = []
+                for _ in range(args.reps):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    fn(xd.view(-1), resd.view(-1), rc.view(-1), li.view(-1), 0.0, 0.0, 0.0, 0.0, 0, 0.0)
+                    b.record()
+                    b.synchronize()
+                    times.append(a.elapsed_time(b) * 1e3)
+                us = statistics.median(times)
+                rate = 20 * h * m / us / 1e6
+                print(f"S={cluster} T={tokens:2d} clusters={clusters:2d} sync={sync:4s} M={m}: {us:8.1f} us, "
+                      f"{rate:5.2f} TB/s = {100 * rate * 1e12 / bw:5.1f}% of copy; "
+                      f"{'ok' if ok else 'WRONG'} (rc {rc_err:.1e}, layer_input {li_err:.1e})", flush=True)
+            del xd, resd, rc, li
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
