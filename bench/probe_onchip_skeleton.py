@@ -14,7 +14,11 @@ memory, stored. Outputs are checked against float64. Three ways to sync (``SYNCS
 gates: the copy alone); "all" (every thread runs the tail's steps and arrives at the cluster barriers with release
 semantics: in the SASS a `MEMBAR.ALL.GPU` per arrival, which waits for the thread's memory operations in flight,
 the next tile's loads included); "warp" (a warp of its own runs the tail and arrives with release; the loading
-threads arrive relaxed, so their loads stay in flight).
+threads arrive relaxed, so their loads stay in flight); "async" (no cluster barrier per tile: the loading threads
+push the tile's partial rows into the owning CTAs' shared memory with ``st.async``, counted by the owner's
+mbarrier; a tail warp per CTA waits for its tokens' rows, sums them and pushes the gates back the same way; the
+collapse of tile r runs after the post-map of tile r + 1, from the second of two `residual_cur` buffers, so the
+gates have a whole tile's time to arrive).
 
     python bench/probe_onchip_skeleton.py --cluster 8 16 --tokens 8 16 --hidden 7168 --m 8192
 """
@@ -41,7 +45,8 @@ from probe_cluster import GATES, ROW, load_peer, store_peer  # noqa: E402
 
 STREAMS = 4
 VEC = du.VEC_BF16
-SYNCS = ("none", "all", "warp")
+SYNCS = ("none", "all", "warp", "async")
+SLOTS = 2  # tiles in flight per buffer kind with "async"
 
 
 def post_coef(j: int) -> float:
@@ -77,7 +82,7 @@ class OnchipSkeleton:
         res = cute.make_tensor(mRes.iterator, du.row_major(m, STREAMS * self.hidden))
         rc = cute.make_tensor(mRc.iterator, du.row_major(m, STREAMS * self.hidden))
         li = cute.make_tensor(mLi.iterator, du.row_major(m, self.hidden))
-        block = self.threads + (du.WARP if self.sync == "warp" else 0)
+        block = self.threads + (du.WARP if self.sync in ("warp", "async") else 0)
         self.kernel(x, res, rc, li).launch(grid=[self.clusters * self.cluster, 1, 1], block=[block, 1, 1],
                                            cluster=[self.cluster, 1, 1], stream=stream)
 
@@ -118,7 +123,7 @@ class OnchipSkeleton:
     @cute.jit
     def load_tile(self, raw: cute.Tensor, tile, rank, mX: cute.Tensor, mRes: cute.Tensor, loader):
         tidx, _, _ = cute.arch.thread_idx()
-        if cutlass.const_expr(self.sync == "warp"):
+        if cutlass.const_expr(self.sync in ("warp", "async")):
             if loader:
                 self.load_octets(raw, tile, rank, mX, mRes)
         else:
@@ -139,6 +144,14 @@ class OnchipSkeleton:
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor):
+        if cutlass.const_expr(self.sync == "async"):
+            self.run_async(mX, mRes, mRc, mLi)
+        else:
+            self.run_synced(mX, mRes, mRc, mLi)
+
+    @cute.jit
+    def run_synced(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor):
+        """Modes "none", "all", "warp": post-map, next loads, tail (cluster barriers), collapse, per tile."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         rank = cute.arch.block_idx_in_cluster()
@@ -168,7 +181,90 @@ class OnchipSkeleton:
                 self.collapse(tile, rank, sRc, gates, mLi)
 
     @cute.jit
-    def post_map(self, raw: cute.Tensor, tile, rank, mRc: cute.Tensor, sRc: cute.Tensor):
+    def run_async(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor):
+        """Mode "async": mbarrier handoffs between the CTAs of a cluster, the collapse one tile behind."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        rank = cute.arch.block_idx_in_cluster()
+        first = bidx // self.cluster
+        smem = cutlass.memory.SmemAllocator()
+        rc_rows = self.tokens * STREAMS * self.octets
+        sRc = smem.allocate_tensor(BFloat16, du.row_major(SLOTS * rc_rows, VEC), 16)
+        # this CTA's tokens' partial rows as pushed by each CTA of the cluster, and every token's gates
+        received = smem.allocate_tensor(Float32, du.row_major(SLOTS, self.cluster, self.own, ROW), 16)
+        gates = smem.allocate_tensor(Float32, du.row_major(SLOTS, self.tokens, GATES), 16)
+        mbar = smem.allocate_tensor(cutlass.Int64, du.row_major(2 * SLOTS), 8)  # partials[SLOTS], then gates
+        partial_bytes = self.cluster * self.own * ROW * 4
+        gate_bytes = self.tokens * GATES * 4
+        if tidx == 0:
+            for i in cutlass.range_constexpr(2 * SLOTS):
+                cute.arch.mbarrier_init(mbar.iterator + i, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive()  # every CTA's mbarriers are initialised before any push
+        cute.arch.cluster_wait()
+        n_tiles = mX.shape[0] // self.tokens
+        count = (n_tiles - first + self.clusters - 1) // self.clusters
+        raw = cute.make_rmem_tensor(du.row_major(self.per_thread, 1 + STREAMS, VEC), BFloat16)
+        loader = tidx < self.threads
+        self.load_tile(raw, cutlass.min(first, n_tiles - 1), rank, mX, mRes, loader)
+        for it in cutlass.range(count, unroll=1):
+            tile = first + it * self.clusters
+            slot, parity = it % SLOTS, (it // SLOTS) % 2
+            if loader:
+                self.post_map(raw, tile, rank, mRc, sRc, slot * rc_rows)
+                self.load_tile(raw, cutlass.min(tile + self.clusters, n_tiles - 1), rank, mX, mRes, loader)
+                self.push_partials(tile, rank, received, mbar, slot)
+                if tidx == 0:  # this tile's gates: counted on this slot's next phase
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + SLOTS + slot, gate_bytes)
+                if it > 0:
+                    prev = (it - 1) % SLOTS
+                    cute.arch.mbarrier_wait(mbar.iterator + SLOTS + prev, ((it - 1) // SLOTS) % 2)
+                    self.collapse(tile - self.clusters, rank, sRc, gates, mLi, prev * rc_rows, prev)
+            else:
+                # the tail warp: this CTA's tokens' rows from every CTA, summed in rank order; gates to every CTA
+                lane = cute.arch.lane_idx()
+                if lane == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + slot, partial_bytes)
+                cute.arch.mbarrier_wait(mbar.iterator + slot, parity)
+                for i in cutlass.range_constexpr(0, self.own * GATES, du.WARP):
+                    e = i + lane
+                    if e < self.own * GATES:
+                        t, c = e // GATES, e % GATES
+                        total = Float32(0.0)
+                        for peer in cutlass.range_constexpr(self.cluster):
+                            total = total + received[slot, peer, t, c]
+                        bits = cute.make_rmem_tensor((1,), Float32)
+                        bits[0] = du.sigmoid(total)
+                        token = rank * self.own + t
+                        for peer in cutlass.range_constexpr(self.cluster):
+                            cute.arch.store_async_dsmem(gates.iterator + (slot * self.tokens + token) * GATES + c,
+                                                        cute.recast_tensor(bits, Int32)[0],
+                                                        mbar.iterator + SLOTS + slot, peer)
+        if loader and count > 0:
+            last = (count - 1) % SLOTS
+            cute.arch.mbarrier_wait(mbar.iterator + SLOTS + last, ((count - 1) // SLOTS) % 2)
+            self.collapse(first + (count - 1) * self.clusters, rank, sRc, gates, mLi, last * rc_rows, last)
+        cute.arch.cluster_arrive()  # no CTA leaves while another may still push into it
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def push_partials(self, tile, rank, received: cute.Tensor, mbar: cute.Tensor, slot):
+        """The tile's synthetic partial rows into their owners' ``received`` (st.async, counted by the owner's
+        mbarrier of ``slot``): row of token t goes to CTA t // own, at this CTA's rank."""
+        tidx, _, _ = cute.arch.thread_idx()
+        for i in cutlass.range_constexpr(0, self.tokens * ROW, self.threads):
+            e = i + tidx
+            if e < self.tokens * ROW:
+                t, c = e // ROW, e % ROW
+                m = tile * self.tokens + t
+                bits = cute.make_rmem_tensor((1,), Float32)
+                bits[0] = Float32(((m * 7 + c * 3 + rank) % 17)) * Float32(1.0 / 17) - Float32(0.5)
+                owner = t // self.own
+                dst = received.iterator + ((slot * self.cluster + rank) * self.own + t % self.own) * ROW + c
+                cute.arch.store_async_dsmem(dst, cute.recast_tensor(bits, Int32)[0], mbar.iterator + slot, owner)
+
+    @cute.jit
+    def post_map(self, raw: cute.Tensor, tile, rank, mRc: cute.Tensor, sRc: cute.Tensor, row0=0):
         """residual_cur of the thread's octets to global memory and to shared memory."""
         tidx, _, _ = cute.arch.thread_idx()
         for p in cutlass.range_constexpr(self.per_thread):
@@ -187,18 +283,23 @@ class OnchipSkeleton:
                     out[e] = chain
                 rounded = du.store_bf16x8(cute.local_tile(mRc[m, None], (VEC,), (j * (self.hidden // VEC) + vec,)),
                                           out.load())
-                sRc[(t * STREAMS + j) * self.octets + o, None].store(rounded.to(BFloat16))
+                sRc[row0 + (t * STREAMS + j) * self.octets + o, None].store(rounded.to(BFloat16))
 
     @cute.jit
-    def collapse(self, tile, rank, sRc: cute.Tensor, gates: cute.Tensor, mLi: cute.Tensor):
+    def collapse(self, tile, rank, sRc: cute.Tensor, gates: cute.Tensor, mLi: cute.Tensor, row0=0, slot=None):
         """layer_input of the thread's octets, from shared memory."""
         tidx, _, _ = cute.arch.thread_idx()
         for p in cutlass.range_constexpr(self.per_thread):
             q = tidx + p * self.threads
             t, o = q // self.octets, q % self.octets
             m = tile * self.tokens + t
-            vals = [sRc[(t * STREAMS + j) * self.octets + o, None].load().to(Float32) for j in range(STREAMS)]
-            g = [Float32(0.5) if cutlass.const_expr(self.sync == "none") else gates[t, j] for j in range(STREAMS)]
+            vals = [sRc[row0 + (t * STREAMS + j) * self.octets + o, None].load().to(Float32) for j in range(STREAMS)]
+            if cutlass.const_expr(self.sync == "none"):
+                g = [Float32(0.5)] * STREAMS
+            elif cutlass.const_expr(slot is None):
+                g = [gates[t, j] for j in range(STREAMS)]
+            else:
+                g = [gates[slot, t, j] for j in range(STREAMS)]
             out = cute.make_rmem_tensor((VEC,), Float32)
             for e in cutlass.range_constexpr(VEC):
                 chain = g[0] * vals[0][e]

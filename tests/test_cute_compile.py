@@ -194,9 +194,9 @@ def test_cluster_probe_compiles(cluster, tokens):
     assert callable(_bench_module("probe_cluster").compiled(cluster, tokens, 215))
 
 
-@pytest.mark.parametrize("sync", ["none", "all", "warp"])
+@pytest.mark.parametrize("sync", ["none", "all", "warp", "async"])
 def test_onchip_skeleton_probe_compiles(sync):
-    """bench/probe_onchip_skeleton.py (the on-chip-collapse design's data movement with its cluster tail, three ways
+    """bench/probe_onchip_skeleton.py (the on-chip-collapse design's data movement with its cluster tail, four ways
     to sync) compiles for sm_90a."""
     assert callable(_bench_module("probe_onchip_skeleton").compiled(8, 8, 7168, 15, sync))
 
