@@ -110,6 +110,7 @@ def _signature(tensors, scalars, precision) -> tuple:
 
 INPUT_NAMES = ("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev", "fn", "hc_scale", "hc_base",
                "norm_weight")  # the user's names of the Problem's tensors
+OUT_NAMES = tuple(f"out.{name}" for name in MhcFusedHcOutput._fields)  # the names the errors give the buffers
 OUT_SHAPES = (  # per output: its dtype and the trailing shapes it may have (after the leading dims of x_prev)
     ("residual_cur", torch.bfloat16, ((HC_MULT, None),)),
     ("post_mix_cur", torch.float32, ((HC_MULT, 1), (HC_MULT,))),
@@ -160,30 +161,19 @@ def _check_out(out, lead, hidden, device) -> tuple:
 def check_out_memory(out: MhcFusedHcOutput, problem: Problem) -> None:
     """``out=`` buffers: 16-byte aligned bases, and no byte shared with another output or with any input the
     op reads (the flattened problem's tensors; inputs may overlap each other, they are only read). Needs real
-    tensors (not the fake ones ``torch.compile`` traces)."""
+    tensors (not the fake ones ``torch.compile`` traces). Runs on every call: plain loops, names only for the
+    error."""
     outs = [(t.data_ptr(), t.nbytes) for t in out]
-    ins = [(t.data_ptr(), t.nbytes) for t in problem[:len(INPUT_NAMES)] if t is not None]
-    clash = any(p % ALIGN_BYTES for p, _ in outs)
+    for i, (p, _) in enumerate(outs):
+        if p % ALIGN_BYTES:
+            _fail(OUT_NAMES[i], f"{ALIGN_BYTES}-byte aligned", f"data_ptr % {ALIGN_BYTES} == {p % ALIGN_BYTES}")
+    spans = outs + [(t.data_ptr(), t.nbytes) if t is not None else (0, 0) for t in problem[:len(INPUT_NAMES)]]
     for i, (p, n) in enumerate(outs):
-        e = p + n
-        for q, k in outs[i + 1:] + ins:
-            clash |= n > 0 and k > 0 and q < e and p < q + k
-    if clash:  # rare: find what to name
-        _out_memory_error(out, problem)
-
-
-def _out_memory_error(out: MhcFusedHcOutput, problem: Problem) -> None:
-    names = [f"out.{n}" for n in MhcFusedHcOutput._fields]
-    for name, t in zip(names, out):
-        if t.data_ptr() % ALIGN_BYTES:
-            _fail(name, f"{ALIGN_BYTES}-byte aligned", f"data_ptr % {ALIGN_BYTES} == {t.data_ptr() % ALIGN_BYTES}")
-    others = list(zip(names, out)) + [(n, t) for n, t in zip(INPUT_NAMES, problem) if t is not None]
-    for i, (name, t) in enumerate(zip(names, out)):
-        p = t.data_ptr()
-        for other, u in others[i + 1:]:
-            q = u.data_ptr()
-            if t.numel() and u.numel() and q < p + t.nbytes and p < q + u.nbytes:
-                _fail(name, f"a buffer that shares no memory with {other}", "overlapping memory")
+        for j in range(i + 1, len(spans)):
+            q, k = spans[j]
+            if n and k and q < p + n and p < q + k:
+                other = (OUT_NAMES + INPUT_NAMES)[j]
+                _fail(OUT_NAMES[i], f"a buffer that shares no memory with {other}", "overlapping memory")
 
 
 def _aligned(t):
