@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from mhc_cute import benchmark as mb  # noqa: E402
 from mhc_cute.kernels import compile_kernel, fake_buffer  # noqa: E402  (first: sets the DSL's target arch)
 from mhc_cute.kernels import device_utils as du  # noqa: E402
 
@@ -195,17 +196,9 @@ def main() -> int:
                 # the tail per round, with as many clusters as were resident at once
                 stamps = torch.zeros(most * cluster * STAMPS, dtype=torch.int32, device=dev)
                 checks = torch.empty(most * cluster, device=dev)
-                times = {}
-                for rounds in (1, args.rounds):
-                    runs = []
-                    for _ in range(args.reps):
-                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        a.record()
-                        fn(stamps, checks, seeds, 0.0, 0.0, 0.0, 0.0, rounds, 0.0)
-                        b.record()
-                        b.synchronize()
-                        runs.append(a.elapsed_time(b) * 1e3)
-                    times[rounds] = statistics.median(runs)
+                times = {rounds: statistics.median(mb.launch_us(
+                    lambda: fn(stamps, checks, seeds, 0.0, 0.0, 0.0, 0.0, rounds, 0.0), args.reps))
+                    for rounds in (1, args.rounds)}
                 per = (times[args.rounds] - times[1]) / (args.rounds - 1)
                 print(f"S={cluster:2d} T={tokens:2d} smem={smem_kb}KB: {most:3d} clusters resident at once "
                       f"({most * cluster} CTAs; {used} SMs ran CTAs); {per:6.3f} us per round; gates "

@@ -96,18 +96,9 @@ def main(argv=None):
     print(f"{'ratio':>6} | {'us':>9} {'HBM TB/s':>9} {'vs copy':>8} {'L2 extra TB/s':>14}")
     base = None
     for ratio in [0.0] + [r for r in args.ratios if r > 0]:  # the plain copy first: the reference
-        launch(src, dst, weight, sink, per_program, block, ratio)
-        torch.cuda.synchronize()
+        us = statistics.median(mb.launch_us(lambda: launch(src, dst, weight, sink, per_program, block, ratio),
+                                            args.reps))
         assert torch.equal(dst, src)
-        times = []
-        for _ in range(args.reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            launch(src, dst, weight, sink, per_program, block, ratio)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        us = statistics.median(times)
         wblock, every = reread_shape(ratio, block)
         hbm = 8 * n / us / 1e6
         extra = 4 * (n // block // every) * wblock / us / 1e6

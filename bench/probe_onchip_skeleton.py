@@ -24,6 +24,7 @@ gates have a whole tile's time to arrive).
 """
 
 import argparse
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -58,8 +59,14 @@ def comb_coef(k: int, j: int) -> float:
 
 
 def partial_value(m, c, rank):
-    """The synthetic partial of token ``m``, column ``c`` from cluster rank ``rank`` (integers or tensors)."""
+    """The synthetic partial of token ``m``, column ``c`` from cluster rank ``rank`` (host: integers or tensors)."""
     return ((m * 7 + c * 3 + rank) % 17) * (1.0 / 17) - 0.5
+
+
+@cute.jit
+def device_partial(m, c, rank) -> Float32:
+    """``partial_value`` on the device (fp32; every value is exact or one rounding of k / 17 - 0.5)."""
+    return Float32((m * 7 + c * 3 + rank) % 17) * Float32(1.0 / 17) - Float32(0.5)
 
 
 class OnchipSkeleton:
@@ -105,8 +112,7 @@ class OnchipSkeleton:
             e = i + tidx - first
             if releases and e < self.tokens * ROW:
                 t, c = e // ROW, e % ROW
-                m = tile * self.tokens + t
-                partials[t, c] = Float32(((m * 7 + c * 3 + rank) % 17)) * Float32(1.0 / 17) - Float32(0.5)
+                partials[t, c] = device_partial(tile * self.tokens + t, c, rank)
         self.cluster_barrier(releases)
         for i in cutlass.range_constexpr(0, self.own * GATES, step):
             e = i + tidx - first
@@ -122,7 +128,6 @@ class OnchipSkeleton:
 
     @cute.jit
     def load_tile(self, raw: cute.Tensor, tile, rank, mX: cute.Tensor, mRes: cute.Tensor, loader):
-        tidx, _, _ = cute.arch.thread_idx()
         if cutlass.const_expr(self.sync in ("warp", "async")):
             if loader:
                 self.load_octets(raw, tile, rank, mX, mRes)
@@ -130,13 +135,19 @@ class OnchipSkeleton:
             self.load_octets(raw, tile, rank, mX, mRes)
 
     @cute.jit
+    def octet(self, p: int, tile, rank):
+        """This thread's octet ``p`` of the tile: its token in the tile, its octet in the CTA's slice, the token's
+        row and the octet's 8-vector index in a stream row."""
+        tidx, _, _ = cute.arch.thread_idx()
+        q = tidx + p * self.threads
+        t, o = q // self.octets, q % self.octets
+        return t, o, tile * self.tokens + t, rank * self.octets + o
+
+    @cute.jit
     def load_octets(self, raw: cute.Tensor, tile, rank, mX: cute.Tensor, mRes: cute.Tensor):
         """The tile's loads of the thread's octets (4 residual_prev vectors and one x_prev vector each)."""
-        tidx, _, _ = cute.arch.thread_idx()
         for p in cutlass.range_constexpr(self.per_thread):
-            q = tidx + p * self.threads
-            m = tile * self.tokens + q // self.octets
-            vec = rank * self.octets + q % self.octets
+            _, _, m, vec = self.octet(p, tile, rank)
             cute.autovec_copy(cute.local_tile(mX[m, None], (VEC,), (vec,)), raw[p, 0, None])
             for k in cutlass.range_constexpr(STREAMS):
                 cute.autovec_copy(cute.local_tile(mRes[m, None], (VEC,), (k * (self.hidden // VEC) + vec,)),
@@ -144,29 +155,30 @@ class OnchipSkeleton:
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor):
-        if cutlass.const_expr(self.sync == "async"):
-            self.run_async(mX, mRes, mRc, mLi)
-        else:
-            self.run_synced(mX, mRes, mRc, mLi)
-
-    @cute.jit
-    def run_synced(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor):
-        """Modes "none", "all", "warp": post-map, next loads, tail (cluster barriers), collapse, per tile."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         rank = cute.arch.block_idx_in_cluster()
-        first = bidx // self.cluster
+        first = bidx // self.cluster  # the cluster's first tile; then every ``clusters``-th
+        n_tiles = mX.shape[0] // self.tokens
+        count = (n_tiles - first + self.clusters - 1) // self.clusters
+        loader = tidx < self.threads  # (all threads but the tail warp of "warp" and "async")
+        raw = cute.make_rmem_tensor(du.row_major(self.per_thread, 1 + STREAMS, VEC), BFloat16)
+        # tile indices clamped, not loads skipped: a conditional fill of the loop-carried registers put them on
+        # the stack (the tail warp, whose release must not wait for loads, skips them all the same)
+        self.load_tile(raw, cutlass.min(first, n_tiles - 1), rank, mX, mRes, loader)
         smem = cutlass.memory.SmemAllocator()
+        if cutlass.const_expr(self.sync == "async"):
+            self.run_async(smem, raw, rank, first, count, n_tiles, loader, mX, mRes, mRc, mLi)
+        else:
+            self.run_synced(smem, raw, rank, first, count, n_tiles, loader, mX, mRes, mRc, mLi)
+
+    @cute.jit
+    def run_synced(self, smem, raw: cute.Tensor, rank, first, count, n_tiles, loader, mX: cute.Tensor,
+                   mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor):
+        """Modes "none", "all", "warp": post-map, next loads, tail (cluster barriers), collapse, per tile."""
         sRc = smem.allocate_tensor(BFloat16, du.row_major(self.tokens * STREAMS * self.octets, VEC), 16)
         partials = smem.allocate_tensor(Float32, du.row_major(self.tokens, ROW), 16)
         gates = smem.allocate_tensor(Float32, du.row_major(self.tokens, GATES), 16)
-        n_tiles = mX.shape[0] // self.tokens
-        count = (n_tiles - first + self.clusters - 1) // self.clusters
-        raw = cute.make_rmem_tensor(du.row_major(self.per_thread, 1 + STREAMS, VEC), BFloat16)
-        loader = tidx < self.threads  # (all threads but the tail warp of "warp")
-        # tile indices clamped, not loads skipped: a conditional fill of the loop-carried registers put them on
-        # the stack (the tail warp of "warp", whose release must not wait for loads, skips them all the same)
-        self.load_tile(raw, cutlass.min(first, n_tiles - 1), rank, mX, mRes, loader)
         for it in cutlass.range(count, unroll=1):
             tile = first + it * self.clusters
             if loader:
@@ -181,13 +193,10 @@ class OnchipSkeleton:
                 self.collapse(tile, rank, sRc, gates, mLi)
 
     @cute.jit
-    def run_async(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor):
+    def run_async(self, smem, raw: cute.Tensor, rank, first, count, n_tiles, loader, mX: cute.Tensor,
+                  mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor):
         """Mode "async": mbarrier handoffs between the CTAs of a cluster, the collapse one tile behind."""
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        rank = cute.arch.block_idx_in_cluster()
-        first = bidx // self.cluster
-        smem = cutlass.memory.SmemAllocator()
         rc_rows = self.tokens * STREAMS * self.octets
         sRc = smem.allocate_tensor(BFloat16, du.row_major(SLOTS * rc_rows, VEC), 16)
         # this CTA's tokens' partial rows as pushed by each CTA of the cluster, and every token's gates
@@ -202,11 +211,6 @@ class OnchipSkeleton:
             cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive()  # every CTA's mbarriers are initialised before any push
         cute.arch.cluster_wait()
-        n_tiles = mX.shape[0] // self.tokens
-        count = (n_tiles - first + self.clusters - 1) // self.clusters
-        raw = cute.make_rmem_tensor(du.row_major(self.per_thread, 1 + STREAMS, VEC), BFloat16)
-        loader = tidx < self.threads
-        self.load_tile(raw, cutlass.min(first, n_tiles - 1), rank, mX, mRes, loader)
         for it in cutlass.range(count, unroll=1):
             tile = first + it * self.clusters
             slot, parity = it % SLOTS, (it // SLOTS) % 2
@@ -256,9 +260,8 @@ class OnchipSkeleton:
             e = i + tidx
             if e < self.tokens * ROW:
                 t, c = e // ROW, e % ROW
-                m = tile * self.tokens + t
                 bits = cute.make_rmem_tensor((1,), Float32)
-                bits[0] = Float32(((m * 7 + c * 3 + rank) % 17)) * Float32(1.0 / 17) - Float32(0.5)
+                bits[0] = device_partial(tile * self.tokens + t, c, rank)
                 owner = t // self.own
                 dst = received.iterator + ((slot * self.cluster + rank) * self.own + t % self.own) * ROW + c
                 cute.arch.store_async_dsmem(dst, cute.recast_tensor(bits, Int32)[0], mbar.iterator + slot, owner)
@@ -266,12 +269,8 @@ class OnchipSkeleton:
     @cute.jit
     def post_map(self, raw: cute.Tensor, tile, rank, mRc: cute.Tensor, sRc: cute.Tensor, row0=0):
         """residual_cur of the thread's octets to global memory and to shared memory."""
-        tidx, _, _ = cute.arch.thread_idx()
         for p in cutlass.range_constexpr(self.per_thread):
-            q = tidx + p * self.threads
-            t, o = q // self.octets, q % self.octets
-            m = tile * self.tokens + t
-            vec = rank * self.octets + o
+            t, o, m, vec = self.octet(p, tile, rank)
             xv = raw[p, 0, None].load().to(Float32)
             rp = [raw[p, 1 + k, None].load().to(Float32) for k in range(STREAMS)]
             for j in cutlass.range_constexpr(STREAMS):
@@ -288,11 +287,8 @@ class OnchipSkeleton:
     @cute.jit
     def collapse(self, tile, rank, sRc: cute.Tensor, gates: cute.Tensor, mLi: cute.Tensor, row0=0, slot=None):
         """layer_input of the thread's octets, from shared memory."""
-        tidx, _, _ = cute.arch.thread_idx()
         for p in cutlass.range_constexpr(self.per_thread):
-            q = tidx + p * self.threads
-            t, o = q // self.octets, q % self.octets
-            m = tile * self.tokens + t
+            t, o, m, vec = self.octet(p, tile, rank)
             vals = [sRc[row0 + (t * STREAMS + j) * self.octets + o, None].load().to(Float32) for j in range(STREAMS)]
             if cutlass.const_expr(self.sync == "none"):
                 g = [Float32(0.5)] * STREAMS
@@ -306,7 +302,7 @@ class OnchipSkeleton:
                 for j in cutlass.range_constexpr(1, STREAMS):
                     chain = cute.math.fma(g[j], vals[j][e], chain)
                 out[e] = chain
-            du.store_bf16x8(cute.local_tile(mLi[m, None], (VEC,), (rank * self.octets + o,)), out.load())
+            du.store_bf16x8(cute.local_tile(mLi[m, None], (VEC,), (vec,)), out.load())
 
 
 def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str):
@@ -361,7 +357,9 @@ def main() -> int:
                     continue
                 rc = torch.full((m, STREAMS, h), float("nan"), device=dev).to(torch.bfloat16)
                 li = torch.full((m, h), float("nan"), device=dev).to(torch.bfloat16)
-                fn(xd.view(-1), resd.view(-1), rc.view(-1), li.view(-1), 0.0, 0.0, 0.0, 0.0, 0, 0.0)
+                launch = functools.partial(fn, xd.view(-1), resd.view(-1), rc.view(-1), li.view(-1), 0.0, 0.0, 0.0,
+                                           0.0, 0, 0.0)
+                launch()
                 torch.cuda.synchronize()
                 rows = torch.cat([torch.arange(0, m, 97), torch.arange(m - 2 * tokens, m)])  # a spread and the end
                 rc_ref, li_ref = reference(x, res, rows, cluster, sync)
@@ -371,21 +369,11 @@ def main() -> int:
                 li_err = ((li[rows.to(dev)].cpu().double() - li_ref).abs().max() / li_ref.abs().max()).item()
                 written = not (rc.isnan().any() or li.isnan().any())
                 ok = written and rc_err <= 2**-8 and li_err <= 2**-7
-                times = []
-                for _ in range(args.reps):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    fn(xd.view(-1), resd.view(-1), rc.view(-1), li.view(-1), 0.0, 0.0, 0.0, 0.0, 0, 0.0)
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b) * 1e3)
-                us = statistics.median(times)
+                us = statistics.median(mb.launch_us(launch, args.reps))
                 rate = 20 * h * m / us / 1e6
                 print(f"S={cluster} T={tokens:2d} clusters={clusters:2d} sync={sync:4s} M={m}: {us:8.1f} us, "
                       f"{rate:5.2f} TB/s = {100 * rate * 1e12 / bw:5.1f}% of copy; "
                       f"{'ok' if ok else 'WRONG'} (rc {rc_err:.1e}, layer_input {li_err:.1e})", flush=True)
-            del xd, resd, rc, li
-            torch.cuda.empty_cache()
     return 0
 
 

@@ -141,19 +141,24 @@ def time_graph_separated(call: Callable[[dict], object], sets: list[dict], separ
     return time_graph(call_then_bump, sets, reps) - separator_us
 
 
-def replay_us(graph, calls_per_replay: int, reps: int = 20) -> list[float]:
-    """µs per call of ``reps`` timed replays of ``graph`` (which makes ``calls_per_replay`` calls), sorted."""
-    graph.replay()
+def launch_us(launch: Callable[[], object], reps: int = 20) -> list[float]:
+    """µs of each of ``reps`` timed calls of ``launch`` (CUDA events around each; one untimed call first), sorted."""
+    launch()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        graph.replay()
+        launch()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls_per_replay)
+        times.append(a.elapsed_time(b) * 1e3)
     return sorted(times)
+
+
+def replay_us(graph, calls_per_replay: int, reps: int = 20) -> list[float]:
+    """µs per call of ``reps`` timed replays of ``graph`` (which makes ``calls_per_replay`` calls), sorted."""
+    return [t / calls_per_replay for t in launch_us(graph.replay, reps)]
 
 
 def time_eager(call: Callable[[dict], object], sets: list[dict], reps: int = 7) -> float:
