@@ -217,6 +217,10 @@ class OnchipSkeleton:
             if loader:
                 self.post_map(raw, tile, rank, mRc, sRc, slot * rc_rows)
                 self.load_tile(raw, cutlass.min(tile + self.clusters, n_tiles - 1), rank, mX, mRes, loader)
+                # every loading warp of this CTA is past its collapse of tile it - 2 before any of them pushes tile
+                # it's rows: the gates those rows lead to land in that tile's gate slot (without this barrier, one
+                # warp ran a tile ahead of another and the late one collapsed with the next gates: the first GPU run)
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                 self.push_partials(tile, rank, received, mbar, slot)
                 if tidx == 0:  # this tile's gates: counted on this slot's next phase
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + SLOTS + slot, gate_bytes)
