@@ -18,7 +18,12 @@ threads arrive relaxed, so their loads stay in flight); "async" (no cluster barr
 push the tile's partial rows into the owning CTAs' shared memory with ``st.async``, counted by the owner's
 mbarrier; a tail warp per CTA waits for its tokens' rows, sums them and pushes the gates back the same way; the
 collapse of tile r runs after the post-map of tile r + 1, from the second of two `residual_cur` buffers, so the
-gates have a whole tile's time to arrive).
+gates have a whole tile's time to arrive); "project" (the "async" handoffs with the design's projection instead of
+synthetic partials: the loading warps multiply the tile's `residual_cur` in shared memory by the CTA's K slice of an
+fp32 weight ``fn [24, 4 H]`` read from L2 every tile, on the tensor cores (m16n8k8 TF32, the weight split into hi +
+lo in registers as path E's warp MMA does; T = 16 tokens fill the 16 rows), sum their warps' partial rows in
+shared memory in a fixed order and push them with the sums of squares; the tail warp takes the pre gates as
+``sigmoid(dot_j * rsqrt(sumsq / 4H + eps))``, a stand-in for SPEC's steps 2-4 without the Sinkhorn).
 
     python bench/probe_onchip_skeleton.py --cluster 8 16 --tokens 8 16 --hidden 7168 --m 8192
 """
@@ -39,15 +44,21 @@ from mhc_cute.kernels import device_utils as du  # noqa: E402
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import BFloat16, Float32, Int32  # noqa: E402
+from cutlass import BFloat16, Float32, Int32, TFloat32  # noqa: E402
+from cutlass.cute.nvgpu import warp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_cluster import GATES, ROW, load_peer, store_peer  # noqa: E402
 
 STREAMS = 4
 VEC = du.VEC_BF16
-SYNCS = ("none", "all", "warp", "async")
+SYNCS = ("none", "all", "warp", "async", "project")
+HANDOFFS = ("async", "project")  # the modes with mbarrier handoffs and the collapse a tile behind
 SLOTS = 2  # tiles in flight per buffer kind with "async"
+MIXES = 24  # projection columns (SPEC: 4 pre, 4 post, 16 comb); the partial row's column MIXES is the sum of squares
+MMA_N = 8  # columns per m16n8k8 TF32 tile: three cover the mixes
+K_BLOCK = 4 * VEC  # K positions per warp-MMA block: four k8 steps, one octet of residual_cur per quad lane
+RMS_EPS = 1e-6
 
 
 def post_coef(j: int) -> float:
@@ -79,18 +90,24 @@ class OnchipSkeleton:
         assert (tokens * self.octets) % threads == 0, "octets per tile must split evenly over the threads"
         self.per_thread = tokens * self.octets // threads
         self.own = tokens // cluster
+        self.warps = threads // du.WARP
+        if sync == "project":
+            blocks = STREAMS * self.octets * VEC // K_BLOCK
+            assert tokens == 16 and self.octets % 4 == 0 and blocks % self.warps == 0, "one m16 tile, whole blocks"
+            self.blocks_per_warp = blocks // self.warps
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor, a0, a1, a2, a3,
-                 a4, a5, stream):
+    def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor, mFn: cute.Tensor,
+                 a0, a1, a2, a3, a4, a5, stream):
         # a0..a5: the six runtime scalars that mhc_cute.kernels.compile_kernel appends (unused)
         m = mX.shape[0] // self.hidden
         x = cute.make_tensor(mX.iterator, du.row_major(m, self.hidden))
         res = cute.make_tensor(mRes.iterator, du.row_major(m, STREAMS * self.hidden))
         rc = cute.make_tensor(mRc.iterator, du.row_major(m, STREAMS * self.hidden))
         li = cute.make_tensor(mLi.iterator, du.row_major(m, self.hidden))
-        block = self.threads + (du.WARP if self.sync in ("warp", "async") else 0)
-        self.kernel(x, res, rc, li).launch(grid=[self.clusters * self.cluster, 1, 1], block=[block, 1, 1],
+        fn = cute.make_tensor(mFn.iterator, du.row_major(MIXES, STREAMS * self.hidden))
+        block = self.threads + (du.WARP if self.sync != "none" and self.sync != "all" else 0)
+        self.kernel(x, res, rc, li, fn).launch(grid=[self.clusters * self.cluster, 1, 1], block=[block, 1, 1],
                                            cluster=[self.cluster, 1, 1], stream=stream)
 
     @cute.jit
@@ -128,7 +145,7 @@ class OnchipSkeleton:
 
     @cute.jit
     def load_tile(self, raw: cute.Tensor, tile, rank, mX: cute.Tensor, mRes: cute.Tensor, loader):
-        if cutlass.const_expr(self.sync in ("warp", "async")):
+        if cutlass.const_expr(self.sync != "none" and self.sync != "all"):
             if loader:
                 self.load_octets(raw, tile, rank, mX, mRes)
         else:
@@ -154,21 +171,21 @@ class OnchipSkeleton:
                                   raw[p, 1 + k, None])
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor):
+    def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor, mFn: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         rank = cute.arch.block_idx_in_cluster()
         first = bidx // self.cluster  # the cluster's first tile; then every ``clusters``-th
         n_tiles = mX.shape[0] // self.tokens
         count = (n_tiles - first + self.clusters - 1) // self.clusters
-        loader = tidx < self.threads  # (all threads but the tail warp of "warp" and "async")
+        loader = tidx < self.threads  # (all threads but the tail warp of "warp", "async" and "project")
         raw = cute.make_rmem_tensor(du.row_major(self.per_thread, 1 + STREAMS, VEC), BFloat16)
         # tile indices clamped, not loads skipped: a conditional fill of the loop-carried registers put them on
         # the stack (the tail warp, whose release must not wait for loads, skips them all the same)
         self.load_tile(raw, cutlass.min(first, n_tiles - 1), rank, mX, mRes, loader)
         smem = cutlass.memory.SmemAllocator()
-        if cutlass.const_expr(self.sync == "async"):
-            self.run_async(smem, raw, rank, first, count, n_tiles, loader, mX, mRes, mRc, mLi)
+        if cutlass.const_expr(self.sync in HANDOFFS):
+            self.run_async(smem, raw, rank, first, count, n_tiles, loader, mX, mRes, mRc, mLi, mFn)
         else:
             self.run_synced(smem, raw, rank, first, count, n_tiles, loader, mX, mRes, mRc, mLi)
 
@@ -194,8 +211,9 @@ class OnchipSkeleton:
 
     @cute.jit
     def run_async(self, smem, raw: cute.Tensor, rank, first, count, n_tiles, loader, mX: cute.Tensor,
-                  mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor):
-        """Mode "async": mbarrier handoffs between the CTAs of a cluster, the collapse one tile behind."""
+                  mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor, mFn: cute.Tensor):
+        """Modes "async" and "project": mbarrier handoffs between the CTAs of a cluster, the collapse one tile
+        behind."""
         tidx, _, _ = cute.arch.thread_idx()
         rc_rows = self.tokens * STREAMS * self.octets
         sRc = smem.allocate_tensor(BFloat16, du.row_major(SLOTS * rc_rows, VEC), 16)
@@ -203,6 +221,10 @@ class OnchipSkeleton:
         received = smem.allocate_tensor(Float32, du.row_major(SLOTS, self.cluster, self.own, ROW), 16)
         gates = smem.allocate_tensor(Float32, du.row_major(SLOTS, self.tokens, GATES), 16)
         mbar = smem.allocate_tensor(cutlass.Int64, du.row_major(2 * SLOTS), 8)  # partials[SLOTS], then gates
+        # "project": each warp's partial rows of the tile, summed over the warps in order before the push (the
+        # other modes pass ``received`` in its place, unread, so that their shared memory stays as measured)
+        sRed = (smem.allocate_tensor(Float32, du.row_major(self.warps, self.tokens, ROW), 16)
+                if self.sync == "project" else received)
         partial_bytes = self.cluster * self.own * ROW * 4
         gate_bytes = self.tokens * GATES * 4
         if tidx == 0:
@@ -221,7 +243,10 @@ class OnchipSkeleton:
                 # it's rows: the gates those rows lead to land in that tile's gate slot (without this barrier, one
                 # warp ran a tile ahead of another and the late one collapsed with the next gates: the first GPU run)
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                self.push_partials(tile, rank, received, mbar, slot)
+                if cutlass.const_expr(self.sync == "project"):
+                    self.project(sRc, slot * rc_rows, rank, mFn, sRed)
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)  # sRed complete
+                self.push_partials(tile, rank, received, mbar, slot, sRed)
                 if tidx == 0:  # this tile's gates: counted on this slot's next phase
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + SLOTS + slot, gate_bytes)
                 if it > 0:
@@ -234,20 +259,17 @@ class OnchipSkeleton:
                 if lane == 0:
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + slot, partial_bytes)
                 cute.arch.mbarrier_wait(mbar.iterator + slot, parity)
-                for i in cutlass.range_constexpr(0, self.own * GATES, du.WARP):
-                    e = i + lane
-                    if e < self.own * GATES:
-                        t, c = e // GATES, e % GATES
-                        total = Float32(0.0)
-                        for peer in cutlass.range_constexpr(self.cluster):
-                            total = total + received[slot, peer, t, c]
-                        bits = cute.make_rmem_tensor((1,), Float32)
-                        bits[0] = du.sigmoid(total)
-                        token = rank * self.own + t
-                        for peer in cutlass.range_constexpr(self.cluster):
-                            cute.arch.store_async_dsmem(gates.iterator + (slot * self.tokens + token) * GATES + c,
-                                                        cute.recast_tensor(bits, Int32)[0],
-                                                        mbar.iterator + SLOTS + slot, peer)
+                if cutlass.const_expr(self.sync == "project"):
+                    self.gates_from_projection(rank, received, gates, mbar, slot)
+                else:
+                    for i in cutlass.range_constexpr(0, self.own * GATES, du.WARP):
+                        e = i + lane
+                        if e < self.own * GATES:
+                            t, c = e // GATES, e % GATES
+                            total = Float32(0.0)
+                            for peer in cutlass.range_constexpr(self.cluster):
+                                total = total + received[slot, peer, t, c]
+                            self.push_gate(du.sigmoid(total), rank * self.own + t, c, gates, mbar, slot)
         if loader and count > 0:
             last = (count - 1) % SLOTS
             cute.arch.mbarrier_wait(mbar.iterator + SLOTS + last, ((count - 1) // SLOTS) % 2)
@@ -256,16 +278,116 @@ class OnchipSkeleton:
         cute.arch.cluster_wait()
 
     @cute.jit
-    def push_partials(self, tile, rank, received: cute.Tensor, mbar: cute.Tensor, slot):
-        """The tile's synthetic partial rows into their owners' ``received`` (st.async, counted by the owner's
-        mbarrier of ``slot``): row of token t goes to CTA t // own, at this CTA's rank."""
+    def push_gate(self, gate: Float32, token, c, gates: cute.Tensor, mbar: cute.Tensor, slot):
+        """One gate into every CTA of the cluster (st.async, counted by each one's gate mbarrier of ``slot``)."""
+        bits = cute.make_rmem_tensor((1,), Float32)
+        bits[0] = gate
+        for peer in cutlass.range_constexpr(self.cluster):
+            cute.arch.store_async_dsmem(gates.iterator + (slot * self.tokens + token) * GATES + c,
+                                        cute.recast_tensor(bits, Int32)[0], mbar.iterator + SLOTS + slot, peer)
+
+    @cute.jit
+    def gates_from_projection(self, rank, received: cute.Tensor, gates: cute.Tensor, mbar: cute.Tensor, slot):
+        """The tail warp of "project": lane c sums column c of each of this CTA's tokens over the cluster in rank
+        order; the pre gates ``sigmoid(dot_j * rsqrt(sumsq / 4H + eps))`` go to every CTA."""
+        lane = cute.arch.lane_idx()
+        for t in cutlass.range_constexpr(self.own):
+            total = Float32(0.0)
+            for peer in cutlass.range_constexpr(self.cluster):
+                total = total + received[slot, peer, t, lane]
+            sumsq = cute.arch.shuffle_sync(total, MIXES)
+            rstd = du.rsqrt(sumsq * Float32(1.0 / (STREAMS * self.hidden)) + Float32(RMS_EPS))
+            if lane < GATES:
+                self.push_gate(du.sigmoid(total * rstd), rank * self.own + t, lane, gates, mbar, slot)
+
+    @cute.jit
+    def project(self, sRc: cute.Tensor, row0, rank, mFn: cute.Tensor, sRed: cute.Tensor):
+        """The tile's partial rows over this CTA's K slice on the tensor cores, into ``sRed[warp]``: warp w takes
+        the K blocks w, w + warps, ... (block b: octets 4 i .. 4 i + 3 of stream b // (octets / 4)), all 16 tokens
+        and 24 columns. Lane (g, q) reads octet q of rows g and g + 8 and the same 8 K positions of weight rows
+        8 n + g; elements 2 s and 2 s + 1 of them are its K columns q and q + 4 of k step s (both operands in the
+        same K order: a dot product does not depend on it). The weight is split into TF32 hi + lo, two MMAs per
+        step (the bf16 activations are exact in TF32); the next block's weight loads fly during this block's MMAs.
+        """
+        lane, warp_i = cute.arch.lane_idx(), cute.arch.warp_idx()
+        g, q = lane // 4, lane % 4
+        atom = cute.make_mma_atom(warp.MmaTF32Op((16, MMA_N, 8)))
+        n_tiles = MIXES // MMA_N
+        acc = [cute.make_rmem_tensor((4, 1, 1), Float32) for _ in range(n_tiles)]
+        for nt in cutlass.range_constexpr(n_tiles):
+            acc[nt].fill(0.0)
+        sq = [Float32(0.0), Float32(0.0)]
+        per_stream = self.octets // 4
+        slice0 = rank * (self.hidden // self.cluster)
+
+        def block_octet(i):  # the stream and the octet (in the CTA's slice) of this lane in block i of the warp
+            b = warp_i + i * self.warps
+            return b // per_stream, (b % per_stream) * 4 + q
+
+        def load_weights(i):
+            j, o = block_octet(i)
+            w = cute.make_rmem_tensor((n_tiles, VEC), Float32)
+            for nt in cutlass.range_constexpr(n_tiles):
+                row = mFn[nt * MMA_N + g, None]
+                for h in cutlass.range_constexpr(2):
+                    col = (j * self.hidden + slice0 + o * VEC) // 4 + h
+                    cute.local_tile(w[nt, None], (4,), (h,)).store(du.load_f32x4(cute.local_tile(row, (4,), (col,))))
+            return w
+
+        w_next = load_weights(0)
+        for i in cutlass.range_constexpr(self.blocks_per_warp):
+            w = w_next
+            if cutlass.const_expr(i + 1 < self.blocks_per_warp):
+                w_next = load_weights(i + 1)
+            j, o = block_octet(i)
+            a = [sRc[row0 + ((g + 8 * r) * STREAMS + j) * self.octets + o, None].load().to(Float32) for r in range(2)]
+            for r in cutlass.range_constexpr(2):
+                sq[r] = sq[r] + du.sum_squares(a[r])
+            hi = cute.make_rmem_tensor((n_tiles, VEC), Float32)
+            hi.store(w.load())
+            du.round_tf32(hi)
+            lo = cute.make_rmem_tensor((n_tiles, VEC), Float32)
+            lo.store(w.load() - hi.load())
+            du.round_tf32(lo)
+            for s in cutlass.range_constexpr(4):
+                frag_a = cute.make_rmem_tensor((4, 1, 1), TFloat32)
+                for e in cutlass.range_constexpr(4):  # (g, q), (g + 8, q), (g, q + 4), (g + 8, q + 4)
+                    frag_a[e, 0, 0] = a[e % 2][2 * s + e // 2]
+                for nt in cutlass.range_constexpr(n_tiles):
+                    for part in (hi, lo):
+                        frag_b = cute.make_rmem_tensor((2, 1, 1), TFloat32)  # (q, g), (q + 4, g)
+                        for e in cutlass.range_constexpr(2):
+                            frag_b[e, 0, 0] = part[nt, 2 * s + e]
+                        cute.gemm(atom, acc[nt], frag_a, frag_b, acc[nt])
+        for r in cutlass.range_constexpr(2):  # C fragment: rows g and g + 8, columns 8 nt + 2 q and + 1
+            for nt in cutlass.range_constexpr(n_tiles):
+                for e in cutlass.range_constexpr(2):
+                    sRed[warp_i, g + 8 * r, nt * MMA_N + 2 * q + e] = acc[nt][2 * r + e, 0, 0]
+            total = du.warp_sum(sq[r], lanes=4)
+            if q == 0:
+                sRed[warp_i, g + 8 * r, MIXES] = total
+            elif q == 1:  # the row's padding columns, pushed with it
+                for c in cutlass.range_constexpr(MIXES + 1, ROW):
+                    sRed[warp_i, g + 8 * r, c] = Float32(0.0)
+
+    @cute.jit
+    def push_partials(self, tile, rank, received: cute.Tensor, mbar: cute.Tensor, slot, sRed: cute.Tensor):
+        """The tile's partial rows into their owners' ``received`` (st.async, counted by the owner's mbarrier of
+        ``slot``): row of token t goes to CTA t // own, at this CTA's rank. Synthetic rows, or with "project" the
+        sums of the warps' rows in warp order."""
         tidx, _, _ = cute.arch.thread_idx()
         for i in cutlass.range_constexpr(0, self.tokens * ROW, self.threads):
             e = i + tidx
             if e < self.tokens * ROW:
                 t, c = e // ROW, e % ROW
                 bits = cute.make_rmem_tensor((1,), Float32)
-                bits[0] = device_partial(tile * self.tokens + t, c, rank)
+                if cutlass.const_expr(self.sync == "project"):
+                    total = sRed[0, t, c]
+                    for w in cutlass.range_constexpr(1, self.warps):
+                        total = total + sRed[w, t, c]
+                    bits[0] = total
+                else:
+                    bits[0] = device_partial(tile * self.tokens + t, c, rank)
                 owner = t // self.own
                 dst = received.iterator + ((slot * self.cluster + rank) * self.own + t % self.own) * ROW + c
                 cute.arch.store_async_dsmem(dst, cute.recast_tensor(bits, Int32)[0], mbar.iterator + slot, owner)
@@ -309,18 +431,22 @@ class OnchipSkeleton:
             du.store_bf16x8(cute.local_tile(mLi[m, None], (VEC,), (vec,)), out.load())
 
 
-def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str):
-    return compile_kernel(OnchipSkeleton(cluster, tokens, hidden, clusters, sync), fake_buffer(BFloat16),
-                          fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16))
+def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224):
+    return compile_kernel(OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads), fake_buffer(BFloat16),
+                          fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(Float32))
 
 
-def reference(x, res, rows, cluster: int, sync: str):
+def reference(x, res, rows, cluster: int, sync: str, fn=None):
     """float64 residual_cur and layer_input of the skeleton's arithmetic for the tokens ``rows`` of ``x`` [M, H] and
-    ``res`` [M, 4, H]."""
+    ``res`` [M, 4, H] (``fn`` [24, 4 H]: the weight of "project")."""
     x64, r64 = x[rows].double(), res[rows].double()
     rc = torch.stack([x64 * post_coef(j) + sum(comb_coef(k, j) * r64[:, k] for k in range(STREAMS))
                       for j in range(STREAMS)], 1)
-    if sync != "none":
+    if sync == "project":
+        flat = rc.to(torch.bfloat16).double().flatten(1)  # the projection reads the rounded residual_cur
+        rstd = torch.rsqrt(flat.square().mean(1, keepdim=True) + RMS_EPS)
+        gates = torch.sigmoid(flat @ fn[:GATES].double().T * rstd)
+    elif sync != "none":
         total = sum(partial_value(rows[:, None], torch.arange(GATES)[None, :], r) for r in range(cluster))
         gates = torch.sigmoid(total.double())
     else:
@@ -337,6 +463,7 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=8192)
     ap.add_argument("--clusters", type=int, default=0, help="resident clusters (0: SMs // cluster - 1)")
     ap.add_argument("--sync", nargs="+", choices=SYNCS, default=list(SYNCS))
+    ap.add_argument("--threads", type=int, default=224, help="loading threads per CTA (the tail warp comes on top)")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -352,21 +479,23 @@ def main() -> int:
             x = torch.randn(m, h, generator=g).to(torch.bfloat16)
             res = torch.randn(m, STREAMS, h, generator=g).to(torch.bfloat16)
             xd, resd = x.to(dev), res.to(dev)
+            fn = torch.randn(MIXES, STREAMS * h, generator=g) / (STREAMS * h) ** 0.5
+            fnd = fn.to(dev)
             for sync in args.sync:
                 try:
-                    fn = compiled(cluster, tokens, h, clusters, sync)
+                    kernel = compiled(cluster, tokens, h, clusters, sync, args.threads)
                 except Exception as e:  # a shape the probe or the DSL refuses: say so, go on
                     print(f"S={cluster} T={tokens} sync={sync}: not compiled ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:120]})", flush=True)
                     continue
                 rc = torch.full((m, STREAMS, h), float("nan"), device=dev).to(torch.bfloat16)
                 li = torch.full((m, h), float("nan"), device=dev).to(torch.bfloat16)
-                launch = functools.partial(fn, xd.view(-1), resd.view(-1), rc.view(-1), li.view(-1), 0.0, 0.0, 0.0,
-                                           0.0, 0, 0.0)
+                launch = functools.partial(kernel, xd.view(-1), resd.view(-1), rc.view(-1), li.view(-1), fnd.view(-1),
+                                           0.0, 0.0, 0.0, 0.0, 0, 0.0)
                 launch()
                 torch.cuda.synchronize()
                 rows = torch.cat([torch.arange(0, m, 97), torch.arange(m - 2 * tokens, m)])  # a spread and the end
-                rc_ref, li_ref = reference(x, res, rows, cluster, sync)
+                rc_ref, li_ref = reference(x, res, rows, cluster, sync, fn)
                 # normwise (the largest error over the largest value): NaN (an element not written) fails; every
                 # element is checked written
                 rc_err = ((rc[rows.to(dev)].cpu().double() - rc_ref).abs().max() / rc_ref.abs().max()).item()

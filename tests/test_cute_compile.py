@@ -201,6 +201,13 @@ def test_onchip_skeleton_probe_compiles(sync):
     assert callable(_bench_module("probe_onchip_skeleton").compiled(8, 8, 7168, 15, sync))
 
 
+@pytest.mark.parametrize("cluster, hidden, threads", [(16, 7168, 224), (8, 4096, 256)])
+def test_onchip_skeleton_projection_compiles(cluster, hidden, threads):
+    """The skeleton with the design's projection (warp-MMA TF32 hi + lo over the CTA's K slice, 16-token tiles)
+    compiles for sm_90a at both H of the bench."""
+    assert callable(_bench_module("probe_onchip_skeleton").compiled(cluster, 16, hidden, 7, "project", threads))
+
+
 def test_onchip_skeleton_reference():
     """The probe's float64 reference: residual_cur is SPEC's post-map chain with its coefficients, layer_input the
     gate-weighted sum of the rounded streams."""
@@ -213,6 +220,11 @@ def test_onchip_skeleton_reference():
     expect = x[4].double() * probe.post_coef(j) + sum(probe.comb_coef(k, j) * res[4, k].double() for k in range(4))
     assert torch.allclose(rc[1, j], expect)
     assert torch.allclose(li[0], 0.5 * rc[0].bfloat16().double().sum(0))
+    fn = torch.randn(24, 4 * 16)
+    rc, li = probe.reference(x, res, rows, 8, "project", fn)
+    flat = rc[1].bfloat16().double().flatten()
+    gates = torch.sigmoid(fn[:4].double() @ flat / (flat.square().mean() + probe.RMS_EPS).sqrt())
+    assert torch.allclose(li[1], (gates[:, None] * rc[1].bfloat16().double()).sum(0))
 
 
 def test_cluster_probe_host_model():
