@@ -59,6 +59,7 @@ MIXES = 24  # projection columns (SPEC: 4 pre, 4 post, 16 comb); the partial row
 MMA_N = 8  # columns per m16n8k8 TF32 tile: three cover the mixes
 K_BLOCK = 4 * VEC  # K positions per warp-MMA block: four k8 steps, one octet of residual_cur per quad lane
 RMS_EPS = 1e-6
+SPLITS = ("round", "trunc")  # the weight's TF32 hi + lo: both rounded to nearest, or hi truncated and lo raw
 
 
 def post_coef(j: int) -> float:
@@ -81,8 +82,10 @@ def device_partial(m, c, rank) -> Float32:
 
 
 class OnchipSkeleton:
-    def __init__(self, cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224):
-        assert sync in SYNCS
+    def __init__(self, cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224,
+                 lookahead: int = 1, carry: bool = False, split: str = "round"):
+        assert sync in SYNCS and split in SPLITS
+        self.lookahead, self.carry, self.split = lookahead, carry, split  # the projection's weight loads (``project``)
         self.cluster, self.tokens, self.hidden, self.clusters, self.sync = cluster, tokens, hidden, clusters, sync
         self.threads = threads  # the threads that load, post-map and collapse (plus the tail warp with "warp")
         self.octets = hidden // cluster // VEC  # per token, in this CTA's slice
@@ -95,6 +98,7 @@ class OnchipSkeleton:
             blocks = STREAMS * self.octets * VEC // K_BLOCK
             assert tokens == 16 and self.octets % 4 == 0 and blocks % self.warps == 0, "one m16 tile, whole blocks"
             self.blocks_per_warp = blocks // self.warps
+            assert not carry or self.blocks_per_warp % lookahead == 0, "the ring's entries line up across tiles"
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor, mFn: cute.Tensor,
@@ -225,6 +229,11 @@ class OnchipSkeleton:
         # other modes pass ``received`` in its place, unread, so that their shared memory stays as measured)
         sRed = (smem.allocate_tensor(Float32, du.row_major(self.warps, self.tokens, ROW), 16)
                 if self.sync == "project" else received)
+        wbuf = cute.make_rmem_tensor((self.lookahead, MIXES // MMA_N, VEC), Float32)  # the projection's weight ring
+        if cutlass.const_expr(self.sync == "project" and self.carry):
+            if loader:
+                for i in cutlass.range_constexpr(self.lookahead):
+                    self.load_weights(mFn, wbuf, i, i, rank)
         partial_bytes = self.cluster * self.own * ROW * 4
         gate_bytes = self.tokens * GATES * 4
         if tidx == 0:
@@ -244,7 +253,7 @@ class OnchipSkeleton:
                 # warp ran a tile ahead of another and the late one collapsed with the next gates: the first GPU run)
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                 if cutlass.const_expr(self.sync == "project"):
-                    self.project(sRc, slot * rc_rows, rank, mFn, sRed)
+                    self.project(sRc, slot * rc_rows, rank, mFn, sRed, wbuf)
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)  # sRed complete
                 self.push_partials(tile, rank, received, mbar, slot, sRed)
                 if tidx == 0:  # this tile's gates: counted on this slot's next phase
@@ -301,13 +310,36 @@ class OnchipSkeleton:
                 self.push_gate(du.sigmoid(total * rstd), rank * self.own + t, lane, gates, mbar, slot)
 
     @cute.jit
-    def project(self, sRc: cute.Tensor, row0, rank, mFn: cute.Tensor, sRed: cute.Tensor):
+    def load_weights(self, mFn: cute.Tensor, wbuf: cute.Tensor, ring: int, i: int, rank):
+        """Weight ring entry ``ring`` := this lane's weights of its block ``i`` (``block_octet``): the 8 K positions
+        of its octet in weight rows 8 n + g, two 16-byte loads per row."""
+        lane = cute.arch.lane_idx()
+        j, o = self.block_octet(i)
+        for nt in cutlass.range_constexpr(MIXES // MMA_N):
+            row = mFn[nt * MMA_N + lane // 4, None]
+            for h in cutlass.range_constexpr(2):
+                col = (j * self.hidden + rank * (self.hidden // self.cluster) + o * VEC) // 4 + h
+                cute.local_tile(wbuf[ring, nt, None], (4,), (h,)).store(du.load_f32x4(cute.local_tile(row, (4,), (col,))))
+
+    @cute.jit
+    def block_octet(self, i: int):
+        """The stream and the octet (in the CTA's slice) of this lane's K positions in block ``i`` of its warp."""
+        lane, warp_i = cute.arch.lane_idx(), cute.arch.warp_idx()
+        b = warp_i + i * self.warps
+        per_stream = self.octets // 4
+        return b // per_stream, (b % per_stream) * 4 + lane % 4
+
+    @cute.jit
+    def project(self, sRc: cute.Tensor, row0, rank, mFn: cute.Tensor, sRed: cute.Tensor, wbuf: cute.Tensor):
         """The tile's partial rows over this CTA's K slice on the tensor cores, into ``sRed[warp]``: warp w takes
         the K blocks w, w + warps, ... (block b: octets 4 i .. 4 i + 3 of stream b // (octets / 4)), all 16 tokens
         and 24 columns. Lane (g, q) reads octet q of rows g and g + 8 and the same 8 K positions of weight rows
         8 n + g; elements 2 s and 2 s + 1 of them are its K columns q and q + 4 of k step s (both operands in the
         same K order: a dot product does not depend on it). The weight is split into TF32 hi + lo, two MMAs per
-        step (the bf16 activations are exact in TF32); the next block's weight loads fly during this block's MMAs.
+        step (the bf16 activations are exact in TF32). ``wbuf`` is a ring of ``lookahead`` blocks' weights: a
+        block's entry is refilled with the weights ``lookahead`` blocks on as soon as it is split (with ``carry``,
+        past the last block, the next tile's first blocks: the same weights every tile, loaded during the
+        collapse and the post-map).
         """
         lane, warp_i = cute.arch.lane_idx(), cute.arch.warp_idx()
         g, q = lane // 4, lane % 4
@@ -317,38 +349,32 @@ class OnchipSkeleton:
         for nt in cutlass.range_constexpr(n_tiles):
             acc[nt].fill(0.0)
         sq = [Float32(0.0), Float32(0.0)]
-        per_stream = self.octets // 4
-        slice0 = rank * (self.hidden // self.cluster)
-
-        def block_octet(i):  # the stream and the octet (in the CTA's slice) of this lane in block i of the warp
-            b = warp_i + i * self.warps
-            return b // per_stream, (b % per_stream) * 4 + q
-
-        def load_weights(i):
-            j, o = block_octet(i)
-            w = cute.make_rmem_tensor((n_tiles, VEC), Float32)
-            for nt in cutlass.range_constexpr(n_tiles):
-                row = mFn[nt * MMA_N + g, None]
-                for h in cutlass.range_constexpr(2):
-                    col = (j * self.hidden + slice0 + o * VEC) // 4 + h
-                    cute.local_tile(w[nt, None], (4,), (h,)).store(du.load_f32x4(cute.local_tile(row, (4,), (col,))))
-            return w
-
-        w_next = load_weights(0)
+        if cutlass.const_expr(not self.carry):
+            for i in cutlass.range_constexpr(self.lookahead):
+                self.load_weights(mFn, wbuf, i, i, rank)
         for i in cutlass.range_constexpr(self.blocks_per_warp):
-            w = w_next
-            if cutlass.const_expr(i + 1 < self.blocks_per_warp):
-                w_next = load_weights(i + 1)
-            j, o = block_octet(i)
+            ring = i % self.lookahead
+            j, o = self.block_octet(i)
             a = [sRc[row0 + ((g + 8 * r) * STREAMS + j) * self.octets + o, None].load().to(Float32) for r in range(2)]
             for r in cutlass.range_constexpr(2):
                 sq[r] = sq[r] + du.sum_squares(a[r])
             hi = cute.make_rmem_tensor((n_tiles, VEC), Float32)
-            hi.store(w.load())
-            du.round_tf32(hi)
+            hi.store(wbuf[ring, None, None].load())
             lo = cute.make_rmem_tensor((n_tiles, VEC), Float32)
-            lo.store(w.load() - hi.load())
-            du.round_tf32(lo)
+            if cutlass.const_expr(self.split == "round"):
+                du.round_tf32(hi)
+                lo.store(wbuf[ring, None, None].load() - hi.load())
+                du.round_tf32(lo)
+            else:  # hi truncated to TF32, lo = the exact rest, truncated by the tensor cores (2^-21 relative)
+                bits = cute.recast_tensor(hi, Int32)
+                for e in cutlass.range_constexpr(n_tiles * VEC):
+                    bits[e] = bits[e] & -0x2000
+                lo.store(wbuf[ring, None, None].load() - hi.load())
+            nxt = i + self.lookahead
+            if cutlass.const_expr(nxt < self.blocks_per_warp):
+                self.load_weights(mFn, wbuf, ring, nxt, rank)
+            elif cutlass.const_expr(self.carry):
+                self.load_weights(mFn, wbuf, ring, nxt - self.blocks_per_warp, rank)
             for s in cutlass.range_constexpr(4):
                 frag_a = cute.make_rmem_tensor((4, 1, 1), TFloat32)
                 for e in cutlass.range_constexpr(4):  # (g, q), (g + 8, q), (g, q + 4), (g + 8, q + 4)
@@ -431,8 +457,10 @@ class OnchipSkeleton:
             du.store_bf16x8(cute.local_tile(mLi[m, None], (VEC,), (vec,)), out.load())
 
 
-def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224):
-    return compile_kernel(OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads), fake_buffer(BFloat16),
+def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224, lookahead: int = 1,
+             carry: bool = False, split: str = "round"):
+    skeleton = OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads, lookahead, carry, split)
+    return compile_kernel(skeleton, fake_buffer(BFloat16),
                           fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(Float32))
 
 
@@ -464,6 +492,10 @@ def main() -> int:
     ap.add_argument("--clusters", type=int, default=0, help="resident clusters (0: SMs // cluster - 1)")
     ap.add_argument("--sync", nargs="+", choices=SYNCS, default=list(SYNCS))
     ap.add_argument("--threads", type=int, default=224, help="loading threads per CTA (the tail warp comes on top)")
+    ap.add_argument("--lookahead", type=int, nargs="+", default=[1], help='"project": weight blocks in flight per warp')
+    ap.add_argument("--carry", type=int, nargs="+", default=[0], help='"project": 1 loads the next tile\'s first '
+                    "weight blocks at the end of a tile's projection")
+    ap.add_argument("--split", nargs="+", choices=SPLITS, default=["round"], help='"project": the weight\'s hi + lo')
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -481,11 +513,16 @@ def main() -> int:
             xd, resd = x.to(dev), res.to(dev)
             fn = torch.randn(MIXES, STREAMS * h, generator=g) / (STREAMS * h) ** 0.5
             fnd = fn.to(dev)
-            for sync in args.sync:
+            variants = [(sync, 1, False, "round") for sync in args.sync if sync != "project"]
+            if "project" in args.sync:
+                variants += [("project", la, bool(c), sp) for la in args.lookahead for c in args.carry
+                             for sp in args.split]
+            for sync, lookahead, carry, split in variants:
+                name = sync if sync != "project" else f"project (lookahead {lookahead}, carry {int(carry)}, {split})"
                 try:
-                    kernel = compiled(cluster, tokens, h, clusters, sync, args.threads)
+                    kernel = compiled(cluster, tokens, h, clusters, sync, args.threads, lookahead, carry, split)
                 except Exception as e:  # a shape the probe or the DSL refuses: say so, go on
-                    print(f"S={cluster} T={tokens} sync={sync}: not compiled ({type(e).__name__}: "
+                    print(f"S={cluster} T={tokens} sync={name}: not compiled ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:120]})", flush=True)
                     continue
                 rc = torch.full((m, STREAMS, h), float("nan"), device=dev).to(torch.bfloat16)
@@ -504,7 +541,7 @@ def main() -> int:
                 ok = written and rc_err <= 2**-8 and li_err <= 2**-7
                 us = statistics.median(mb.launch_us(launch, args.reps))
                 rate = 20 * h * m / us / 1e6
-                print(f"S={cluster} T={tokens:2d} clusters={clusters:2d} sync={sync:4s} M={m}: {us:8.1f} us, "
+                print(f"S={cluster} T={tokens:2d} clusters={clusters:2d} sync={name:4s} M={m}: {us:8.1f} us, "
                       f"{rate:5.2f} TB/s = {100 * rate * 1e12 / bw:5.1f}% of copy; "
                       f"{'ok' if ok else 'WRONG'} (rc {rc_err:.1e}, layer_input {li_err:.1e})", flush=True)
     return 0
