@@ -83,9 +83,17 @@ def device_partial(m, c, rank) -> Float32:
 
 class OnchipSkeleton:
     def __init__(self, cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224,
-                 lookahead: int = 1, carry: bool = False, split: str = "round"):
-        assert sync in SYNCS and split in SPLITS
+                 lookahead: int = 1, carry: bool = False, split: str = "round", mma_warps: int = 0,
+                 mma_regs: int = 152):
+        assert sync in SYNCS and split in SPLITS and (mma_warps == 0 or sync == "project")
         self.lookahead, self.carry, self.split = lookahead, carry, split  # the projection's weight loads (``project``)
+        # "project": 0, the loading warps project; else warps of their own do, after the tail warp, in warpgroups
+        # of their own with fewer registers (``setmaxnreg``: the loading warps need more than an even share)
+        self.mma_warps = mma_warps
+        if mma_warps:
+            assert (threads + du.WARP) % 128 == 0 and mma_warps % 4 == 0, "whole warpgroups per role"
+            self.mma_regs = mma_regs
+            self.loader_regs = (65536 - self.mma_regs * du.WARP * mma_warps) // (threads + du.WARP) // 8 * 8
         self.cluster, self.tokens, self.hidden, self.clusters, self.sync = cluster, tokens, hidden, clusters, sync
         self.threads = threads  # the threads that load, post-map and collapse (plus the tail warp with "warp")
         self.octets = hidden // cluster // VEC  # per token, in this CTA's slice
@@ -96,8 +104,9 @@ class OnchipSkeleton:
         self.warps = threads // du.WARP
         if sync == "project":
             blocks = STREAMS * self.octets * VEC // K_BLOCK
-            assert tokens == 16 and self.octets % 4 == 0 and blocks % self.warps == 0, "one m16 tile, whole blocks"
-            self.blocks_per_warp = blocks // self.warps
+            self.proj_warps = mma_warps or self.warps
+            assert tokens == 16 and self.octets % 4 == 0 and blocks % self.proj_warps == 0, "one m16 tile, whole blocks"
+            self.blocks_per_warp = blocks // self.proj_warps
             assert not carry or self.blocks_per_warp % lookahead == 0, "the ring's entries line up across tiles"
 
     @cute.jit
@@ -110,9 +119,20 @@ class OnchipSkeleton:
         rc = cute.make_tensor(mRc.iterator, du.row_major(m, STREAMS * self.hidden))
         li = cute.make_tensor(mLi.iterator, du.row_major(m, self.hidden))
         fn = cute.make_tensor(mFn.iterator, du.row_major(MIXES, STREAMS * self.hidden))
-        block = self.threads + (du.WARP if self.sync != "none" and self.sync != "all" else 0)
+        block = self.threads + du.WARP * self.mma_warps + (du.WARP if self.sync != "none" and self.sync != "all" else 0)
+        # setmaxnreg needs the occupancy bound, or ptxas drops it (CUTE_NOTES); the other modes compile as measured
+        bound = {"min_blocks_per_mp": 1} if self.mma_warps else {}
         self.kernel(x, res, rc, li, fn).launch(grid=[self.clusters * self.cluster, 1, 1], block=[block, 1, 1],
-                                           cluster=[self.cluster, 1, 1], stream=stream)
+                                               cluster=[self.cluster, 1, 1], stream=stream, **bound)
+
+    @cute.jit
+    def set_registers(self, count: int):
+        """``setmaxnreg`` from the launch's even share (the register file over the block's threads) to ``count``."""
+        even = 65536 // (self.threads + du.WARP * (1 + self.mma_warps)) // 8 * 8
+        if cutlass.const_expr(count > even):
+            cute.arch.setmaxregister_increase(count)
+        elif cutlass.const_expr(count < even):
+            cute.arch.setmaxregister_decrease(count)
 
     @cute.jit
     def cluster_barrier(self, releases):
@@ -224,14 +244,24 @@ class OnchipSkeleton:
         # this CTA's tokens' partial rows as pushed by each CTA of the cluster, and every token's gates
         received = smem.allocate_tensor(Float32, du.row_major(SLOTS, self.cluster, self.own, ROW), 16)
         gates = smem.allocate_tensor(Float32, du.row_major(SLOTS, self.tokens, GATES), 16)
-        mbar = smem.allocate_tensor(cutlass.Int64, du.row_major(2 * SLOTS), 8)  # partials[SLOTS], then gates
-        # "project": each warp's partial rows of the tile, summed over the warps in order before the push (the
-        # other modes pass ``received`` in its place, unread, so that their shared memory stays as measured)
-        sRed = (smem.allocate_tensor(Float32, du.row_major(self.warps, self.tokens, ROW), 16)
+        # partials[SLOTS], gates[SLOTS], and with MMA warps rc_full[SLOTS] (the tile's residual_cur is in sRc)
+        kinds = 3 if self.mma_warps else 2
+        mbar = smem.allocate_tensor(cutlass.Int64, du.row_major(kinds * SLOTS), 8)
+        # "project": each projecting warp's partial rows of the tile, summed over the warps in order before the push
+        # (the other modes pass ``received`` in its place, unread, so that their shared memory stays as measured)
+        sRed = (smem.allocate_tensor(Float32, du.row_major(self.proj_warps, self.tokens, ROW), 16)
                 if self.sync == "project" else received)
+        mma_threads = du.WARP * self.mma_warps
+        mma_warp = tidx >= self.threads + du.WARP  # after the tail warp (never, without MMA warps)
+        projecting = mma_warp if self.mma_warps else loader
+        if cutlass.const_expr(self.mma_warps):
+            if mma_warp:
+                self.set_registers(self.mma_regs)
+            else:
+                self.set_registers(self.loader_regs)
         wbuf = cute.make_rmem_tensor((self.lookahead, MIXES // MMA_N, VEC), Float32)  # the projection's weight ring
         if cutlass.const_expr(self.sync == "project" and self.carry):
-            if loader:
+            if projecting:
                 for i in cutlass.range_constexpr(self.lookahead):
                     self.load_weights(mFn, wbuf, i, i, rank)
         partial_bytes = self.cluster * self.own * ROW * 4
@@ -239,32 +269,61 @@ class OnchipSkeleton:
         if tidx == 0:
             for i in cutlass.range_constexpr(2 * SLOTS):
                 cute.arch.mbarrier_init(mbar.iterator + i, 1)
+            if cutlass.const_expr(self.mma_warps):
+                for i in cutlass.range_constexpr(SLOTS):
+                    cute.arch.mbarrier_init(mbar.iterator + 2 * SLOTS + i, self.threads)
             cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive()  # every CTA's mbarriers are initialised before any push
         cute.arch.cluster_wait()
-        for it in cutlass.range(count, unroll=1):
-            tile = first + it * self.clusters
-            slot, parity = it % SLOTS, (it // SLOTS) % 2
-            if loader:
+        # one loop per role: a register tile carried across the iterations of one role's loop (the loaders' next
+        # inputs, the MMA warps' weight ring) is then not live in the others'
+        if loader:
+            for it in cutlass.range(count, unroll=1):
+                tile = first + it * self.clusters
+                slot = it % SLOTS
                 self.post_map(raw, tile, rank, mRc, sRc, slot * rc_rows)
+                if cutlass.const_expr(self.mma_warps):
+                    # this thread's residual_cur of the tile is in shared memory (release: its stores come first)
+                    cute.arch.mbarrier_arrive(mbar.iterator + 2 * SLOTS + slot)
                 self.load_tile(raw, cutlass.min(tile + self.clusters, n_tiles - 1), rank, mX, mRes, loader)
-                # every loading warp of this CTA is past its collapse of tile it - 2 before any of them pushes tile
-                # it's rows: the gates those rows lead to land in that tile's gate slot (without this barrier, one
-                # warp ran a tile ahead of another and the late one collapsed with the next gates: the first GPU run)
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                if cutlass.const_expr(self.sync == "project"):
-                    self.project(sRc, slot * rc_rows, rank, mFn, sRed, wbuf)
-                    cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)  # sRed complete
-                self.push_partials(tile, rank, received, mbar, slot, sRed)
+                if cutlass.const_expr(not self.mma_warps):
+                    # every loading warp of this CTA is past its collapse of tile it - 2 before any of them pushes
+                    # tile it's rows: the gates those rows lead to land in that tile's gate slot (without this
+                    # barrier, one warp ran a tile ahead of another and the late one collapsed with the next gates:
+                    # the first GPU run). With MMA warps, rc_full orders the same (the rows follow every loading
+                    # thread's post-map of tile it, which follows its collapse of tile it - 2).
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                    if cutlass.const_expr(self.sync == "project"):
+                        self.project(sRc, slot * rc_rows, rank, mFn, sRed, wbuf)
+                        cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)  # sRed complete
+                    self.push_partials(tile, rank, received, mbar, slot, sRed, 0, self.threads)
                 if tidx == 0:  # this tile's gates: counted on this slot's next phase
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + SLOTS + slot, gate_bytes)
                 if it > 0:
                     prev = (it - 1) % SLOTS
                     cute.arch.mbarrier_wait(mbar.iterator + SLOTS + prev, ((it - 1) // SLOTS) % 2)
                     self.collapse(tile - self.clusters, rank, sRc, gates, mLi, prev * rc_rows, prev)
-            else:
-                # the tail warp: this CTA's tokens' rows from every CTA, summed in rank order; gates to every CTA
-                lane = cute.arch.lane_idx()
+            if count > 0:
+                last = (count - 1) % SLOTS
+                cute.arch.mbarrier_wait(mbar.iterator + SLOTS + last, ((count - 1) // SLOTS) % 2)
+                self.collapse(first + (count - 1) * self.clusters, rank, sRc, gates, mLi, last * rc_rows, last)
+        elif mma_warp:
+            if cutlass.const_expr(self.mma_warps):
+                # the MMA warps: the tile's projection once every loading thread has post-mapped it, overlapping
+                # their post-map of the next tile and their collapse of the previous one
+                for it in cutlass.range(count, unroll=1):
+                    tile = first + it * self.clusters
+                    slot, parity = it % SLOTS, (it // SLOTS) % 2
+                    cute.arch.mbarrier_wait(mbar.iterator + 2 * SLOTS + slot, parity)
+                    self.project(sRc, slot * rc_rows, rank, mFn, sRed, wbuf)
+                    cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sRed complete
+                    self.push_partials(tile, rank, received, mbar, slot, sRed, self.threads + du.WARP, mma_threads)
+                    cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sRed read: free for the next
+        else:
+            # the tail warp: this CTA's tokens' rows from every CTA, summed in rank order; gates to every CTA
+            lane = cute.arch.lane_idx()
+            for it in cutlass.range(count, unroll=1):
+                slot, parity = it % SLOTS, (it // SLOTS) % 2
                 if lane == 0:
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + slot, partial_bytes)
                 cute.arch.mbarrier_wait(mbar.iterator + slot, parity)
@@ -279,10 +338,6 @@ class OnchipSkeleton:
                             for peer in cutlass.range_constexpr(self.cluster):
                                 total = total + received[slot, peer, t, c]
                             self.push_gate(du.sigmoid(total), rank * self.own + t, c, gates, mbar, slot)
-        if loader and count > 0:
-            last = (count - 1) % SLOTS
-            cute.arch.mbarrier_wait(mbar.iterator + SLOTS + last, ((count - 1) // SLOTS) % 2)
-            self.collapse(first + (count - 1) * self.clusters, rank, sRc, gates, mLi, last * rc_rows, last)
         cute.arch.cluster_arrive()  # no CTA leaves while another may still push into it
         cute.arch.cluster_wait()
 
@@ -322,10 +377,15 @@ class OnchipSkeleton:
                 cute.local_tile(wbuf[ring, nt, None], (4,), (h,)).store(du.load_f32x4(cute.local_tile(row, (4,), (col,))))
 
     @cute.jit
+    def proj_warp(self):
+        """This warp's index among the projecting warps (the loading warps, or the MMA warps after the tail warp)."""
+        return cute.arch.warp_idx() - (self.warps + 1 if self.mma_warps else 0)
+
+    @cute.jit
     def block_octet(self, i: int):
         """The stream and the octet (in the CTA's slice) of this lane's K positions in block ``i`` of its warp."""
-        lane, warp_i = cute.arch.lane_idx(), cute.arch.warp_idx()
-        b = warp_i + i * self.warps
+        lane = cute.arch.lane_idx()
+        b = self.proj_warp() + i * self.proj_warps
         per_stream = self.octets // 4
         return b // per_stream, (b % per_stream) * 4 + lane % 4
 
@@ -341,7 +401,7 @@ class OnchipSkeleton:
         past the last block, the next tile's first blocks: the same weights every tile, loaded during the
         collapse and the post-map).
         """
-        lane, warp_i = cute.arch.lane_idx(), cute.arch.warp_idx()
+        lane, warp_i = cute.arch.lane_idx(), self.proj_warp()
         g, q = lane // 4, lane % 4
         atom = cute.make_mma_atom(warp.MmaTF32Op((16, MMA_N, 8)))
         n_tiles = MIXES // MMA_N
@@ -397,19 +457,20 @@ class OnchipSkeleton:
                     sRed[warp_i, g + 8 * r, c] = Float32(0.0)
 
     @cute.jit
-    def push_partials(self, tile, rank, received: cute.Tensor, mbar: cute.Tensor, slot, sRed: cute.Tensor):
+    def push_partials(self, tile, rank, received: cute.Tensor, mbar: cute.Tensor, slot, sRed: cute.Tensor,
+                      first: int, count: int):
         """The tile's partial rows into their owners' ``received`` (st.async, counted by the owner's mbarrier of
         ``slot``): row of token t goes to CTA t // own, at this CTA's rank. Synthetic rows, or with "project" the
         sums of the warps' rows in warp order."""
         tidx, _, _ = cute.arch.thread_idx()
-        for i in cutlass.range_constexpr(0, self.tokens * ROW, self.threads):
-            e = i + tidx
+        for i in cutlass.range_constexpr(0, self.tokens * ROW, count):  # by the threads first .. first + count - 1
+            e = i + tidx - first
             if e < self.tokens * ROW:
                 t, c = e // ROW, e % ROW
                 bits = cute.make_rmem_tensor((1,), Float32)
                 if cutlass.const_expr(self.sync == "project"):
                     total = sRed[0, t, c]
-                    for w in cutlass.range_constexpr(1, self.warps):
+                    for w in cutlass.range_constexpr(1, self.proj_warps):
                         total = total + sRed[w, t, c]
                     bits[0] = total
                 else:
@@ -458,8 +519,9 @@ class OnchipSkeleton:
 
 
 def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224, lookahead: int = 1,
-             carry: bool = False, split: str = "round"):
-    skeleton = OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads, lookahead, carry, split)
+             carry: bool = False, split: str = "round", mma_warps: int = 0, mma_regs: int = 152):
+    skeleton = OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads, lookahead, carry, split, mma_warps,
+                              mma_regs)
     return compile_kernel(skeleton, fake_buffer(BFloat16),
                           fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(Float32))
 
@@ -496,6 +558,10 @@ def main() -> int:
     ap.add_argument("--carry", type=int, nargs="+", default=[0], help='"project": 1 loads the next tile\'s first '
                     "weight blocks at the end of a tile's projection")
     ap.add_argument("--split", nargs="+", choices=SPLITS, default=["round"], help='"project": the weight\'s hi + lo')
+    ap.add_argument("--mma-warps", type=int, nargs="+", default=[0], help='"project": warps of their own for the '
+                    "projection (0: the loading warps project)")
+    ap.add_argument("--mma-regs", type=int, nargs="+", default=[152], help="registers per MMA-warp thread (setmaxnreg; "
+                    "the loading warps and the tail warp share the rest)")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -513,14 +579,17 @@ def main() -> int:
             xd, resd = x.to(dev), res.to(dev)
             fn = torch.randn(MIXES, STREAMS * h, generator=g) / (STREAMS * h) ** 0.5
             fnd = fn.to(dev)
-            variants = [(sync, 1, False, "round") for sync in args.sync if sync != "project"]
+            variants = [(sync, 1, False, "round", 0, 0) for sync in args.sync if sync != "project"]
             if "project" in args.sync:
-                variants += [("project", la, bool(c), sp) for la in args.lookahead for c in args.carry
-                             for sp in args.split]
-            for sync, lookahead, carry, split in variants:
-                name = sync if sync != "project" else f"project (lookahead {lookahead}, carry {int(carry)}, {split})"
+                variants += [("project", la, bool(c), sp, w, r) for w in args.mma_warps for la in args.lookahead
+                             for c in args.carry for sp in args.split for r in (args.mma_regs if w else [0])]
+            for sync, lookahead, carry, split, mma_warps, mma_regs in variants:
+                name = sync if sync != "project" else (f"project (lookahead {lookahead}, carry {int(carry)}, {split}, "
+                                                       f"{mma_warps} MMA warps" + (f" at {mma_regs} registers)"
+                                                                                   if mma_warps else ")"))
                 try:
-                    kernel = compiled(cluster, tokens, h, clusters, sync, args.threads, lookahead, carry, split)
+                    kernel = compiled(cluster, tokens, h, clusters, sync, args.threads, lookahead, carry, split,
+                                      mma_warps, mma_regs or 152)
                 except Exception as e:  # a shape the probe or the DSL refuses: say so, go on
                     print(f"S={cluster} T={tokens} sync={name}: not compiled ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:120]})", flush=True)

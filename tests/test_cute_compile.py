@@ -208,6 +208,13 @@ def test_onchip_skeleton_projection_compiles(cluster, hidden, threads):
     assert callable(_bench_module("probe_onchip_skeleton").compiled(cluster, 16, hidden, 7, "project", threads))
 
 
+def test_onchip_skeleton_mma_warps_compiles():
+    """The skeleton with the projection on MMA warps of their own (a warpgroup after the loaders and the tail warp,
+    registers moved to the loaders with setmaxnreg, the weight ring carried across tiles) compiles for sm_90a."""
+    probe = _bench_module("probe_onchip_skeleton")
+    assert callable(probe.compiled(16, 16, 7168, 7, "project", 224, 2, True, "trunc", 4, 152))
+
+
 def test_onchip_skeleton_reference():
     """The probe's float64 reference: residual_cur is SPEC's post-map chain with its coefficients, layer_input the
     gate-weighted sum of the rounded streams."""
