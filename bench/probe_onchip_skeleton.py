@@ -45,7 +45,7 @@ from mhc_cute.kernels import device_utils as du  # noqa: E402
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import BFloat16, Float32, Int32, TFloat32  # noqa: E402
-from cutlass.cute.nvgpu import warp  # noqa: E402
+from cutlass.cute.nvgpu import cpasync, warp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_cluster import GATES, ROW, load_peer, store_peer  # noqa: E402
@@ -60,6 +60,7 @@ MMA_N = 8  # columns per m16n8k8 TF32 tile: three cover the mixes
 K_BLOCK = 4 * VEC  # K positions per warp-MMA block: four k8 steps, one octet of residual_cur per quad lane
 RMS_EPS = 1e-6
 SPLITS = ("round", "trunc")  # the weight's TF32 hi + lo: both rounded to nearest, or hi truncated and lo raw
+RINGS = ("registers", "cp.async")  # where the projection's weight blocks in flight wait: registers, or shared memory
 
 
 def post_coef(j: int) -> float:
@@ -84,9 +85,12 @@ def device_partial(m, c, rank) -> Float32:
 class OnchipSkeleton:
     def __init__(self, cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224,
                  lookahead: int = 1, carry: bool = False, split: str = "round", mma_warps: int = 0,
-                 mma_regs: int = 152):
-        assert sync in SYNCS and split in SPLITS and (mma_warps == 0 or sync == "project")
-        self.lookahead, self.carry, self.split = lookahead, carry, split  # the projection's weight loads (``project``)
+                 mma_regs: int = 152, ring: str = "registers"):
+        assert sync in SYNCS and split in SPLITS and ring in RINGS and (mma_warps == 0 or sync == "project")
+        # the projection's weight loads ("project"): ``lookahead`` blocks in flight per warp, in registers or in
+        # shared memory (``ring``; each lane copies and reads back its own 16-byte pieces), with ``carry`` the next
+        # tile's first blocks fetched at the end of this tile's projection (the weights are the same every tile)
+        self.lookahead, self.carry, self.split, self.ring = lookahead, carry, split, ring
         # "project": 0, the loading warps project; else warps of their own do, after the tail warp, in warpgroups
         # of their own with fewer registers (``setmaxnreg``: the loading warps need more than an even share)
         self.mma_warps = mma_warps
@@ -108,6 +112,10 @@ class OnchipSkeleton:
             assert tokens == 16 and self.octets % 4 == 0 and blocks % self.proj_warps == 0, "one m16 tile, whole blocks"
             self.blocks_per_warp = blocks // self.proj_warps
             assert not carry or self.blocks_per_warp % lookahead == 0, "the ring's entries line up across tiles"
+            smem = (SLOTS * tokens * STREAMS * self.octets * VEC * 2 + SLOTS * tokens * (ROW + GATES) * 4
+                    + self.proj_warps * tokens * ROW * 4
+                    + (self.proj_warps * lookahead * MIXES * du.WARP * 4 if ring != "registers" else 0))
+            assert smem <= 227 * 1024, f"{smem} bytes of shared memory"
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor, mFn: cute.Tensor,
@@ -259,11 +267,15 @@ class OnchipSkeleton:
                 self.set_registers(self.mma_regs)
             else:
                 self.set_registers(self.loader_regs)
-        wbuf = cute.make_rmem_tensor((self.lookahead, MIXES // MMA_N, VEC), Float32)  # the projection's weight ring
+        if cutlass.const_expr(self.ring == "registers"):  # the projection's weight ring
+            wbuf = cute.make_rmem_tensor((self.lookahead, MIXES // MMA_N, VEC), Float32)
+        else:
+            wbuf = smem.allocate_tensor(Float32, du.row_major(self.proj_warps, self.lookahead, MIXES // MMA_N, 2,
+                                                              du.WARP, 4), 16)
         if cutlass.const_expr(self.sync == "project" and self.carry):
             if projecting:
                 for i in cutlass.range_constexpr(self.lookahead):
-                    self.load_weights(mFn, wbuf, i, i, rank)
+                    self.fetch_weights(mFn, wbuf, i, i, rank)
         partial_bytes = self.cluster * self.own * ROW * 4
         gate_bytes = self.tokens * GATES * 4
         if tidx == 0:
@@ -365,16 +377,37 @@ class OnchipSkeleton:
                 self.push_gate(du.sigmoid(total * rstd), rank * self.own + t, lane, gates, mbar, slot)
 
     @cute.jit
-    def load_weights(self, mFn: cute.Tensor, wbuf: cute.Tensor, ring: int, i: int, rank):
-        """Weight ring entry ``ring`` := this lane's weights of its block ``i`` (``block_octet``): the 8 K positions
-        of its octet in weight rows 8 n + g, two 16-byte loads per row."""
+    def fetch_weights(self, mFn: cute.Tensor, wbuf: cute.Tensor, stage: int, i: int, rank):
+        """Weight ring stage ``stage`` := this lane's weights of its block ``i`` (``block_octet``): the 8 K positions
+        of its octet in weight rows 8 n + g, two 16-byte pieces per row (loads into registers, or cp.async into
+        the lane's own shared-memory pieces, one commit group per block)."""
         lane = cute.arch.lane_idx()
         j, o = self.block_octet(i)
+        copy = cute.make_copy_atom(cpasync.CopyG2SOp(cpasync.LoadCacheMode.GLOBAL), Float32, num_bits_per_copy=128)
         for nt in cutlass.range_constexpr(MIXES // MMA_N):
             row = mFn[nt * MMA_N + lane // 4, None]
             for h in cutlass.range_constexpr(2):
-                col = (j * self.hidden + rank * (self.hidden // self.cluster) + o * VEC) // 4 + h
-                cute.local_tile(wbuf[ring, nt, None], (4,), (h,)).store(du.load_f32x4(cute.local_tile(row, (4,), (col,))))
+                src = cute.local_tile(row, (4,), ((j * self.hidden + rank * (self.hidden // self.cluster) + o * VEC)
+                                                  // 4 + h,))
+                if cutlass.const_expr(self.ring == "registers"):
+                    cute.local_tile(wbuf[stage, nt, None], (4,), (h,)).store(du.load_f32x4(src))
+                else:
+                    cute.copy(copy, src, wbuf[self.proj_warp(), stage, nt, h, lane, None])
+        if cutlass.const_expr(self.ring != "registers"):
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def weights(self, wbuf: cute.Tensor, stage: int):
+        """This lane's weights of the block in ring stage ``stage``, in registers (``(3, 8)``: per column tile)."""
+        if cutlass.const_expr(self.ring == "registers"):
+            return wbuf[stage, None, None].load()
+        cute.arch.cp_async_wait_group(self.lookahead - 1)  # the oldest of the blocks in flight has landed
+        lane = cute.arch.lane_idx()
+        w = cute.make_rmem_tensor((MIXES // MMA_N, VEC), Float32)
+        for nt in cutlass.range_constexpr(MIXES // MMA_N):
+            for h in cutlass.range_constexpr(2):
+                cute.local_tile(w[nt, None], (4,), (h,)).store(wbuf[self.proj_warp(), stage, nt, h, lane, None].load())
+        return w.load()
 
     @cute.jit
     def proj_warp(self):
@@ -411,30 +444,34 @@ class OnchipSkeleton:
         sq = [Float32(0.0), Float32(0.0)]
         if cutlass.const_expr(not self.carry):
             for i in cutlass.range_constexpr(self.lookahead):
-                self.load_weights(mFn, wbuf, i, i, rank)
+                self.fetch_weights(mFn, wbuf, i, i, rank)
         for i in cutlass.range_constexpr(self.blocks_per_warp):
-            ring = i % self.lookahead
+            stage = i % self.lookahead
             j, o = self.block_octet(i)
             a = [sRc[row0 + ((g + 8 * r) * STREAMS + j) * self.octets + o, None].load().to(Float32) for r in range(2)]
             for r in cutlass.range_constexpr(2):
                 sq[r] = sq[r] + du.sum_squares(a[r])
+            w = self.weights(wbuf, stage)
             hi = cute.make_rmem_tensor((n_tiles, VEC), Float32)
-            hi.store(wbuf[ring, None, None].load())
+            hi.store(w)
             lo = cute.make_rmem_tensor((n_tiles, VEC), Float32)
             if cutlass.const_expr(self.split == "round"):
                 du.round_tf32(hi)
-                lo.store(wbuf[ring, None, None].load() - hi.load())
+                lo.store(w - hi.load())
                 du.round_tf32(lo)
             else:  # hi truncated to TF32, lo = the exact rest, truncated by the tensor cores (2^-21 relative)
                 bits = cute.recast_tensor(hi, Int32)
                 for e in cutlass.range_constexpr(n_tiles * VEC):
                     bits[e] = bits[e] & -0x2000
-                lo.store(wbuf[ring, None, None].load() - hi.load())
+                lo.store(w - hi.load())
+            # the stage is free once its weights are split (the split waits for them): the block ``lookahead`` on
             nxt = i + self.lookahead
             if cutlass.const_expr(nxt < self.blocks_per_warp):
-                self.load_weights(mFn, wbuf, ring, nxt, rank)
+                self.fetch_weights(mFn, wbuf, stage, nxt, rank)
             elif cutlass.const_expr(self.carry):
-                self.load_weights(mFn, wbuf, ring, nxt - self.blocks_per_warp, rank)
+                self.fetch_weights(mFn, wbuf, stage, nxt - self.blocks_per_warp, rank)
+            elif cutlass.const_expr(self.ring != "registers"):
+                cute.arch.cp_async_commit_group()  # an empty group: ``lookahead`` groups stay in flight
             for s in cutlass.range_constexpr(4):
                 frag_a = cute.make_rmem_tensor((4, 1, 1), TFloat32)
                 for e in cutlass.range_constexpr(4):  # (g, q), (g + 8, q), (g, q + 4), (g + 8, q + 4)
@@ -519,9 +556,10 @@ class OnchipSkeleton:
 
 
 def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224, lookahead: int = 1,
-             carry: bool = False, split: str = "round", mma_warps: int = 0, mma_regs: int = 152):
+             carry: bool = False, split: str = "round", mma_warps: int = 0, mma_regs: int = 152,
+             ring: str = "registers"):
     skeleton = OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads, lookahead, carry, split, mma_warps,
-                              mma_regs)
+                              mma_regs, ring)
     return compile_kernel(skeleton, fake_buffer(BFloat16),
                           fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(Float32))
 
@@ -560,6 +598,8 @@ def main() -> int:
     ap.add_argument("--split", nargs="+", choices=SPLITS, default=["round"], help='"project": the weight\'s hi + lo')
     ap.add_argument("--mma-warps", type=int, nargs="+", default=[0], help='"project": warps of their own for the '
                     "projection (0: the loading warps project)")
+    ap.add_argument("--ring", nargs="+", choices=RINGS, default=["registers"], help='"project": where the weight '
+                    "blocks in flight wait")
     ap.add_argument("--mma-regs", type=int, nargs="+", default=[152], help="registers per MMA-warp thread (setmaxnreg; "
                     "the loading warps and the tail warp share the rest)")
     ap.add_argument("--reps", type=int, default=20)
@@ -579,17 +619,18 @@ def main() -> int:
             xd, resd = x.to(dev), res.to(dev)
             fn = torch.randn(MIXES, STREAMS * h, generator=g) / (STREAMS * h) ** 0.5
             fnd = fn.to(dev)
-            variants = [(sync, 1, False, "round", 0, 0) for sync in args.sync if sync != "project"]
+            variants = [(sync, 1, False, "round", 0, 0, "") for sync in args.sync if sync != "project"]
             if "project" in args.sync:
-                variants += [("project", la, bool(c), sp, w, r) for w in args.mma_warps for la in args.lookahead
-                             for c in args.carry for sp in args.split for r in (args.mma_regs if w else [0])]
-            for sync, lookahead, carry, split, mma_warps, mma_regs in variants:
-                name = sync if sync != "project" else (f"project (lookahead {lookahead}, carry {int(carry)}, {split}, "
-                                                       f"{mma_warps} MMA warps" + (f" at {mma_regs} registers)"
-                                                                                   if mma_warps else ")"))
+                variants += [("project", la, bool(c), sp, w, r, ring) for ring in args.ring for w in args.mma_warps
+                             for la in args.lookahead for c in args.carry for sp in args.split
+                             for r in (args.mma_regs if w else [0])]
+            for sync, lookahead, carry, split, mma_warps, mma_regs, ring in variants:
+                name = sync if sync != "project" else (f"project ({ring} lookahead {lookahead}, carry {int(carry)}, "
+                                                       f"{split}, {mma_warps} MMA warps" +
+                                                       (f" at {mma_regs} registers)" if mma_warps else ")"))
                 try:
                     kernel = compiled(cluster, tokens, h, clusters, sync, args.threads, lookahead, carry, split,
-                                      mma_warps, mma_regs or 152)
+                                      mma_warps, mma_regs or 152, ring)
                 except Exception as e:  # a shape the probe or the DSL refuses: say so, go on
                     print(f"S={cluster} T={tokens} sync={name}: not compiled ({type(e).__name__}: "
                           f"{str(e).splitlines()[0][:120]})", flush=True)

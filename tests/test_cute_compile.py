@@ -208,11 +208,13 @@ def test_onchip_skeleton_projection_compiles(cluster, hidden, threads):
     assert callable(_bench_module("probe_onchip_skeleton").compiled(cluster, 16, hidden, 7, "project", threads))
 
 
-def test_onchip_skeleton_mma_warps_compiles():
-    """The skeleton with the projection on MMA warps of their own (a warpgroup after the loaders and the tail warp,
-    registers moved to the loaders with setmaxnreg, the weight ring carried across tiles) compiles for sm_90a."""
+@pytest.mark.parametrize("mma_warps, lookahead, ring", [(4, 2, "registers"), (4, 7, "cp.async"), (0, 4, "cp.async")])
+def test_onchip_skeleton_weight_rings_compile(mma_warps, lookahead, ring):
+    """The skeleton's projection variants compile for sm_90a: on MMA warps of their own (a warpgroup after the loaders
+    and the tail warp, registers moved to the loaders with setmaxnreg) or on the loaders, with the weight blocks in
+    flight in registers or in shared memory (cp.async), carried across tiles."""
     probe = _bench_module("probe_onchip_skeleton")
-    assert callable(probe.compiled(16, 16, 7168, 7, "project", 224, 2, True, "trunc", 4, 152))
+    assert callable(probe.compiled(16, 16, 7168, 7, "project", 224, lookahead, True, "trunc", mma_warps, 152, ring))
 
 
 def test_onchip_skeleton_reference():
