@@ -85,12 +85,14 @@ def device_partial(m, c, rank) -> Float32:
 class OnchipSkeleton:
     def __init__(self, cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224,
                  lookahead: int = 1, carry: bool = False, split: str = "round", mma_warps: int = 0,
-                 mma_regs: int = 152, ring: str = "registers"):
+                 mma_regs: int = 152, ring: str = "registers", chains: int = 1):
         assert sync in SYNCS and split in SPLITS and ring in RINGS and (mma_warps == 0 or sync == "project")
         # the projection's weight loads ("project"): ``lookahead`` blocks in flight per warp, in registers or in
         # shared memory (``ring``; each lane copies and reads back its own 16-byte pieces), with ``carry`` the next
         # tile's first blocks fetched at the end of this tile's projection (the weights are the same every tile)
         self.lookahead, self.carry, self.split, self.ring = lookahead, carry, split, ring
+        self.chains = chains  # independent MMA accumulators per column tile (1, 2 or 4)
+        assert chains in (1, 2, 4)
         # "project": 0, the loading warps project; else warps of their own do, after the tail warp, in warpgroups
         # of their own with fewer registers (``setmaxnreg``: the loading warps need more than an even share)
         self.mma_warps = mma_warps
@@ -438,9 +440,12 @@ class OnchipSkeleton:
         g, q = lane // 4, lane % 4
         atom = cute.make_mma_atom(warp.MmaTF32Op((16, MMA_N, 8)))
         n_tiles = MIXES // MMA_N
-        acc = [cute.make_rmem_tensor((4, 1, 1), Float32) for _ in range(n_tiles)]
+        # ``chains`` accumulators per column tile (by weight part, then by k step parity), summed at the end: the
+        # MMAs into one accumulator wait for each other
+        acc = [[cute.make_rmem_tensor((4, 1, 1), Float32) for _ in range(self.chains)] for _ in range(n_tiles)]
         for nt in cutlass.range_constexpr(n_tiles):
-            acc[nt].fill(0.0)
+            for c in cutlass.range_constexpr(self.chains):
+                acc[nt][c].fill(0.0)
         sq = [Float32(0.0), Float32(0.0)]
         if cutlass.const_expr(not self.carry):
             for i in cutlass.range_constexpr(self.lookahead):
@@ -477,15 +482,19 @@ class OnchipSkeleton:
                 for e in cutlass.range_constexpr(4):  # (g, q), (g + 8, q), (g, q + 4), (g + 8, q + 4)
                     frag_a[e, 0, 0] = a[e % 2][2 * s + e // 2]
                 for nt in cutlass.range_constexpr(n_tiles):
-                    for part in (hi, lo):
+                    for p, part in enumerate((hi, lo)):
                         frag_b = cute.make_rmem_tensor((2, 1, 1), TFloat32)  # (q, g), (q + 4, g)
                         for e in cutlass.range_constexpr(2):
                             frag_b[e, 0, 0] = part[nt, 2 * s + e]
-                        cute.gemm(atom, acc[nt], frag_a, frag_b, acc[nt])
+                        chain = (2 * p + s % 2) % self.chains
+                        cute.gemm(atom, acc[nt][chain], frag_a, frag_b, acc[nt][chain])
         for r in cutlass.range_constexpr(2):  # C fragment: rows g and g + 8, columns 8 nt + 2 q and + 1
             for nt in cutlass.range_constexpr(n_tiles):
                 for e in cutlass.range_constexpr(2):
-                    sRed[warp_i, g + 8 * r, nt * MMA_N + 2 * q + e] = acc[nt][2 * r + e, 0, 0]
+                    total = acc[nt][0][2 * r + e, 0, 0]
+                    for c in cutlass.range_constexpr(1, self.chains):
+                        total = total + acc[nt][c][2 * r + e, 0, 0]
+                    sRed[warp_i, g + 8 * r, nt * MMA_N + 2 * q + e] = total
             total = du.warp_sum(sq[r], lanes=4)
             if q == 0:
                 sRed[warp_i, g + 8 * r, MIXES] = total
@@ -557,9 +566,9 @@ class OnchipSkeleton:
 
 def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224, lookahead: int = 1,
              carry: bool = False, split: str = "round", mma_warps: int = 0, mma_regs: int = 152,
-             ring: str = "registers"):
+             ring: str = "registers", chains: int = 1):
     skeleton = OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads, lookahead, carry, split, mma_warps,
-                              mma_regs, ring)
+                              mma_regs, ring, chains)
     return compile_kernel(skeleton, fake_buffer(BFloat16),
                           fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(Float32))
 
@@ -600,6 +609,7 @@ def main() -> int:
                     "projection (0: the loading warps project)")
     ap.add_argument("--ring", nargs="+", choices=RINGS, default=["registers"], help='"project": where the weight '
                     "blocks in flight wait")
+    ap.add_argument("--chains", type=int, nargs="+", default=[1], help='"project": MMA accumulators per column tile')
     ap.add_argument("--mma-regs", type=int, nargs="+", default=[152], help="registers per MMA-warp thread (setmaxnreg; "
                     "the loading warps and the tail warp share the rest)")
     ap.add_argument("--reps", type=int, default=20)
@@ -619,21 +629,21 @@ def main() -> int:
             xd, resd = x.to(dev), res.to(dev)
             fn = torch.randn(MIXES, STREAMS * h, generator=g) / (STREAMS * h) ** 0.5
             fnd = fn.to(dev)
-            variants = [(sync, 1, False, "round", 0, 0, "") for sync in args.sync if sync != "project"]
+            variants = [(sync, 1, False, "round", 0, 0, "registers", 1) for sync in args.sync if sync != "project"]
             if "project" in args.sync:
-                variants += [("project", la, bool(c), sp, w, r, ring) for ring in args.ring for w in args.mma_warps
-                             for la in args.lookahead for c in args.carry for sp in args.split
-                             for r in (args.mma_regs if w else [0])]
-            for sync, lookahead, carry, split, mma_warps, mma_regs, ring in variants:
+                variants += [("project", la, bool(c), sp, w, r, ring, ch) for ring in args.ring
+                             for w in args.mma_warps for la in args.lookahead for c in args.carry for sp in args.split
+                             for r in (args.mma_regs if w else [0]) for ch in args.chains]
+            for sync, lookahead, carry, split, mma_warps, mma_regs, ring, chains in variants:
                 name = sync if sync != "project" else (f"project ({ring} lookahead {lookahead}, carry {int(carry)}, "
-                                                       f"{split}, {mma_warps} MMA warps" +
+                                                       f"{split}, {chains} chains, {mma_warps} MMA warps" +
                                                        (f" at {mma_regs} registers)" if mma_warps else ")"))
                 try:
                     kernel = compiled(cluster, tokens, h, clusters, sync, args.threads, lookahead, carry, split,
-                                      mma_warps, mma_regs or 152, ring)
+                                      mma_warps, mma_regs or 152, ring, chains)
                 except Exception as e:  # a shape the probe or the DSL refuses: say so, go on
                     print(f"S={cluster} T={tokens} sync={name}: not compiled ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:120]})", flush=True)
+                          f"{(str(e).splitlines() or [''])[0][:120]})", flush=True)
                     continue
                 rc = torch.full((m, STREAMS, h), float("nan"), device=dev).to(torch.bfloat16)
                 li = torch.full((m, h), float("nan"), device=dev).to(torch.bfloat16)
