@@ -208,13 +208,35 @@ def test_onchip_skeleton_projection_compiles(cluster, hidden, threads):
     assert callable(_bench_module("probe_onchip_skeleton").compiled(cluster, 16, hidden, 7, "project", threads))
 
 
-@pytest.mark.parametrize("mma_warps, lookahead, ring", [(4, 2, "registers"), (4, 7, "cp.async"), (0, 4, "cp.async")])
-def test_onchip_skeleton_weight_rings_compile(mma_warps, lookahead, ring):
-    """The skeleton's projection variants compile for sm_90a: on MMA warps of their own (a warpgroup after the loaders
-    and the tail warp, registers moved to the loaders with setmaxnreg) or on the loaders, with the weight blocks in
-    flight in registers or in shared memory (cp.async), carried across tiles."""
+@pytest.mark.parametrize("mma_warps, mma_regs, lookahead, ring", [
+    (4, 152, 2, "registers"), (4, 152, 7, "cp.async"), (0, 152, 4, "cp.async"), (4, 128, 7, "bulk"),
+    (8, 88, 3, "bulk"), (4, 152, 2, "synthetic")])
+def test_onchip_skeleton_weight_rings_compile(mma_warps, mma_regs, lookahead, ring):
+    """The skeleton's projection variants compile for sm_90a: on MMA warps of their own (one or two warpgroups after
+    the loaders and the tail warp, registers moved to the loaders with setmaxnreg) or on the loaders, with the
+    weight blocks in flight in registers, in shared memory (cp.async, or whole blocks by bulk copy), or made up in
+    registers (timing only)."""
     probe = _bench_module("probe_onchip_skeleton")
-    assert callable(probe.compiled(16, 16, 7168, 7, "project", 224, lookahead, True, "trunc", mma_warps, 152, ring))
+    assert callable(probe.compiled(16, 16, 7168, 7, "project", 224, lookahead, True, "trunc", mma_warps, mma_regs,
+                                   ring))
+
+
+def test_onchip_skeleton_blocked_weight():
+    """The bulk ring's weight copy: CTA rank r's block b, lane (g, q), column tile nt, half h holds the weight row
+    8 nt + g at the K positions of the lane's octet in that block (what the register ring loads for the lane)."""
+    probe = _bench_module("probe_onchip_skeleton")
+    torch = pytest.importorskip("torch")
+    hidden, cluster = 512, 8
+    fn = torch.randn(probe.MIXES, 4 * hidden)
+    blocked = probe.blocked_weight(fn, cluster).view(cluster, -1, 6, 32, 4)
+    per_stream = hidden // cluster // 8 // 4
+    for r, b, lane in [(0, 0, 0), (3, 5, 17), (7, blocked.shape[1] - 1, 31)]:
+        j, o = b // per_stream, (b % per_stream) * 4 + lane % 4
+        for nt in range(3):
+            k = j * hidden + r * (hidden // cluster) + o * 8
+            row = fn[8 * nt + lane // 4, k:k + 8]
+            assert torch.equal(blocked[r, b, 2 * nt, lane], row[:4]) and torch.equal(blocked[r, b, 2 * nt + 1, lane],
+                                                                                      row[4:])
 
 
 def test_onchip_skeleton_reference():
