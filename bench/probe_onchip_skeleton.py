@@ -103,13 +103,15 @@ class OnchipSkeleton:
         assert chains in (1, 2, 4)
         # "project": 0, the loading warps project; else warps of their own do, after the tail warp, in warpgroups
         # of their own with fewer registers (``setmaxnreg``: the loading warps need more than an even share)
-        self.mma_warps = mma_warps
+        self.mma_warps, self.threads = mma_warps, threads  # threads: load, post-map and collapse (+ tail warp)
         if mma_warps:
             assert (threads + du.WARP) % 128 == 0 and mma_warps % 4 == 0, "whole warpgroups per role"
             self.mma_regs = mma_regs
-            self.loader_regs = (65536 - self.mma_regs * du.WARP * mma_warps) // (threads + du.WARP) // 8 * 8
+            # setmaxnreg moves registers within what the launch gave the CTA (its even share per thread, in
+            # eights): asking for more in all than that blocks the increasing warps for good (a hang, not an error)
+            pool = self.even_registers() * (threads + du.WARP * (1 + mma_warps))
+            self.loader_regs = (pool - self.mma_regs * du.WARP * mma_warps) // (threads + du.WARP) // 8 * 8
         self.cluster, self.tokens, self.hidden, self.clusters, self.sync = cluster, tokens, hidden, clusters, sync
-        self.threads = threads  # the threads that load, post-map and collapse (plus the tail warp with "warp")
         self.octets = hidden // cluster // VEC  # per token, in this CTA's slice
         assert hidden % (cluster * VEC) == 0 and tokens % cluster == 0 and (tokens // cluster) * ROW <= threads
         assert (tokens * self.octets) % threads == 0, "octets per tile must split evenly over the threads"
@@ -147,10 +149,14 @@ class OnchipSkeleton:
         self.kernel(x, res, rc, li, fn).launch(grid=[self.clusters * self.cluster, 1, 1], block=[block, 1, 1],
                                                cluster=[self.cluster, 1, 1], stream=stream, **bound)
 
+    def even_registers(self) -> int:
+        """The launch's registers per thread: the register file over the block's threads, in eights."""
+        return 65536 // (self.threads + du.WARP * (1 + self.mma_warps)) // 8 * 8
+
     @cute.jit
     def set_registers(self, count: int):
-        """``setmaxnreg`` from the launch's even share (the register file over the block's threads) to ``count``."""
-        even = 65536 // (self.threads + du.WARP * (1 + self.mma_warps)) // 8 * 8
+        """``setmaxnreg`` from the launch's even share to ``count``."""
+        even = self.even_registers()
         if cutlass.const_expr(count > even):
             cute.arch.setmaxregister_increase(count)
         elif cutlass.const_expr(count < even):
@@ -564,7 +570,11 @@ class OnchipSkeleton:
                 a = self.block_rows(sRc, row0, i, sq)
                 cute.arch.mbarrier_wait(wfull.iterator + stage, (n // self.lookahead) % 2)
                 hi, lo = self.split_weights(self.block_weights(wbuf, stage))
-                cute.arch.sync_warp()  # every lane has its weights: the stage takes the block ``lookahead`` on
+                # every lane's reads of the stage before the bulk copy (async proxy) refills it with the block
+                # ``lookahead`` on: without the fence, ptxas issued the copy with the last read still in flight and
+                # the warp-converged sync_warp compiled to nothing (wrong dots in the first GPU run)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_warp()
                 self.fetch_block(mFn, wbuf, wfull, n + self.lookahead, rank)
                 self.block_mmas(atom, a, hi, lo, acc)
         else:
