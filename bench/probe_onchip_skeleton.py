@@ -45,7 +45,7 @@ from mhc_cute.kernels import device_utils as du  # noqa: E402
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import BFloat16, Float32, Int32, TFloat32  # noqa: E402
-from cutlass.cute.nvgpu import cpasync, warp  # noqa: E402
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_cluster import GATES, ROW, load_peer, store_peer  # noqa: E402
@@ -65,8 +65,15 @@ SPLITS = ("round", "trunc")  # the weight's TF32 hi + lo: both rounded to neares
 # copy (cp.async.bulk, counted by the stage's mbarrier) from a copy of the weight laid out block by block, in the
 # order the lanes read it; "synthetic" (timing only, its outputs are not the op's) makes the weights up in
 # registers from the lane and block index, with no loads at all
-RINGS = ("registers", "cp.async", "bulk", "synthetic")
+# "wgmma" (one warpgroup of MMA warps): the projection as warpgroup MMAs from shared memory, the weight's bf16 hi +
+# lo parts as A (48 of 64 rows), the tile's residual_cur as B (its tokens as N, K-major: the post-map stores it in
+# that layout), A brought in by bulk copies of a prepared copy (``wgmma_weight``), 16 K positions per stage
+RINGS = ("registers", "cp.async", "bulk", "synthetic", "wgmma")
 BLOCK_FLOATS = MIXES * K_BLOCK  # one block's weights: 24 rows x 32 K positions
+WG_K = 16  # K positions per bf16 warpgroup MMA
+WG_ROWS = 64  # its M: rows 0-23 the weight's hi part, 24-47 its lo part, 48-63 zeros
+WG_GROUP = 8  # MMAs accumulated in the tensor cores before an fp32 add (Hopper's accumulator is not a full fp32 adder)
+WG_STAGE = WG_ROWS * WG_K  # bf16 elements of one stage
 
 
 def post_coef(j: int) -> float:
@@ -94,6 +101,8 @@ class OnchipSkeleton:
                  mma_regs: int = 152, ring: str = "registers", chains: int = 1, unroll: int = 1):
         assert sync in SYNCS and split in SPLITS and ring in RINGS and (mma_warps == 0 or sync == "project")
         assert ring != "bulk" or mma_warps, "the bulk ring feeds MMA warps of their own"
+        assert ring != "wgmma" or (mma_warps == 4 and lookahead % WG_GROUP == 0 and lookahead >= 2 * WG_GROUP), \
+            "wgmma: one warpgroup of MMA warps, a ring of whole groups of stages, two at least"
         # the projection's weight loads ("project"): ``lookahead`` blocks in flight per warp, in registers or in
         # shared memory (``ring``; each lane copies and reads back its own 16-byte pieces), with ``carry`` the next
         # tile's first blocks fetched at the end of this tile's projection (the weights are the same every tile)
@@ -123,10 +132,13 @@ class OnchipSkeleton:
             self.proj_warps = mma_warps or self.warps
             assert tokens == 16 and self.octets % 4 == 0 and blocks % self.proj_warps == 0, "one m16 tile, whole blocks"
             self.blocks, self.blocks_per_warp = blocks, blocks // self.proj_warps
-            assert not carry or ring == "bulk" or self.blocks_per_warp % lookahead == 0, "ring entries line up"
+            self.k_steps = STREAMS * self.octets * VEC // WG_K  # wgmma: the CTA's K slice in stages
+            assert ring != "wgmma" or self.k_steps % WG_GROUP == 0
+            assert not carry or ring in ("bulk", "wgmma") or self.blocks_per_warp % lookahead == 0, "ring lines up"
             smem = (SLOTS * tokens * STREAMS * self.octets * VEC * 2 + SLOTS * tokens * (ROW + GATES) * 4
-                    + self.proj_warps * tokens * ROW * 4
-                    + (self.proj_warps * lookahead * MIXES * du.WARP * 4 if ring in ("cp.async", "bulk") else 0))
+                    + self.red_rows() * tokens * ROW * 4
+                    + (self.proj_warps * lookahead * MIXES * du.WARP * 4 if ring in ("cp.async", "bulk") else 0)
+                    + (lookahead * WG_STAGE * 2 + WG_ROWS * tokens * 4 if ring == "wgmma" else 0))
             assert smem <= 227 * 1024, f"{smem} bytes of shared memory"
 
     @cute.jit
@@ -138,7 +150,9 @@ class OnchipSkeleton:
         res = cute.make_tensor(mRes.iterator, du.row_major(m, STREAMS * self.hidden))
         rc = cute.make_tensor(mRc.iterator, du.row_major(m, STREAMS * self.hidden))
         li = cute.make_tensor(mLi.iterator, du.row_major(m, self.hidden))
-        if cutlass.const_expr(self.ring == "bulk"):  # the weight block by block (``blocked_weight``)
+        if cutlass.const_expr(self.ring == "wgmma"):  # the A stages (``wgmma_weight``: bf16 pairs as fp32 words)
+            fn = cute.make_tensor(mFn.iterator, du.row_major(self.cluster * self.k_steps, WG_STAGE // 2))
+        elif cutlass.const_expr(self.ring == "bulk"):  # the weight block by block (``blocked_weight``)
             fn = cute.make_tensor(mFn.iterator, du.row_major(STREAMS * self.hidden * MIXES // BLOCK_FLOATS,
                                                              BLOCK_FLOATS))
         else:
@@ -148,6 +162,19 @@ class OnchipSkeleton:
         bound = {"min_blocks_per_mp": 1} if self.mma_warps else {}
         self.kernel(x, res, rc, li, fn).launch(grid=[self.clusters * self.cluster, 1, 1], block=[block, 1, 1],
                                                cluster=[self.cluster, 1, 1], stream=stream, **bound)
+
+    def red_rows(self) -> int:
+        """Partial rows per token that the push sums: one per projecting warp, or one with "wgmma" (its epilogue
+        adds the hi and lo rows)."""
+        return 1 if self.ring == "wgmma" else self.proj_warps
+
+    def rc_row(self, t, j, o):
+        """The 16-byte row of token ``t``'s octet ``o`` of stream ``j`` in a tile's residual_cur in shared memory:
+        token-major, or with "wgmma" the K-major layout of its B operand (K_INTER: per octet of K, the tile's
+        tokens one after another)."""
+        if self.ring == "wgmma":
+            return (j * self.octets + o) * self.tokens + t
+        return (t * STREAMS + j) * self.octets + o
 
     def even_registers(self) -> int:
         """The launch's registers per thread: the register file over the block's threads, in eights."""
@@ -209,7 +236,12 @@ class OnchipSkeleton:
         row and the octet's 8-vector index in a stream row."""
         tidx, _, _ = cute.arch.thread_idx()
         q = tidx + p * self.threads
-        t, o = q // self.octets, q % self.octets
+        if cutlass.const_expr(self.ring == "wgmma"):
+            # lane pairs on two adjacent octets of one token (32 bytes: one sector per pair in global memory), the
+            # pairs of a warp on consecutive tokens (2-way bank conflicts in the K-major shared layout, not 8)
+            t, o = (q // 2) % self.tokens, q // (2 * self.tokens) * 2 + q % 2
+        else:
+            t, o = q // self.octets, q % self.octets
         return t, o, tile * self.tokens + t, rank * self.octets + o
 
     @cute.jit
@@ -268,31 +300,39 @@ class OnchipSkeleton:
         behind."""
         tidx, _, _ = cute.arch.thread_idx()
         rc_rows = self.tokens * STREAMS * self.octets
-        sRc = smem.allocate_tensor(BFloat16, du.row_major(SLOTS * rc_rows, VEC), 16)
+        # (1024-byte aligned with "wgmma": the MMAs read it through matrix descriptors)
+        sRc = smem.allocate_tensor(BFloat16, du.row_major(SLOTS * rc_rows, VEC), 1024 if self.ring == "wgmma" else 16)
         # this CTA's tokens' partial rows as pushed by each CTA of the cluster, and every token's gates
         received = smem.allocate_tensor(Float32, du.row_major(SLOTS, self.cluster, self.own, ROW), 16)
         gates = smem.allocate_tensor(Float32, du.row_major(SLOTS, self.tokens, GATES), 16)
         # partials[SLOTS], gates[SLOTS], and with MMA warps rc_full[SLOTS] (the tile's residual_cur is in sRc)
         kinds = 3 if self.mma_warps else 2
         mbar = smem.allocate_tensor(cutlass.Int64, du.row_major(kinds * SLOTS), 8)
-        # "bulk": one mbarrier per ring stage of each MMA warp, completed by the stage's bulk copy
-        wfull = (smem.allocate_tensor(cutlass.Int64, du.row_major(self.mma_warps * self.lookahead), 8)
-                 if self.ring == "bulk" else mbar)
+        # "bulk": one mbarrier per ring stage of each MMA warp, completed by the stage's bulk copy; "wgmma": one per
+        # stage of the warpgroup's ring
+        rings = {"bulk": self.mma_warps, "wgmma": 1}
+        wfull = (smem.allocate_tensor(cutlass.Int64, du.row_major(rings[self.ring] * self.lookahead), 8)
+                 if self.ring in rings else mbar)
         # "project": each projecting warp's partial rows of the tile, summed over the warps in order before the push
         # (the other modes pass ``received`` in its place, unread, so that their shared memory stays as measured)
-        sRed = (smem.allocate_tensor(Float32, du.row_major(self.proj_warps, self.tokens, ROW), 16)
+        sRed = (smem.allocate_tensor(Float32, du.row_major(self.red_rows(), self.tokens, ROW), 16)
                 if self.sync == "project" else received)
         mma_threads = du.WARP * self.mma_warps
         mma_warp = tidx >= self.threads + du.WARP  # after the tail warp (never, without MMA warps)
         projecting = mma_warp if self.mma_warps else loader
         if cutlass.const_expr(self.ring == "bulk"):  # the projection's weight ring
             wbuf = smem.allocate_tensor(Float32, du.row_major(self.proj_warps * self.lookahead, BLOCK_FLOATS), 128)
+        elif cutlass.const_expr(self.ring == "wgmma"):  # A stages (K_INTER: 8 x 8 core matrices, M first)
+            a_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, BFloat16)
+            wbuf = smem.allocate_tensor(BFloat16, cute.tile_to_shape(a_atom, (WG_ROWS, WG_K, self.lookahead),
+                                                                     order=(0, 1, 2)), 1024)
+            sD = smem.allocate_tensor(Float32, du.row_major(WG_ROWS, self.tokens), 16)  # the MMAs' rows, summed
         elif cutlass.const_expr(self.ring != "cp.async"):
             wbuf = cute.make_rmem_tensor((self.lookahead, MIXES // MMA_N, VEC), Float32)
         else:
             wbuf = smem.allocate_tensor(Float32, du.row_major(self.proj_warps, self.lookahead, MIXES // MMA_N, 2,
                                                               du.WARP, 4), 16)
-        if cutlass.const_expr(self.sync == "project" and self.carry and self.ring != "bulk"):
+        if cutlass.const_expr(self.sync == "project" and self.carry and self.ring not in rings):
             if projecting:
                 for i in cutlass.range_constexpr(self.lookahead):
                     self.fetch_weights(mFn, wbuf, i, i, rank)
@@ -304,8 +344,8 @@ class OnchipSkeleton:
             if cutlass.const_expr(self.mma_warps):
                 for i in cutlass.range_constexpr(SLOTS):
                     cute.arch.mbarrier_init(mbar.iterator + 2 * SLOTS + i, self.threads)
-            if cutlass.const_expr(self.ring == "bulk"):
-                for i in cutlass.range_constexpr(self.mma_warps * self.lookahead):
+            if cutlass.const_expr(self.ring in rings):
+                for i in cutlass.range_constexpr(rings[self.ring] * self.lookahead):
                     cute.arch.mbarrier_init(wfull.iterator + i, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive()  # every CTA's mbarriers are initialised before any push
@@ -323,7 +363,10 @@ class OnchipSkeleton:
                 slot = it % SLOTS
                 self.post_map(raw, tile, rank, mRc, sRc, slot * rc_rows)
                 if cutlass.const_expr(self.mma_warps):
-                    # this thread's residual_cur of the tile is in shared memory (release: its stores come first)
+                    # this thread's residual_cur of the tile is in shared memory (release: its stores come first;
+                    # the warpgroup MMAs read it through the async proxy, hence the fence)
+                    if cutlass.const_expr(self.ring == "wgmma"):
+                        cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.mbarrier_arrive(mbar.iterator + 2 * SLOTS + slot)
                 self.load_tile(raw, cutlass.min(tile + self.clusters, n_tiles - 1), rank, mX, mRes, loader)
                 if cutlass.const_expr(not self.mma_warps):
@@ -355,11 +398,18 @@ class OnchipSkeleton:
                 if cutlass.const_expr(self.ring == "bulk"):
                     for n in cutlass.range_constexpr(self.lookahead):  # the ring's first blocks
                         self.fetch_block(mFn, wbuf, wfull, n, rank)
+                elif cutlass.const_expr(self.ring == "wgmma"):
+                    if tidx == self.threads + du.WARP:
+                        for n in cutlass.range_constexpr(self.lookahead):  # the ring's first stages
+                            self.fetch_stage(mFn, wbuf, wfull, n, rank)
                 for it in cutlass.range(count, unroll=1):
                     tile = first + it * self.clusters
                     slot, parity = it % SLOTS, (it // SLOTS) % 2
                     cute.arch.mbarrier_wait(mbar.iterator + 2 * SLOTS + slot, parity)
-                    self.project(sRc, slot * rc_rows, rank, mFn, sRed, wbuf, wfull, it * self.blocks_per_warp)
+                    if cutlass.const_expr(self.ring == "wgmma"):
+                        self.project_wgmma(sRc, slot, rank, mFn, sRed, wbuf, wfull, sD, it * self.k_steps)
+                    else:
+                        self.project(sRc, slot * rc_rows, rank, mFn, sRed, wbuf, wfull, it * self.blocks_per_warp)
                     cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sRed complete
                     self.push_partials(tile, rank, received, mbar, slot, sRed, self.threads + du.WARP, mma_threads)
                     cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sRed read: free for the next
@@ -368,6 +418,10 @@ class OnchipSkeleton:
                         n = count * self.blocks_per_warp + k
                         cute.arch.mbarrier_wait(wfull.iterator + self.proj_warp() * self.lookahead + n % self.lookahead,
                                                 (n // self.lookahead) % 2)
+                elif cutlass.const_expr(self.ring == "wgmma"):
+                    for k in cutlass.range_constexpr(self.lookahead):
+                        n = count * self.k_steps + k
+                        cute.arch.mbarrier_wait(wfull.iterator + n % self.lookahead, (n // self.lookahead) % 2)
         else:
             # the tail warp: this CTA's tokens' rows from every CTA, summed in rank order; gates to every CTA
             if cutlass.const_expr(self.mma_warps):
@@ -483,6 +537,83 @@ class OnchipSkeleton:
             cute.copy(atom, mFn[rank * self.blocks + b, None], wbuf[stage, None], mbar_ptr=wfull.iterator + stage)
 
     @cute.jit
+    def fetch_stage(self, mFn: cute.Tensor, sA: cute.Tensor, wfull: cute.Tensor, n, rank):
+        """"wgmma", by one thread: A stage ``n % lookahead`` := the weight's stage ``n % k_steps`` of this CTA's K
+        slice (the ``n``-th stage the warpgroup multiplies, counting across tiles), one bulk copy counted by the
+        stage's mbarrier."""
+        stage = n % self.lookahead
+        cute.arch.mbarrier_arrive_and_expect_tx(wfull.iterator + stage, WG_STAGE * 2)
+        dst = cute.make_tensor(cute.recast_ptr(sA.iterator + stage * WG_STAGE, dtype=Float32),
+                               du.row_major(WG_STAGE // 2))
+        atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
+        cute.copy(atom, mFn[rank * self.k_steps + n % self.k_steps, None], dst, mbar_ptr=wfull.iterator + stage)
+
+    @cute.jit
+    def project_wgmma(self, sRc: cute.Tensor, slot, rank, mFn: cute.Tensor, sRed: cute.Tensor, sA: cute.Tensor,
+                      wfull: cute.Tensor, sD: cute.Tensor, n0):
+        """The tile's partial rows by the MMA warpgroup: per 16 K positions one bf16 warpgroup MMA, A = stage of
+        the weight's hi (rows 0-23) and lo (24-47) parts, B = the tile's residual_cur (its 16 tokens as N) read in
+        place; ``WG_GROUP`` MMAs into the tensor cores' accumulator, then an fp32 add. While a group runs, each
+        thread sums the squares of 16 of its token's values (8 threads a token, in a fixed order). After each
+        group the warpgroup syncs and its first thread refills the group's stages with the ones ``lookahead`` on
+        (``n0``: stages multiplied before this tile). Then the rows go through ``sD``: hi + lo per column into
+        ``sRed[0]`` with the squares."""
+        wg_tid = cute.arch.thread_idx()[0] - (self.threads + du.WARP)
+        mma_threads = du.WARP * self.mma_warps
+        op = warpgroup.MmaF16BF16Op(BFloat16, Float32, (WG_ROWS, self.tokens, WG_K), warpgroup.OperandSource.SMEM,
+                                    OperandMajorMode.K, OperandMajorMode.K)
+        tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(op), (1, 1, 1))
+        thr_mma = tiled_mma.get_slice(wg_tid)
+        b_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, BFloat16)
+        k_slice = self.k_steps * WG_K
+        sB = cute.make_tensor(sRc.iterator, cute.tile_to_shape(b_atom, (self.tokens, k_slice, SLOTS), order=(0, 1, 2)))
+        tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((WG_ROWS, self.tokens)), Float32)
+        dots = cute.make_rmem_tensor(thr_mma.partition_shape_C((WG_ROWS, self.tokens)), Float32)
+        dots.fill(0.0)
+        # the squares: thread (token t, part) takes octets 2 part, 2 part + 1 of each group's 16
+        t, part = wg_tid // 8, wg_tid % 8
+        sq = Float32(0.0)
+        rc_rows = self.tokens * STREAMS * self.octets
+        for g in cutlass.range(self.k_steps // WG_GROUP, unroll=1):
+            warpgroup.fence()
+            mma_atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom per group: its ACCUMULATE flag changes
+            mma_atom.set(warpgroup.Field.ACCUMULATE, False)
+            for u in cutlass.range_constexpr(WG_GROUP):
+                n = n0 + g * WG_GROUP + u
+                stage = n % self.lookahead
+                cute.arch.mbarrier_wait(wfull.iterator + stage, (n // self.lookahead) % 2)
+                cute.gemm(mma_atom, acc, tCrA[(None, None, 0, stage)], tCrB[(None, None, g * WG_GROUP + u, slot)],
+                          acc)
+                mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            for h in cutlass.range_constexpr(2):
+                kb = g * (WG_GROUP * WG_K // VEC) + 2 * part + h  # the octet of K, in the CTA's slice
+                v = sRc[slot * rc_rows + kb * self.tokens + t, None].load().to(Float32)
+                sq = sq + du.sum_squares(v)
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                dots[i] = dots[i] + acc[i]
+            cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # every warp's MMAs read their stages
+            if wg_tid == 0:
+                for u in cutlass.range_constexpr(WG_GROUP):
+                    self.fetch_stage(mFn, sA, wfull, n0 + g * WG_GROUP + u + self.lookahead, rank)
+        sq = du.warp_sum(sq, lanes=8)  # the token's 8 parts (adjacent lanes), in a fixed order
+        thr_mma.partition_C(sD).store(dots.load())
+        cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)
+        for e in cutlass.range_constexpr(0, self.tokens * ROW, mma_threads):
+            i = e + wg_tid
+            if i < self.tokens * ROW:
+                tt, c = i // ROW, i % ROW
+                if c < MIXES:
+                    sRed[0, tt, c] = sD[c, tt] + sD[MIXES + c, tt]
+                elif c > MIXES:
+                    sRed[0, tt, c] = Float32(0.0)
+        if part == 0:
+            sRed[0, t, MIXES] = sq
+
+    @cute.jit
     def block_weights(self, wbuf: cute.Tensor, stage):
         """"bulk": this lane's weights of the block in ring stage ``stage`` (``(3, 8)``), 16 bytes per column tile
         and half from each of its six 512-byte rows (``blocked_weight``)."""
@@ -517,7 +648,7 @@ class OnchipSkeleton:
         ``sq``."""
         g = cute.arch.lane_idx() // 4
         j, o = self.block_octet(i)
-        a = [sRc[row0 + ((g + 8 * r) * STREAMS + j) * self.octets + o, None].load().to(Float32) for r in range(2)]
+        a = [sRc[row0 + self.rc_row(g + 8 * r, j, o), None].load().to(Float32) for r in range(2)]
         for r in cutlass.range_constexpr(2):
             sq[r] = sq[r] + du.sum_squares(a[r])
         return a
@@ -623,7 +754,7 @@ class OnchipSkeleton:
                 bits = cute.make_rmem_tensor((1,), Float32)
                 if cutlass.const_expr(self.sync == "project"):
                     total = sRed[0, t, c]
-                    for w in cutlass.range_constexpr(1, self.proj_warps):
+                    for w in cutlass.range_constexpr(1, self.red_rows()):
                         total = total + sRed[w, t, c]
                     bits[0] = total
                 else:
@@ -648,14 +779,14 @@ class OnchipSkeleton:
                     out[e] = chain
                 rounded = du.store_bf16x8(cute.local_tile(mRc[m, None], (VEC,), (j * (self.hidden // VEC) + vec,)),
                                           out.load())
-                sRc[row0 + (t * STREAMS + j) * self.octets + o, None].store(rounded.to(BFloat16))
+                sRc[row0 + self.rc_row(t, j, o), None].store(rounded.to(BFloat16))
 
     @cute.jit
     def collapse(self, tile, rank, sRc: cute.Tensor, gates: cute.Tensor, mLi: cute.Tensor, row0=0, slot=None):
         """layer_input of the thread's octets, from shared memory."""
         for p in cutlass.range_constexpr(self.per_thread):
             t, o, m, vec = self.octet(p, tile, rank)
-            vals = [sRc[row0 + (t * STREAMS + j) * self.octets + o, None].load().to(Float32) for j in range(STREAMS)]
+            vals = [sRc[row0 + self.rc_row(t, j, o), None].load().to(Float32) for j in range(STREAMS)]
             if cutlass.const_expr(self.sync == "none"):
                 g = [Float32(0.5)] * STREAMS
             elif cutlass.const_expr(slot is None):
@@ -688,6 +819,27 @@ def blocked_weight(fn, cluster: int):
     per_stream = h // cluster // VEC // 4
     parts = fn.reshape(MIXES // MMA_N, MMA_N, STREAMS, cluster, per_stream, 4, 2, 4)  # nt g j r ob q h e
     return parts.permute(3, 2, 4, 0, 6, 1, 5, 7).contiguous().view(-1)
+
+
+def wgmma_weight(fn, cluster: int):
+    """``fn [24, 4 H]`` as the "wgmma" ring's A stages, returned as fp32 words holding bf16 pairs: per CTA rank r and
+    stage s (16 K positions of the rank's slice, streams one after another), a 64 x 16 bf16 tile in the K_INTER
+    layout (8 x 8 core matrices of 8 rows x 16 bytes, M first): rows 0-23 the weight rounded to bf16 (hi), 24-47 the
+    rest rounded to bf16 (lo: hi + lo carries 16 bits of the fp32 mantissa), 48-63 zero."""
+    h = fn.shape[1] // STREAMS
+    k_slice = STREAMS * h // cluster
+    hi = fn.to(torch.bfloat16)
+    lo = (fn - hi.float()).to(torch.bfloat16)
+    rows = torch.cat([hi, lo, torch.zeros(WG_ROWS - 2 * MIXES, fn.shape[1], dtype=torch.bfloat16)])
+    # the rank's slice in stage order: K position k of rank r is stream k // (H / S), offset r H / S + k % (H / S)
+    per = h // cluster
+    k = torch.arange(k_slice)
+    cols = (k // per)[None, :] * h + torch.arange(cluster)[:, None] * per + (k % per)[None, :]  # [S, k_slice]
+    tiles = rows[:, cols].reshape(WG_ROWS, cluster, k_slice // WG_K, WG_K)  # m, r, s, kk
+    # offset of (m, kk) in a stage: ((m // 8) + 8 (kk // 8)) * 64 + (m % 8) * 8 + kk % 8
+    tiles = tiles.reshape(WG_ROWS // 8, 8, cluster, k_slice // WG_K, WG_K // 8, 8)  # mg mi r s kg ki
+    staged = tiles.permute(2, 3, 4, 0, 1, 5).contiguous()  # r s kg mg mi ki
+    return staged.view(-1).view(torch.float32)
 
 
 def reference(x, res, rows, cluster: int, sync: str, fn=None):
@@ -746,7 +898,8 @@ def main() -> int:
             res = torch.randn(m, STREAMS, h, generator=g).to(torch.bfloat16)
             xd, resd = x.to(dev), res.to(dev)
             fn = torch.randn(MIXES, STREAMS * h, generator=g) / (STREAMS * h) ** 0.5
-            fnd, blocked = fn.to(dev), blocked_weight(fn, cluster).to(dev)
+            fnd = fn.to(dev)
+            prepared = {"bulk": blocked_weight(fn, cluster).to(dev), "wgmma": wgmma_weight(fn, cluster).to(dev)}
             variants = [(sync, 1, False, "round", 0, 0, "registers", 1) for sync in args.sync if sync != "project"]
             if "project" in args.sync:
                 variants += [("project", la, bool(c), sp, w, r, ring, ch) for ring in args.ring
@@ -766,7 +919,7 @@ def main() -> int:
                     continue
                 rc = torch.full((m, STREAMS, h), float("nan"), device=dev).to(torch.bfloat16)
                 li = torch.full((m, h), float("nan"), device=dev).to(torch.bfloat16)
-                weight = blocked if sync == "project" and ring == "bulk" else fnd.view(-1)
+                weight = prepared[ring] if sync == "project" and ring in prepared else fnd.view(-1)
                 launch = functools.partial(kernel, xd.view(-1), resd.view(-1), rc.view(-1), li.view(-1), weight,
                                            0.0, 0.0, 0.0, 0.0, 0, 0.0)
                 launch()

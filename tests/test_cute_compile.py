@@ -210,7 +210,7 @@ def test_onchip_skeleton_projection_compiles(cluster, hidden, threads):
 
 @pytest.mark.parametrize("mma_warps, mma_regs, lookahead, ring", [
     (4, 152, 2, "registers"), (4, 152, 7, "cp.async"), (0, 152, 4, "cp.async"), (4, 136, 7, "bulk"),
-    (8, 88, 3, "bulk"), (4, 152, 2, "synthetic")])
+    (8, 88, 3, "bulk"), (4, 152, 2, "synthetic"), (4, 96, 16, "wgmma")])
 def test_onchip_skeleton_weight_rings_compile(mma_warps, mma_regs, lookahead, ring):
     """The skeleton's projection variants compile for sm_90a: on MMA warps of their own (one or two warpgroups after
     the loaders and the tail warp, registers moved to the loaders with setmaxnreg) or on the loaders, with the
@@ -287,3 +287,23 @@ def test_sinkhorn_probe_compiles(busy_warps):
     compiling for sm_90a, alone and beside streaming warps."""
     probe = _bench_module("probe_sinkhorn")
     assert callable(probe.compile_probe(probe.SinkhornProbe(busy_warps)))
+
+
+def test_onchip_skeleton_wgmma_weight():
+    """The "wgmma" ring's A stages: in CTA rank r's stage s, element (m, kk) at the K_INTER offset
+    ((m // 8) + 8 (kk // 8)) 64 + (m % 8) 8 + kk % 8 is the weight's bf16 hi (rows 0-23), lo (24-47) or zero at K
+    position 16 s + kk of the rank's slice (the order of the tile's residual_cur as the MMAs' B)."""
+    probe = _bench_module("probe_onchip_skeleton")
+    torch = pytest.importorskip("torch")
+    hidden, cluster = 512, 8
+    fn = torch.randn(probe.MIXES, 4 * hidden)
+    per = hidden // cluster
+    staged = probe.wgmma_weight(fn, cluster).view(torch.bfloat16).view(cluster, 4 * per // 16, 1024)
+    hi = fn.to(torch.bfloat16)
+    lo = (fn - hi.float()).to(torch.bfloat16)
+    for r, st, m, kk in [(0, 0, 0, 0), (3, 5, 30, 9), (7, 4 * per // 16 - 1, 63, 15), (5, 7, 23, 8)]:
+        k = 16 * st + kk
+        gk = k // per * hidden + r * per + k % per
+        want = hi[m, gk] if m < 24 else lo[m - 24, gk] if m < 48 else torch.tensor(0.0, dtype=torch.bfloat16)
+        got = staged[r, st, ((m // 8) + 8 * (kk // 8)) * 64 + (m % 8) * 8 + kk % 8]
+        assert torch.equal(got, want), (r, st, m, kk)
