@@ -549,15 +549,59 @@ class OnchipSkeleton:
         cute.copy(atom, mFn[rank * self.k_steps + n % self.k_steps, None], dst, mbar_ptr=wfull.iterator + stage)
 
     @cute.jit
+    def issue_group(self, tiled_mma, tCrA: cute.Tensor, tCrB: cute.Tensor, acc: cute.Tensor, wfull: cute.Tensor,
+                    n, g, slot):
+        """"wgmma": the ``WG_GROUP`` MMAs of group ``g`` (the warpgroup's stages ``n``, ``n + 1``, ... once each has
+        landed) into ``acc``, the first one overwriting it; one commit group."""
+        # every stage first: a wait (a loop) between the MMAs of one commit group makes ptxas serialise them (a
+        # wait for each MMA's completion after it)
+        for u in cutlass.range_constexpr(WG_GROUP):
+            cute.arch.mbarrier_wait(wfull.iterator + (n + u) % self.lookahead, ((n + u) // self.lookahead) % 2)
+        warpgroup.fence()
+        mma_atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom per group: its ACCUMULATE flag changes
+        mma_atom.set(warpgroup.Field.ACCUMULATE, False)
+        for u in cutlass.range_constexpr(WG_GROUP):
+            cute.gemm(mma_atom, acc, tCrA[(None, None, 0, (n + u) % self.lookahead)],
+                      tCrB[(None, None, g * WG_GROUP + u, slot)], acc)
+            mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def group_squares(self, sRc: cute.Tensor, slot, g, t, part) -> Float32:
+        """"wgmma": this thread's share of token ``t``'s squares in group ``g``: octets 2 part and 2 part + 1 of
+        the group's 16."""
+        rc_rows = self.tokens * STREAMS * self.octets
+        total = Float32(0.0)
+        for h in cutlass.range_constexpr(2):
+            kb = g * (WG_GROUP * WG_K // VEC) + 2 * part + h  # the octet of K, in the CTA's slice
+            total = total + du.sum_squares(sRc[slot * rc_rows + kb * self.tokens + t, None].load().to(Float32))
+        return total
+
+    @cute.jit
+    def retire_group(self, acc: cute.Tensor, dots: cute.Tensor, mFn: cute.Tensor, sA: cute.Tensor,
+                     wfull: cute.Tensor, n, rank):
+        """"wgmma": once the group whose stages start at ``n`` is done, ``acc`` is added into ``dots`` and, after
+        every warp of the warpgroup is past it, its first thread refills those stages with the ones ``lookahead``
+        on. (Waiting with one group still pending, to keep the tensor cores busy across groups, made ptxas
+        serialise every MMA: it does not see which accumulator the pending group writes.)"""
+        warpgroup.wait_group(0)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            dots[i] = dots[i] + acc[i]
+        cute.arch.barrier(barrier_id=2, number_of_threads=du.WARP * self.mma_warps)
+        if cute.arch.thread_idx()[0] == self.threads + du.WARP:
+            for u in cutlass.range_constexpr(WG_GROUP):
+                self.fetch_stage(mFn, sA, wfull, n + u + self.lookahead, rank)
+
+    @cute.jit
     def project_wgmma(self, sRc: cute.Tensor, slot, rank, mFn: cute.Tensor, sRed: cute.Tensor, sA: cute.Tensor,
                       wfull: cute.Tensor, sD: cute.Tensor, n0):
         """The tile's partial rows by the MMA warpgroup: per 16 K positions one bf16 warpgroup MMA, A = stage of
         the weight's hi (rows 0-23) and lo (24-47) parts, B = the tile's residual_cur (its 16 tokens as N) read in
         place; ``WG_GROUP`` MMAs into the tensor cores' accumulator, then an fp32 add. While a group runs, each
-        thread sums the squares of 16 of its token's values (8 threads a token, in a fixed order). After each
-        group the warpgroup syncs and its first thread refills the group's stages with the ones ``lookahead`` on
-        (``n0``: stages multiplied before this tile). Then the rows go through ``sD``: hi + lo per column into
-        ``sRed[0]`` with the squares."""
+        thread sums the squares of 16 of its token's values (8 threads a token, in a fixed order); once it is done
+        the warpgroup syncs and its first thread refills the group's stages with the ones ``lookahead`` on (``n0``:
+        stages multiplied before this tile). Then the rows go through ``sD``: hi + lo per column into ``sRed[0]``
+        with the squares."""
         wg_tid = cute.arch.thread_idx()[0] - (self.threads + du.WARP)
         mma_threads = du.WARP * self.mma_warps
         op = warpgroup.MmaF16BF16Op(BFloat16, Float32, (WG_ROWS, self.tokens, WG_K), warpgroup.OperandSource.SMEM,
@@ -575,30 +619,10 @@ class OnchipSkeleton:
         # the squares: thread (token t, part) takes octets 2 part, 2 part + 1 of each group's 16
         t, part = wg_tid // 8, wg_tid % 8
         sq = Float32(0.0)
-        rc_rows = self.tokens * STREAMS * self.octets
         for g in cutlass.range(self.k_steps // WG_GROUP, unroll=1):
-            warpgroup.fence()
-            mma_atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom per group: its ACCUMULATE flag changes
-            mma_atom.set(warpgroup.Field.ACCUMULATE, False)
-            for u in cutlass.range_constexpr(WG_GROUP):
-                n = n0 + g * WG_GROUP + u
-                stage = n % self.lookahead
-                cute.arch.mbarrier_wait(wfull.iterator + stage, (n // self.lookahead) % 2)
-                cute.gemm(mma_atom, acc, tCrA[(None, None, 0, stage)], tCrB[(None, None, g * WG_GROUP + u, slot)],
-                          acc)
-                mma_atom.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            for h in cutlass.range_constexpr(2):
-                kb = g * (WG_GROUP * WG_K // VEC) + 2 * part + h  # the octet of K, in the CTA's slice
-                v = sRc[slot * rc_rows + kb * self.tokens + t, None].load().to(Float32)
-                sq = sq + du.sum_squares(v)
-            warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                dots[i] = dots[i] + acc[i]
-            cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # every warp's MMAs read their stages
-            if wg_tid == 0:
-                for u in cutlass.range_constexpr(WG_GROUP):
-                    self.fetch_stage(mFn, sA, wfull, n0 + g * WG_GROUP + u + self.lookahead, rank)
+            self.issue_group(tiled_mma, tCrA, tCrB, acc, wfull, n0 + g * WG_GROUP, g, slot)
+            sq = sq + self.group_squares(sRc, slot, g, t, part)
+            self.retire_group(acc, dots, mFn, sA, wfull, n0 + g * WG_GROUP, rank)
         sq = du.warp_sum(sq, lanes=8)  # the token's 8 parts (adjacent lanes), in a fixed order
         thr_mma.partition_C(sD).store(dots.load())
         cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)

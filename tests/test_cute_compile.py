@@ -210,7 +210,7 @@ def test_onchip_skeleton_projection_compiles(cluster, hidden, threads):
 
 @pytest.mark.parametrize("mma_warps, mma_regs, lookahead, ring", [
     (4, 152, 2, "registers"), (4, 152, 7, "cp.async"), (0, 152, 4, "cp.async"), (4, 136, 7, "bulk"),
-    (8, 88, 3, "bulk"), (4, 152, 2, "synthetic"), (4, 96, 16, "wgmma")])
+    (8, 88, 3, "bulk"), (4, 152, 2, "synthetic"), (4, 96, 24, "wgmma")])
 def test_onchip_skeleton_weight_rings_compile(mma_warps, mma_regs, lookahead, ring):
     """The skeleton's projection variants compile for sm_90a: on MMA warps of their own (one or two warpgroups after
     the loaders and the tail warp, registers moved to the loaders with setmaxnreg) or on the loaders, with the
