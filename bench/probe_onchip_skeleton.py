@@ -67,13 +67,15 @@ SPLITS = ("round", "trunc")  # the weight's TF32 hi + lo: both rounded to neares
 # registers from the lane and block index, with no loads at all
 # "wgmma" (one warpgroup of MMA warps): the projection as warpgroup MMAs from shared memory, the weight's bf16 hi +
 # lo parts as A (48 of 64 rows), the tile's residual_cur as B (its tokens as N, K-major: the post-map stores it in
-# that layout), A brought in by bulk copies of a prepared copy (``wgmma_weight``), 16 K positions per stage
+# that layout), A brought in by bulk copies of a prepared copy (``wgmma_weight``), ``WG_GROUP`` MMAs (128 K
+# positions) per ring stage: one 16 KB copy, one full and one empty mbarrier
 RINGS = ("registers", "cp.async", "bulk", "synthetic", "wgmma")
 BLOCK_FLOATS = MIXES * K_BLOCK  # one block's weights: 24 rows x 32 K positions
 WG_K = 16  # K positions per bf16 warpgroup MMA
 WG_ROWS = 64  # its M: rows 0-23 the weight's hi part, 24-47 its lo part, 48-63 zeros
 WG_GROUP = 8  # MMAs accumulated in the tensor cores before an fp32 add (Hopper's accumulator is not a full fp32 adder)
-WG_STAGE = WG_ROWS * WG_K  # bf16 elements of one stage
+WG_STAGE = WG_ROWS * WG_K  # bf16 elements of one MMA's A tile
+WG_RING_STAGE = WG_GROUP * WG_STAGE  # bf16 elements of one ring stage
 
 
 def post_coef(j: int) -> float:
@@ -101,8 +103,8 @@ class OnchipSkeleton:
                  mma_regs: int = 152, ring: str = "registers", chains: int = 1, unroll: int = 1):
         assert sync in SYNCS and split in SPLITS and ring in RINGS and (mma_warps == 0 or sync == "project")
         assert ring != "bulk" or mma_warps, "the bulk ring feeds MMA warps of their own"
-        assert ring != "wgmma" or (mma_warps == 4 and lookahead % WG_GROUP == 0 and lookahead >= 2 * WG_GROUP), \
-            "wgmma: one warpgroup of MMA warps, a ring of whole groups of stages, two at least"
+        assert ring != "wgmma" or (mma_warps == 4 and lookahead >= 2 and lookahead & (lookahead - 1) == 0), \
+            "wgmma: one warpgroup of MMA warps, a ring of two or more stages, a power of two"
         # the projection's weight loads ("project"): ``lookahead`` blocks in flight per warp, in registers or in
         # shared memory (``ring``; each lane copies and reads back its own 16-byte pieces), with ``carry`` the next
         # tile's first blocks fetched at the end of this tile's projection (the weights are the same every tile)
@@ -132,13 +134,14 @@ class OnchipSkeleton:
             self.proj_warps = mma_warps or self.warps
             assert tokens == 16 and self.octets % 4 == 0 and blocks % self.proj_warps == 0, "one m16 tile, whole blocks"
             self.blocks, self.blocks_per_warp = blocks, blocks // self.proj_warps
-            self.k_steps = STREAMS * self.octets * VEC // WG_K  # wgmma: the CTA's K slice in stages
+            self.k_steps = STREAMS * self.octets * VEC // WG_K  # wgmma: the CTA's K slice in MMAs
             assert ring != "wgmma" or self.k_steps % WG_GROUP == 0
+            self.groups = self.k_steps // WG_GROUP  # wgmma: ring stages per tile
             assert not carry or ring in ("bulk", "wgmma") or self.blocks_per_warp % lookahead == 0, "ring lines up"
             smem = (SLOTS * tokens * STREAMS * self.octets * VEC * 2 + SLOTS * tokens * (ROW + GATES) * 4
                     + self.red_rows() * tokens * ROW * 4
                     + (self.proj_warps * lookahead * MIXES * du.WARP * 4 if ring in ("cp.async", "bulk") else 0)
-                    + (lookahead * WG_STAGE * 2 + WG_ROWS * tokens * 4 if ring == "wgmma" else 0))
+                    + (lookahead * WG_RING_STAGE * 2 + WG_ROWS * tokens * 4 if ring == "wgmma" else 0))
             assert smem <= 227 * 1024, f"{smem} bytes of shared memory"
 
     @cute.jit
@@ -151,7 +154,7 @@ class OnchipSkeleton:
         rc = cute.make_tensor(mRc.iterator, du.row_major(m, STREAMS * self.hidden))
         li = cute.make_tensor(mLi.iterator, du.row_major(m, self.hidden))
         if cutlass.const_expr(self.ring == "wgmma"):  # the A stages (``wgmma_weight``: bf16 pairs as fp32 words)
-            fn = cute.make_tensor(mFn.iterator, du.row_major(self.cluster * self.k_steps, WG_STAGE // 2))
+            fn = cute.make_tensor(mFn.iterator, du.row_major(self.cluster * self.groups, WG_RING_STAGE // 2))
         elif cutlass.const_expr(self.ring == "bulk"):  # the weight block by block (``blocked_weight``)
             fn = cute.make_tensor(mFn.iterator, du.row_major(STREAMS * self.hidden * MIXES // BLOCK_FLOATS,
                                                              BLOCK_FLOATS))
@@ -308,9 +311,10 @@ class OnchipSkeleton:
         # partials[SLOTS], gates[SLOTS], and with MMA warps rc_full[SLOTS] (the tile's residual_cur is in sRc)
         kinds = 3 if self.mma_warps else 2
         mbar = smem.allocate_tensor(cutlass.Int64, du.row_major(kinds * SLOTS), 8)
-        # "bulk": one mbarrier per ring stage of each MMA warp, completed by the stage's bulk copy; "wgmma": one per
-        # stage of the warpgroup's ring
-        rings = {"bulk": self.mma_warps, "wgmma": 1}
+        # "bulk": one mbarrier per ring stage of each MMA warp, completed by the stage's bulk copy; "wgmma": per stage
+        # of the warpgroup's ring a full one (the bulk copy) and then an empty one (each MMA warp, once its MMAs of
+        # the stage are done)
+        rings = {"bulk": self.mma_warps, "wgmma": 2}
         wfull = (smem.allocate_tensor(cutlass.Int64, du.row_major(rings[self.ring] * self.lookahead), 8)
                  if self.ring in rings else mbar)
         # "project": each projecting warp's partial rows of the tile, summed over the warps in order before the push
@@ -324,7 +328,7 @@ class OnchipSkeleton:
             wbuf = smem.allocate_tensor(Float32, du.row_major(self.proj_warps * self.lookahead, BLOCK_FLOATS), 128)
         elif cutlass.const_expr(self.ring == "wgmma"):  # A stages (K_INTER: 8 x 8 core matrices, M first)
             a_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, BFloat16)
-            wbuf = smem.allocate_tensor(BFloat16, cute.tile_to_shape(a_atom, (WG_ROWS, WG_K, self.lookahead),
+            wbuf = smem.allocate_tensor(BFloat16, cute.tile_to_shape(a_atom, (WG_ROWS, WG_GROUP * WG_K, self.lookahead),
                                                                      order=(0, 1, 2)), 1024)
             sD = smem.allocate_tensor(Float32, du.row_major(WG_ROWS, self.tokens), 16)  # the MMAs' rows, summed
         elif cutlass.const_expr(self.ring != "cp.async"):
@@ -346,7 +350,8 @@ class OnchipSkeleton:
                     cute.arch.mbarrier_init(mbar.iterator + 2 * SLOTS + i, self.threads)
             if cutlass.const_expr(self.ring in rings):
                 for i in cutlass.range_constexpr(rings[self.ring] * self.lookahead):
-                    cute.arch.mbarrier_init(wfull.iterator + i, 1)
+                    arrivals = self.mma_warps if self.ring == "wgmma" and i >= self.lookahead else 1
+                    cute.arch.mbarrier_init(wfull.iterator + i, arrivals)
             cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive()  # every CTA's mbarriers are initialised before any push
         cute.arch.cluster_wait()
@@ -401,13 +406,13 @@ class OnchipSkeleton:
                 elif cutlass.const_expr(self.ring == "wgmma"):
                     if tidx == self.threads + du.WARP:
                         for n in cutlass.range_constexpr(self.lookahead):  # the ring's first stages
-                            self.fetch_stage(mFn, wbuf, wfull, n, rank)
+                            self.fetch_group(mFn, wbuf, wfull, n, rank)
                 for it in cutlass.range(count, unroll=1):
                     tile = first + it * self.clusters
                     slot, parity = it % SLOTS, (it // SLOTS) % 2
                     cute.arch.mbarrier_wait(mbar.iterator + 2 * SLOTS + slot, parity)
                     if cutlass.const_expr(self.ring == "wgmma"):
-                        self.project_wgmma(sRc, slot, rank, mFn, sRed, wbuf, wfull, sD, it * self.k_steps)
+                        self.project_wgmma(sRc, slot, rank, mFn, sRed, wbuf, wfull, sD, it * self.groups)
                     else:
                         self.project(sRc, slot * rc_rows, rank, mFn, sRed, wbuf, wfull, it * self.blocks_per_warp)
                     cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sRed complete
@@ -420,7 +425,7 @@ class OnchipSkeleton:
                                                 (n // self.lookahead) % 2)
                 elif cutlass.const_expr(self.ring == "wgmma"):
                     for k in cutlass.range_constexpr(self.lookahead):
-                        n = count * self.k_steps + k
+                        n = count * self.groups + k
                         cute.arch.mbarrier_wait(wfull.iterator + n % self.lookahead, (n // self.lookahead) % 2)
         else:
             # the tail warp: this CTA's tokens' rows from every CTA, summed in rank order; gates to every CTA
@@ -537,32 +542,30 @@ class OnchipSkeleton:
             cute.copy(atom, mFn[rank * self.blocks + b, None], wbuf[stage, None], mbar_ptr=wfull.iterator + stage)
 
     @cute.jit
-    def fetch_stage(self, mFn: cute.Tensor, sA: cute.Tensor, wfull: cute.Tensor, n, rank):
-        """"wgmma", by one thread: A stage ``n % lookahead`` := the weight's stage ``n % k_steps`` of this CTA's K
-        slice (the ``n``-th stage the warpgroup multiplies, counting across tiles), one bulk copy counted by the
-        stage's mbarrier."""
+    def fetch_group(self, mFn: cute.Tensor, sA: cute.Tensor, wfull: cute.Tensor, n, rank):
+        """"wgmma", by one thread: ring stage ``n % lookahead`` := the A tiles of the weight's group ``n % groups``
+        of this CTA's K slice (the ``n``-th group the warpgroup multiplies, counting across tiles), one 16 KB bulk
+        copy counted by the stage's full mbarrier."""
         stage = n % self.lookahead
-        cute.arch.mbarrier_arrive_and_expect_tx(wfull.iterator + stage, WG_STAGE * 2)
-        dst = cute.make_tensor(cute.recast_ptr(sA.iterator + stage * WG_STAGE, dtype=Float32),
-                               du.row_major(WG_STAGE // 2))
+        cute.arch.mbarrier_arrive_and_expect_tx(wfull.iterator + stage, WG_RING_STAGE * 2)
+        dst = cute.make_tensor(cute.recast_ptr(sA.iterator + stage * WG_RING_STAGE, dtype=Float32),
+                               du.row_major(WG_RING_STAGE // 2))
         atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
-        cute.copy(atom, mFn[rank * self.k_steps + n % self.k_steps, None], dst, mbar_ptr=wfull.iterator + stage)
+        cute.copy(atom, mFn[rank * self.groups + n % self.groups, None], dst, mbar_ptr=wfull.iterator + stage)
 
     @cute.jit
     def issue_group(self, tiled_mma, tCrA: cute.Tensor, tCrB: cute.Tensor, acc: cute.Tensor, wfull: cute.Tensor,
                     n, g, slot):
-        """"wgmma": the ``WG_GROUP`` MMAs of group ``g`` (the warpgroup's stages ``n``, ``n + 1``, ... once each has
-        landed) into ``acc``, the first one overwriting it; one commit group."""
-        # every stage first: a wait (a loop) between the MMAs of one commit group makes ptxas serialise them (a
-        # wait for each MMA's completion after it)
-        for u in cutlass.range_constexpr(WG_GROUP):
-            cute.arch.mbarrier_wait(wfull.iterator + (n + u) % self.lookahead, ((n + u) // self.lookahead) % 2)
+        """"wgmma": once ring stage ``n % lookahead`` has landed, the ``WG_GROUP`` MMAs of the tile's group ``g``
+        into ``acc``, the first one overwriting it; one commit group (no wait between its MMAs: ptxas serialises
+        the MMAs of a commit group that has one)."""
+        stage = n % self.lookahead
+        cute.arch.mbarrier_wait(wfull.iterator + stage, (n // self.lookahead) % 2)
         warpgroup.fence()
         mma_atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom per group: its ACCUMULATE flag changes
         mma_atom.set(warpgroup.Field.ACCUMULATE, False)
         for u in cutlass.range_constexpr(WG_GROUP):
-            cute.gemm(mma_atom, acc, tCrA[(None, None, 0, (n + u) % self.lookahead)],
-                      tCrB[(None, None, g * WG_GROUP + u, slot)], acc)
+            cute.gemm(mma_atom, acc, tCrA[(None, None, u, stage)], tCrB[(None, None, g * WG_GROUP + u, slot)], acc)
             mma_atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
@@ -580,28 +583,31 @@ class OnchipSkeleton:
     @cute.jit
     def retire_group(self, acc: cute.Tensor, dots: cute.Tensor, mFn: cute.Tensor, sA: cute.Tensor,
                      wfull: cute.Tensor, n, rank):
-        """"wgmma": once the group whose stages start at ``n`` is done, ``acc`` is added into ``dots`` and, after
-        every warp of the warpgroup is past it, its first thread refills those stages with the ones ``lookahead``
-        on. (Waiting with one group still pending, to keep the tensor cores busy across groups, made ptxas
-        serialise every MMA: it does not see which accumulator the pending group writes.)"""
+        """"wgmma": once the group of ring stage ``n % lookahead`` is done, ``acc`` is added into ``dots`` and each
+        MMA warp releases the stage (its empty mbarrier); the warpgroup's first thread refills it with the group
+        ``lookahead`` on once every warp has. (Waiting with a group still pending, to keep the tensor cores busy
+        across groups, made ptxas serialise every MMA: it does not see which accumulator the pending group
+        writes.)"""
         warpgroup.wait_group(0)
         for i in cutlass.range_constexpr(cute.size(acc)):
             dots[i] = dots[i] + acc[i]
-        cute.arch.barrier(barrier_id=2, number_of_threads=du.WARP * self.mma_warps)
+        stage = n % self.lookahead
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_arrive(wfull.iterator + self.lookahead + stage)
         if cute.arch.thread_idx()[0] == self.threads + du.WARP:
-            for u in cutlass.range_constexpr(WG_GROUP):
-                self.fetch_stage(mFn, sA, wfull, n + u + self.lookahead, rank)
+            cute.arch.mbarrier_wait(wfull.iterator + self.lookahead + stage, (n // self.lookahead) % 2)
+            self.fetch_group(mFn, sA, wfull, n + self.lookahead, rank)
 
     @cute.jit
     def project_wgmma(self, sRc: cute.Tensor, slot, rank, mFn: cute.Tensor, sRed: cute.Tensor, sA: cute.Tensor,
                       wfull: cute.Tensor, sD: cute.Tensor, n0):
-        """The tile's partial rows by the MMA warpgroup: per 16 K positions one bf16 warpgroup MMA, A = stage of
-        the weight's hi (rows 0-23) and lo (24-47) parts, B = the tile's residual_cur (its 16 tokens as N) read in
-        place; ``WG_GROUP`` MMAs into the tensor cores' accumulator, then an fp32 add. While a group runs, each
-        thread sums the squares of 16 of its token's values (8 threads a token, in a fixed order); once it is done
-        the warpgroup syncs and its first thread refills the group's stages with the ones ``lookahead`` on (``n0``:
-        stages multiplied before this tile). Then the rows go through ``sD``: hi + lo per column into ``sRed[0]``
-        with the squares."""
+        """The tile's partial rows by the MMA warpgroup: per 16 K positions one bf16 warpgroup MMA, A = the
+        weight's hi (rows 0-23) and lo (24-47) parts from the ring, B = the tile's residual_cur (its 16 tokens as N)
+        read in place; per ring stage (``WG_GROUP`` MMAs, 128 K positions) one commit group into the tensor cores'
+        accumulator, then an fp32 add. While a group runs, each thread sums the squares of 16 of its token's values
+        (8 threads a token, in a fixed order); once it is done the stage is released and refilled (``retire_group``;
+        ``n0``: ring stages multiplied before this tile). Then the rows go through ``sD``: hi + lo per column into
+        ``sRed[0]`` with the squares."""
         wg_tid = cute.arch.thread_idx()[0] - (self.threads + du.WARP)
         mma_threads = du.WARP * self.mma_warps
         op = warpgroup.MmaF16BF16Op(BFloat16, Float32, (WG_ROWS, self.tokens, WG_K), warpgroup.OperandSource.SMEM,
@@ -619,10 +625,10 @@ class OnchipSkeleton:
         # the squares: thread (token t, part) takes octets 2 part, 2 part + 1 of each group's 16
         t, part = wg_tid // 8, wg_tid % 8
         sq = Float32(0.0)
-        for g in cutlass.range(self.k_steps // WG_GROUP, unroll=1):
-            self.issue_group(tiled_mma, tCrA, tCrB, acc, wfull, n0 + g * WG_GROUP, g, slot)
+        for g in cutlass.range(self.groups, unroll=1):
+            self.issue_group(tiled_mma, tCrA, tCrB, acc, wfull, n0 + g, g, slot)
             sq = sq + self.group_squares(sRc, slot, g, t, part)
-            self.retire_group(acc, dots, mFn, sA, wfull, n0 + g * WG_GROUP, rank)
+            self.retire_group(acc, dots, mFn, sA, wfull, n0 + g, rank)
         sq = du.warp_sum(sq, lanes=8)  # the token's 8 parts (adjacent lanes), in a fixed order
         thr_mma.partition_C(sD).store(dots.load())
         cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)
@@ -846,10 +852,11 @@ def blocked_weight(fn, cluster: int):
 
 
 def wgmma_weight(fn, cluster: int):
-    """``fn [24, 4 H]`` as the "wgmma" ring's A stages, returned as fp32 words holding bf16 pairs: per CTA rank r and
-    stage s (16 K positions of the rank's slice, streams one after another), a 64 x 16 bf16 tile in the K_INTER
-    layout (8 x 8 core matrices of 8 rows x 16 bytes, M first): rows 0-23 the weight rounded to bf16 (hi), 24-47 the
-    rest rounded to bf16 (lo: hi + lo carries 16 bits of the fp32 mantissa), 48-63 zero."""
+    """``fn [24, 4 H]`` as the "wgmma" ring's A tiles, returned as fp32 words holding bf16 pairs: per CTA rank r and
+    MMA s (16 K positions of the rank's slice, streams one after another; ``WG_GROUP`` of them make a ring stage, one
+    after another), a 64 x 16 bf16 tile in the K_INTER layout (8 x 8 core matrices of 8 rows x 16 bytes, M first):
+    rows 0-23 the weight rounded to bf16 (hi), 24-47 the rest rounded to bf16 (lo: hi + lo carries 16 bits of the
+    fp32 mantissa), 48-63 zero."""
     h = fn.shape[1] // STREAMS
     k_slice = STREAMS * h // cluster
     hi = fn.to(torch.bfloat16)

@@ -210,7 +210,7 @@ def test_onchip_skeleton_projection_compiles(cluster, hidden, threads):
 
 @pytest.mark.parametrize("mma_warps, mma_regs, lookahead, ring", [
     (4, 152, 2, "registers"), (4, 152, 7, "cp.async"), (0, 152, 4, "cp.async"), (4, 136, 7, "bulk"),
-    (8, 88, 3, "bulk"), (4, 152, 2, "synthetic"), (4, 96, 24, "wgmma")])
+    (8, 88, 3, "bulk"), (4, 152, 2, "synthetic"), (4, 96, 4, "wgmma")])
 def test_onchip_skeleton_weight_rings_compile(mma_warps, mma_regs, lookahead, ring):
     """The skeleton's projection variants compile for sm_90a: on MMA warps of their own (one or two warpgroups after
     the loaders and the tail warp, registers moved to the loaders with setmaxnreg) or on the loaders, with the
@@ -307,3 +307,26 @@ def test_onchip_skeleton_wgmma_weight():
         want = hi[m, gk] if m < 24 else lo[m - 24, gk] if m < 48 else torch.tensor(0.0, dtype=torch.bfloat16)
         got = staged[r, st, ((m // 8) + 8 * (kk // 8)) * 64 + (m % 8) * 8 + kk % 8]
         assert torch.equal(got, want), (r, st, m, kk)
+
+
+_COMPILE_SKELETON_WGMMA = (
+    "import os, sys; sys.path.insert(0, os.path.join(sys.argv[1], 'bench')); import probe_onchip_skeleton as p; "
+    "p.compiled(16, 16, 7168, 7, 'project', 224, 4, True, 'trunc', 4, 96, 'wgmma')")
+
+
+@pytest.mark.slow
+def test_onchip_skeleton_wgmma_sass(tmp_path, cuobjdump, dump_env):
+    """The skeleton's "wgmma" projection compiles to bf16 HGMMA issued eight back to back per commit group (no
+    WARPGROUP.DEPBAR between them: ptxas serialises the MMAs of a group when it cannot prove an accumulator safe,
+    which cost the probe's first version 5x) and spills nothing."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", _COMPILE_SKELETON_WGMMA, root], env=dump_env(tmp_path, "cubin"), check=True,
+                   timeout=1800, capture_output=True)
+    (cubin,) = tmp_path.glob("*.cubin")
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops = [op for op in re.findall(r"(HGMMA\.\S+|WARPGROUP\.DEPBAR)", sass)]
+    first = ops.index(next(op for op in ops if op.startswith("HGMMA")))
+    assert ops[first:first + 8] == ["HGMMA.64x16x16.F32.BF16"] * 8, ops[:16]
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
+    spills = re.findall(r"STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+    assert spills and all(sp == ("0", "0") for sp in spills), usage
