@@ -65,17 +65,18 @@ SPLITS = ("round", "trunc")  # the weight's TF32 hi + lo: both rounded to neares
 # copy (cp.async.bulk, counted by the stage's mbarrier) from a copy of the weight laid out block by block, in the
 # order the lanes read it; "synthetic" (timing only, its outputs are not the op's) makes the weights up in
 # registers from the lane and block index, with no loads at all
-# "wgmma" (one warpgroup of MMA warps): the projection as warpgroup MMAs from shared memory, the weight's bf16 hi +
-# lo parts as A (48 of 64 rows), the tile's residual_cur as B (its tokens as N, K-major: the post-map stores it in
-# that layout), A brought in by bulk copies of a prepared copy (``wgmma_weight``), ``WG_GROUP`` MMAs (128 K
-# positions) per ring stage: one 16 KB copy, one full and one empty mbarrier
+# "wgmma" (one warpgroup of MMA warps): the projection as warpgroup MMAs from shared memory, the weight's bf16 terms
+# as A, the tile's residual_cur as B (its tokens as N, K-major: the post-map stores it in that layout), A brought in
+# by bulk copies of a prepared copy (``wgmma_weight``), ``WG_GROUP`` MMAs (128 K positions) per ring stage: one
+# copy, one full and one empty mbarrier. ``terms`` 2: hi + lo (16 of fp32's 24 mantissa bits), rows 0-47 of one
+# m64 MMA; 3: hi + mid + lo (all 24), 72 rows: a second m64 MMA per step for the last 8 lo rows
 RINGS = ("registers", "cp.async", "bulk", "synthetic", "wgmma")
 BLOCK_FLOATS = MIXES * K_BLOCK  # one block's weights: 24 rows x 32 K positions
 WG_K = 16  # K positions per bf16 warpgroup MMA
 WG_ROWS = 64  # its M: rows 0-23 the weight's hi part, 24-47 its lo part, 48-63 zeros
 WG_GROUP = 8  # MMAs accumulated in the tensor cores before an fp32 add (Hopper's accumulator is not a full fp32 adder)
-WG_STAGE = WG_ROWS * WG_K  # bf16 elements of one MMA's A tile
-WG_RING_STAGE = WG_GROUP * WG_STAGE  # bf16 elements of one ring stage
+WG_SET = WG_ROWS * WG_GROUP * WG_K  # bf16 elements of a group's A tiles for one m64 MMA per step (64 x 128)
+WG_ROW_GROUP = 8 * WG_GROUP * WG_K  # of their 8-row slab (the group layout is K first: a slab is contiguous)
 
 
 def post_coef(j: int) -> float:
@@ -100,7 +101,7 @@ def device_partial(m, c, rank) -> Float32:
 class OnchipSkeleton:
     def __init__(self, cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224,
                  lookahead: int = 1, carry: bool = False, split: str = "round", mma_warps: int = 0,
-                 mma_regs: int = 152, ring: str = "registers", chains: int = 1, unroll: int = 1):
+                 mma_regs: int = 152, ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2):
         assert sync in SYNCS and split in SPLITS and ring in RINGS and (mma_warps == 0 or sync == "project")
         assert ring != "bulk" or mma_warps, "the bulk ring feeds MMA warps of their own"
         assert ring != "wgmma" or (mma_warps == 4 and lookahead >= 2 and lookahead & (lookahead - 1) == 0), \
@@ -111,6 +112,8 @@ class OnchipSkeleton:
         self.lookahead, self.carry, self.split, self.ring = lookahead, carry, split, ring
         self.chains = chains  # independent MMA accumulators per column tile (1, 2 or 4)
         self.unroll = unroll  # "bulk": blocks per iteration of the projection's loop
+        self.terms = terms  # "wgmma": bf16 terms of the weight (2: hi + lo, 3: hi + mid + lo)
+        assert terms in (2, 3)
         assert chains in (1, 2, 4)
         # "project": 0, the loading warps project; else warps of their own do, after the tail warp, in warpgroups
         # of their own with fewer registers (``setmaxnreg``: the loading warps need more than an even share)
@@ -141,7 +144,8 @@ class OnchipSkeleton:
             smem = (SLOTS * tokens * STREAMS * self.octets * VEC * 2 + SLOTS * tokens * (ROW + GATES) * 4
                     + self.red_rows() * tokens * ROW * 4
                     + (self.proj_warps * lookahead * MIXES * du.WARP * 4 if ring in ("cp.async", "bulk") else 0)
-                    + (lookahead * WG_RING_STAGE * 2 + WG_ROWS * tokens * 4 if ring == "wgmma" else 0))
+                    + (lookahead * self.stage_elems() * 2 + self.mmas() * WG_ROWS * tokens * 4
+                       if ring == "wgmma" else 0))
             assert smem <= 227 * 1024, f"{smem} bytes of shared memory"
 
     @cute.jit
@@ -154,7 +158,7 @@ class OnchipSkeleton:
         rc = cute.make_tensor(mRc.iterator, du.row_major(m, STREAMS * self.hidden))
         li = cute.make_tensor(mLi.iterator, du.row_major(m, self.hidden))
         if cutlass.const_expr(self.ring == "wgmma"):  # the A stages (``wgmma_weight``: bf16 pairs as fp32 words)
-            fn = cute.make_tensor(mFn.iterator, du.row_major(self.cluster * self.groups, WG_RING_STAGE // 2))
+            fn = cute.make_tensor(mFn.iterator, du.row_major(self.cluster * self.groups, self.copy_elems() // 2))
         elif cutlass.const_expr(self.ring == "bulk"):  # the weight block by block (``blocked_weight``)
             fn = cute.make_tensor(mFn.iterator, du.row_major(STREAMS * self.hidden * MIXES // BLOCK_FLOATS,
                                                              BLOCK_FLOATS))
@@ -165,6 +169,20 @@ class OnchipSkeleton:
         bound = {"min_blocks_per_mp": 1} if self.mma_warps else {}
         self.kernel(x, res, rc, li, fn).launch(grid=[self.clusters * self.cluster, 1, 1], block=[block, 1, 1],
                                                cluster=[self.cluster, 1, 1], stream=stream, **bound)
+
+    def mmas(self) -> int:
+        """"wgmma": m64 MMAs per 16 K positions (the 72 rows of three terms take two)."""
+        return 2 if self.terms == 3 else 1
+
+    def stage_elems(self) -> int:
+        """"wgmma": bf16 elements of a ring stage: the group's A tiles (K first, 8-row slabs of ``WG_ROW_GROUP``),
+        with three terms the second MMA's slab of the last 8 lo rows first, its other rows reading into the first
+        MMA's tiles (rows whose products nobody reads)."""
+        return WG_SET + (WG_ROW_GROUP if self.terms == 3 else 0)
+
+    def copy_elems(self) -> int:
+        """"wgmma": bf16 elements a stage's bulk copy brings (two terms: rows 0-47, the zero rows stay out)."""
+        return 6 * WG_ROW_GROUP if self.terms == 2 else self.stage_elems()
 
     def red_rows(self) -> int:
         """Partial rows per token that the push sums: one per projecting warp, or one with "wgmma" (its epilogue
@@ -326,11 +344,10 @@ class OnchipSkeleton:
         projecting = mma_warp if self.mma_warps else loader
         if cutlass.const_expr(self.ring == "bulk"):  # the projection's weight ring
             wbuf = smem.allocate_tensor(Float32, du.row_major(self.proj_warps * self.lookahead, BLOCK_FLOATS), 128)
-        elif cutlass.const_expr(self.ring == "wgmma"):  # A stages (K_INTER: 8 x 8 core matrices, M first)
-            a_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, BFloat16)
-            wbuf = smem.allocate_tensor(BFloat16, cute.tile_to_shape(a_atom, (WG_ROWS, WG_GROUP * WG_K, self.lookahead),
-                                                                     order=(0, 1, 2)), 1024)
-            sD = smem.allocate_tensor(Float32, du.row_major(WG_ROWS, self.tokens), 16)  # the MMAs' rows, summed
+        elif cutlass.const_expr(self.ring == "wgmma"):  # the ring's stages (``a_layout`` reads them)
+            wbuf = smem.allocate_tensor(BFloat16, du.row_major(self.lookahead * self.stage_elems()), 1024)
+            # the MMAs' rows (the second MMA's after the first's), summed per column
+            sD = smem.allocate_tensor(Float32, du.row_major(self.mmas() * WG_ROWS, self.tokens), 16)
         elif cutlass.const_expr(self.ring != "cp.async"):
             wbuf = cute.make_rmem_tensor((self.lookahead, MIXES // MMA_N, VEC), Float32)
         else:
@@ -541,31 +558,40 @@ class OnchipSkeleton:
             atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
             cute.copy(atom, mFn[rank * self.blocks + b, None], wbuf[stage, None], mbar_ptr=wfull.iterator + stage)
 
+    def a_layout(self):
+        """"wgmma": the A tiles of the ring, per stage (64 rows x 128 K positions, ``stage_elems`` apart): 8 x 8
+        core matrices (8 rows x 16 bytes), K first, so that an 8-row slab of a group is contiguous (``WG_ROW_GROUP``
+        elements); step u's tile starts 128 elements on."""
+        inner = cute.make_layout(((8, WG_ROWS // 8), (8, WG_GROUP * WG_K // 8), self.lookahead),
+                                 stride=((8, WG_ROW_GROUP), (1, 64), self.stage_elems()))
+        return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, inner)
+
     @cute.jit
     def fetch_group(self, mFn: cute.Tensor, sA: cute.Tensor, wfull: cute.Tensor, n, rank):
         """"wgmma", by one thread: ring stage ``n % lookahead`` := the A tiles of the weight's group ``n % groups``
-        of this CTA's K slice (the ``n``-th group the warpgroup multiplies, counting across tiles), one 16 KB bulk
-        copy counted by the stage's full mbarrier."""
+        of this CTA's K slice (the ``n``-th group the warpgroup multiplies, counting across tiles), one bulk copy
+        counted by the stage's full mbarrier."""
         stage = n % self.lookahead
-        cute.arch.mbarrier_arrive_and_expect_tx(wfull.iterator + stage, WG_RING_STAGE * 2)
-        dst = cute.make_tensor(cute.recast_ptr(sA.iterator + stage * WG_RING_STAGE, dtype=Float32),
-                               du.row_major(WG_RING_STAGE // 2))
+        cute.arch.mbarrier_arrive_and_expect_tx(wfull.iterator + stage, self.copy_elems() * 2)
+        dst = cute.make_tensor(cute.recast_ptr(sA.iterator + stage * self.stage_elems(), dtype=Float32),
+                               du.row_major(self.copy_elems() // 2))
         atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         cute.copy(atom, mFn[rank * self.groups + n % self.groups, None], dst, mbar_ptr=wfull.iterator + stage)
 
     @cute.jit
-    def issue_group(self, tiled_mma, tCrA: cute.Tensor, tCrB: cute.Tensor, acc: cute.Tensor, wfull: cute.Tensor,
-                    n, g, slot):
+    def issue_group(self, tiled_mma, tCrA: list, tCrB: cute.Tensor, acc: list, wfull: cute.Tensor, n, g, slot):
         """"wgmma": once ring stage ``n % lookahead`` has landed, the ``WG_GROUP`` MMAs of the tile's group ``g``
-        into ``acc``, the first one overwriting it; one commit group (no wait between its MMAs: ptxas serialises
-        the MMAs of a commit group that has one)."""
+        into ``acc`` (per m64 MMA of a step, A tiles ``tCrA``), the first one overwriting it; one commit group (no
+        wait between its MMAs: ptxas serialises the MMAs of a commit group that has one)."""
         stage = n % self.lookahead
         cute.arch.mbarrier_wait(wfull.iterator + stage, (n // self.lookahead) % 2)
         warpgroup.fence()
         mma_atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom per group: its ACCUMULATE flag changes
         mma_atom.set(warpgroup.Field.ACCUMULATE, False)
         for u in cutlass.range_constexpr(WG_GROUP):
-            cute.gemm(mma_atom, acc, tCrA[(None, None, u, stage)], tCrB[(None, None, g * WG_GROUP + u, slot)], acc)
+            for i in cutlass.range_constexpr(self.mmas()):
+                cute.gemm(mma_atom, acc[i], tCrA[i][(None, None, u, stage)], tCrB[(None, None, g * WG_GROUP + u, slot)],
+                          acc[i])
             mma_atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
@@ -581,16 +607,17 @@ class OnchipSkeleton:
         return total
 
     @cute.jit
-    def retire_group(self, acc: cute.Tensor, dots: cute.Tensor, mFn: cute.Tensor, sA: cute.Tensor,
-                     wfull: cute.Tensor, n, rank):
-        """"wgmma": once the group of ring stage ``n % lookahead`` is done, ``acc`` is added into ``dots`` and each
+    def retire_group(self, acc: list, dots: list, mFn: cute.Tensor, sA: cute.Tensor, wfull: cute.Tensor, n, rank):
+        """"wgmma": once the group of ring stage ``n % lookahead`` is done, ``acc`` is added into ``dots`` (per
+        m64 MMA of a step) and each
         MMA warp releases the stage (its empty mbarrier); the warpgroup's first thread refills it with the group
         ``lookahead`` on once every warp has. (Waiting with a group still pending, to keep the tensor cores busy
         across groups, made ptxas serialise every MMA: it does not see which accumulator the pending group
         writes.)"""
         warpgroup.wait_group(0)
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            dots[i] = dots[i] + acc[i]
+        for i in cutlass.range_constexpr(self.mmas()):
+            for e in cutlass.range_constexpr(cute.size(acc[i])):
+                dots[i][e] = dots[i][e] + acc[i][e]
         stage = n % self.lookahead
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive(wfull.iterator + self.lookahead + stage)
@@ -601,13 +628,13 @@ class OnchipSkeleton:
     @cute.jit
     def project_wgmma(self, sRc: cute.Tensor, slot, rank, mFn: cute.Tensor, sRed: cute.Tensor, sA: cute.Tensor,
                       wfull: cute.Tensor, sD: cute.Tensor, n0):
-        """The tile's partial rows by the MMA warpgroup: per 16 K positions one bf16 warpgroup MMA, A = the
-        weight's hi (rows 0-23) and lo (24-47) parts from the ring, B = the tile's residual_cur (its 16 tokens as N)
-        read in place; per ring stage (``WG_GROUP`` MMAs, 128 K positions) one commit group into the tensor cores'
-        accumulator, then an fp32 add. While a group runs, each thread sums the squares of 16 of its token's values
-        (8 threads a token, in a fixed order); once it is done the stage is released and refilled (``retire_group``;
-        ``n0``: ring stages multiplied before this tile). Then the rows go through ``sD``: hi + lo per column into
-        ``sRed[0]`` with the squares."""
+        """The tile's partial rows by the MMA warpgroup: per 16 K positions one (two with three terms) bf16
+        warpgroup MMA, A = the weight's bf16 terms from the ring (``a_layout``), B = the tile's residual_cur (its 16
+        tokens as N) read in place; per ring stage (``WG_GROUP`` steps, 128 K positions) one commit group into the
+        tensor cores' accumulators, then an fp32 add. While a group runs, each thread sums the squares of 16 of its
+        token's values (8 threads a token, in a fixed order); once it is done the stage is released and refilled
+        (``retire_group``; ``n0``: ring stages multiplied before this tile). Then the rows go through ``sD`` and
+        are summed per column in a fixed order, hi + lo or (hi + mid) + lo, into ``sRed[0]`` with the squares."""
         wg_tid = cute.arch.thread_idx()[0] - (self.threads + du.WARP)
         mma_threads = du.WARP * self.mma_warps
         op = warpgroup.MmaF16BF16Op(BFloat16, Float32, (WG_ROWS, self.tokens, WG_K), warpgroup.OperandSource.SMEM,
@@ -617,11 +644,17 @@ class OnchipSkeleton:
         b_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, BFloat16)
         k_slice = self.k_steps * WG_K
         sB = cute.make_tensor(sRc.iterator, cute.tile_to_shape(b_atom, (self.tokens, k_slice, SLOTS), order=(0, 1, 2)))
-        tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((WG_ROWS, self.tokens)), Float32)
-        dots = cute.make_rmem_tensor(thr_mma.partition_shape_C((WG_ROWS, self.tokens)), Float32)
-        dots.fill(0.0)
+        # the first MMA's tiles after the second's slab (three terms), or at the stage's start
+        first = WG_ROW_GROUP if self.terms == 3 else 0
+        tCrA = [thr_mma.make_fragment_A(thr_mma.partition_A(cute.make_tensor(sA.iterator + off, self.a_layout())))
+                for off in (first, 0)[:self.mmas()]]
+        acc = [cute.make_rmem_tensor(thr_mma.partition_shape_C((WG_ROWS, self.tokens)), Float32)
+               for _ in range(self.mmas())]
+        dots = [cute.make_rmem_tensor(thr_mma.partition_shape_C((WG_ROWS, self.tokens)), Float32)
+                for _ in range(self.mmas())]
+        for d in dots:
+            d.fill(0.0)
         # the squares: thread (token t, part) takes octets 2 part, 2 part + 1 of each group's 16
         t, part = wg_tid // 8, wg_tid % 8
         sq = Float32(0.0)
@@ -630,14 +663,19 @@ class OnchipSkeleton:
             sq = sq + self.group_squares(sRc, slot, g, t, part)
             self.retire_group(acc, dots, mFn, sA, wfull, n0 + g, rank)
         sq = du.warp_sum(sq, lanes=8)  # the token's 8 parts (adjacent lanes), in a fixed order
-        thr_mma.partition_C(sD).store(dots.load())
+        for i in cutlass.range_constexpr(self.mmas()):
+            rows = cute.make_tensor(sD.iterator + i * WG_ROWS * self.tokens, du.row_major(WG_ROWS, self.tokens))
+            thr_mma.partition_C(rows).store(dots[i].load())
         cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)
         for e in cutlass.range_constexpr(0, self.tokens * ROW, mma_threads):
             i = e + wg_tid
             if i < self.tokens * ROW:
                 tt, c = i // ROW, i % ROW
                 if c < MIXES:
-                    sRed[0, tt, c] = sD[c, tt] + sD[MIXES + c, tt]
+                    total = sD[c, tt] + sD[MIXES + c, tt]
+                    if cutlass.const_expr(self.terms == 3):  # lo of column c: row 48 + c (the second MMA's from 64)
+                        total = total + sD[2 * MIXES + c, tt]
+                    sRed[0, tt, c] = total
                 elif c > MIXES:
                     sRed[0, tt, c] = Float32(0.0)
         if part == 0:
@@ -834,9 +872,9 @@ class OnchipSkeleton:
 
 def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224, lookahead: int = 1,
              carry: bool = False, split: str = "round", mma_warps: int = 0, mma_regs: int = 152,
-             ring: str = "registers", chains: int = 1, unroll: int = 1):
+             ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2):
     skeleton = OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads, lookahead, carry, split, mma_warps,
-                              mma_regs, ring, chains, unroll)
+                              mma_regs, ring, chains, unroll, terms)
     return compile_kernel(skeleton, fake_buffer(BFloat16),
                           fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(Float32))
 
@@ -851,26 +889,40 @@ def blocked_weight(fn, cluster: int):
     return parts.permute(3, 2, 4, 0, 6, 1, 5, 7).contiguous().view(-1)
 
 
-def wgmma_weight(fn, cluster: int):
-    """``fn [24, 4 H]`` as the "wgmma" ring's A tiles, returned as fp32 words holding bf16 pairs: per CTA rank r and
-    MMA s (16 K positions of the rank's slice, streams one after another; ``WG_GROUP`` of them make a ring stage, one
-    after another), a 64 x 16 bf16 tile in the K_INTER layout (8 x 8 core matrices of 8 rows x 16 bytes, M first):
-    rows 0-23 the weight rounded to bf16 (hi), 24-47 the rest rounded to bf16 (lo: hi + lo carries 16 bits of the
-    fp32 mantissa), 48-63 zero."""
+def wgmma_weight(fn, cluster: int, terms: int = 2):
+    """``fn [24, 4 H]`` as the "wgmma" ring's stages (what each bulk copy brings), returned as fp32 words holding bf16
+    pairs: per CTA rank r and group G (128 K positions of the rank's slice, streams one after another), 64 rows x 128
+    K positions per m64 MMA in ``OnchipSkeleton.a_layout``'s order (8-row slabs of 8 x 8 core matrices, K first:
+    element (m, k) at (m // 8) 1024 + (k // 8) 64 + (m % 8) 8 + k % 8). Two terms: rows 0-23 the weight rounded to
+    bf16 (hi), 24-47 the rest rounded to bf16 (lo: hi + lo carries 16 of fp32's 24 mantissa bits); the slabs of rows
+    48-63 are not copied. Three terms: the second MMA's first slab (lo of columns 16-23), then the first MMA's 64 rows:
+    hi, mid (the rest after hi), lo of columns 0-15 (hi + mid + lo carries all 24 bits)."""
     h = fn.shape[1] // STREAMS
     k_slice = STREAMS * h // cluster
     hi = fn.to(torch.bfloat16)
-    lo = (fn - hi.float()).to(torch.bfloat16)
-    rows = torch.cat([hi, lo, torch.zeros(WG_ROWS - 2 * MIXES, fn.shape[1], dtype=torch.bfloat16)])
-    # the rank's slice in stage order: K position k of rank r is stream k // (H / S), offset r H / S + k % (H / S)
+    rest = fn - hi.float()
+    mid = rest.to(torch.bfloat16)
+    if terms == 2:
+        rows = torch.cat([hi, mid, torch.zeros(WG_ROWS - 2 * MIXES, fn.shape[1], dtype=torch.bfloat16)])
+    else:
+        lo = (rest - mid.float()).to(torch.bfloat16)
+        # the second MMA's 8 lo rows as the last slab of a set of their own, so that they precede the first's
+        second = torch.cat([torch.zeros(WG_ROWS - 8, fn.shape[1], dtype=torch.bfloat16), lo[16:]])
+        rows = torch.cat([second, hi, mid, lo[:16]])
+    sets = rows.shape[0] // WG_ROWS
+    # the rank's slice in order: K position k of rank r is stream k // (H / S), offset r H / S + k % (H / S)
     per = h // cluster
     k = torch.arange(k_slice)
     cols = (k // per)[None, :] * h + torch.arange(cluster)[:, None] * per + (k % per)[None, :]  # [S, k_slice]
-    tiles = rows[:, cols].reshape(WG_ROWS, cluster, k_slice // WG_K, WG_K)  # m, r, s, kk
-    # offset of (m, kk) in a stage: ((m // 8) + 8 (kk // 8)) * 64 + (m % 8) * 8 + kk % 8
-    tiles = tiles.reshape(WG_ROWS // 8, 8, cluster, k_slice // WG_K, WG_K // 8, 8)  # mg mi r s kg ki
-    staged = tiles.permute(2, 3, 4, 0, 1, 5).contiguous()  # r s kg mg mi ki
-    return staged.view(-1).view(torch.float32)
+    groups = k_slice // (WG_GROUP * WG_K)
+    # set, mg, mi, r, G, kg, ki: row 8 mg + mi of an MMA's rows, K position 128 G + 8 kg + ki of rank r
+    tiles = rows[:, cols].reshape(sets, WG_ROWS // 8, 8, cluster, groups, WG_GROUP * WG_K // 8, 8)
+    staged = tiles.permute(3, 4, 0, 1, 5, 2, 6).reshape(cluster, groups, sets * WG_SET)  # r G set mg kg mi ki
+    if terms == 2:
+        staged = staged[:, :, :6 * WG_ROW_GROUP]  # rows 0-47
+    else:
+        staged = staged[:, :, WG_SET - WG_ROW_GROUP:]  # the second MMA's slab, then the first MMA's rows
+    return staged.contiguous().view(-1).view(torch.float32)
 
 
 def reference(x, res, rows, cluster: int, sync: str, fn=None):
@@ -911,6 +963,8 @@ def main() -> int:
                     "blocks in flight wait")
     ap.add_argument("--chains", type=int, nargs="+", default=[1], help='"project": MMA accumulators per column tile')
     ap.add_argument("--unroll", type=int, default=1, help='"project" with the bulk ring: blocks per loop iteration')
+    ap.add_argument("--terms", type=int, default=2, choices=(2, 3), help='"project" with the wgmma ring: bf16 terms '
+                    "of the weight (3: fp32's 24 mantissa bits)")
     ap.add_argument("--mma-regs", type=int, nargs="+", default=[152], help="registers per MMA-warp thread (setmaxnreg; "
                     "the loading warps and the tail warp share the rest)")
     ap.add_argument("--reps", type=int, default=20)
@@ -930,7 +984,8 @@ def main() -> int:
             xd, resd = x.to(dev), res.to(dev)
             fn = torch.randn(MIXES, STREAMS * h, generator=g) / (STREAMS * h) ** 0.5
             fnd = fn.to(dev)
-            prepared = {"bulk": blocked_weight(fn, cluster).to(dev), "wgmma": wgmma_weight(fn, cluster).to(dev)}
+            prepared = {"bulk": blocked_weight(fn, cluster).to(dev),
+                        "wgmma": wgmma_weight(fn, cluster, args.terms).to(dev)}
             variants = [(sync, 1, False, "round", 0, 0, "registers", 1) for sync in args.sync if sync != "project"]
             if "project" in args.sync:
                 variants += [("project", la, bool(c), sp, w, r, ring, ch) for ring in args.ring
@@ -940,10 +995,11 @@ def main() -> int:
                 name = sync if sync != "project" else (f"project ({ring} lookahead {lookahead}, carry {int(carry)}, "
                                                        f"{split}, {chains} chains, {mma_warps} MMA warps" +
                                                        (f", unroll {args.unroll}" if ring == "bulk" else "") +
+                                                       (f", {args.terms} terms" if ring == "wgmma" else "") +
                                                        (f" at {mma_regs} registers)" if mma_warps else ")"))
                 try:
                     kernel = compiled(cluster, tokens, h, clusters, sync, args.threads, lookahead, carry, split,
-                                      mma_warps, mma_regs or 152, ring, chains, args.unroll)
+                                      mma_warps, mma_regs or 152, ring, chains, args.unroll, args.terms)
                 except Exception as e:  # a shape the probe or the DSL refuses: say so, go on
                     print(f"S={cluster} T={tokens} sync={name}: not compiled ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:120]})", flush=True)

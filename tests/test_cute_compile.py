@@ -210,7 +210,7 @@ def test_onchip_skeleton_projection_compiles(cluster, hidden, threads):
 
 @pytest.mark.parametrize("mma_warps, mma_regs, lookahead, ring", [
     (4, 152, 2, "registers"), (4, 152, 7, "cp.async"), (0, 152, 4, "cp.async"), (4, 136, 7, "bulk"),
-    (8, 88, 3, "bulk"), (4, 152, 2, "synthetic"), (4, 96, 4, "wgmma")])
+    (8, 88, 3, "bulk"), (4, 152, 2, "synthetic"), (4, 96, 4, "wgmma"), (4, 96, 2, "wgmma")])
 def test_onchip_skeleton_weight_rings_compile(mma_warps, mma_regs, lookahead, ring):
     """The skeleton's projection variants compile for sm_90a: on MMA warps of their own (one or two warpgroups after
     the loaders and the tail warp, registers moved to the loaders with setmaxnreg) or on the loaders, with the
@@ -289,36 +289,70 @@ def test_sinkhorn_probe_compiles(busy_warps):
     assert callable(probe.compile_probe(probe.SinkhornProbe(busy_warps)))
 
 
-def test_onchip_skeleton_wgmma_weight():
-    """The "wgmma" ring's A stages: in CTA rank r's stage s, element (m, kk) at the K_INTER offset
-    ((m // 8) + 8 (kk // 8)) 64 + (m % 8) 8 + kk % 8 is the weight's bf16 hi (rows 0-23), lo (24-47) or zero at K
-    position 16 s + kk of the rank's slice (the order of the tile's residual_cur as the MMAs' B)."""
+@pytest.mark.parametrize("terms", [2, 3])
+def test_onchip_skeleton_wgmma_weight(terms):
+    """The "wgmma" ring's stages as the bulk copies bring them: per CTA rank r and group G (128 K positions of the
+    rank's slice), element (m, k) of an MMA's A at (m // 8) 1024 + (k // 8) 64 + (m % 8) 8 + k % 8; two terms: rows
+    0-23 bf16 hi, 24-47 bf16 lo (rows 48-63 not copied); three terms: the second MMA's 8 rows (lo of columns
+    16-23) first, then hi, mid, lo of columns 0-15 (hi + mid + lo within 2^-24 of the weight)."""
     probe = _bench_module("probe_onchip_skeleton")
     torch = pytest.importorskip("torch")
     hidden, cluster = 512, 8
     fn = torch.randn(probe.MIXES, 4 * hidden)
     per = hidden // cluster
-    staged = probe.wgmma_weight(fn, cluster).view(torch.bfloat16).view(cluster, 4 * per // 16, 1024)
+    groups = 4 * per // 128
+    staged = probe.wgmma_weight(fn, cluster, terms).view(torch.bfloat16).view(cluster, groups, -1)
     hi = fn.to(torch.bfloat16)
-    lo = (fn - hi.float()).to(torch.bfloat16)
-    for r, st, m, kk in [(0, 0, 0, 0), (3, 5, 30, 9), (7, 4 * per // 16 - 1, 63, 15), (5, 7, 23, 8)]:
-        k = 16 * st + kk
-        gk = k // per * hidden + r * per + k % per
-        want = hi[m, gk] if m < 24 else lo[m - 24, gk] if m < 48 else torch.tensor(0.0, dtype=torch.bfloat16)
-        got = staged[r, st, ((m // 8) + 8 * (kk // 8)) * 64 + (m % 8) * 8 + kk % 8]
-        assert torch.equal(got, want), (r, st, m, kk)
+    mid = (fn - hi.float()).to(torch.bfloat16)
+    lo = (fn - hi.float() - mid.float()).to(torch.bfloat16)
+    if terms == 2:
+        assert staged.shape[2] == 48 * 128
+        first, rows = 0, torch.cat([hi, mid])
+    else:
+        assert staged.shape[2] == 72 * 128
+        first, rows = 1024, torch.cat([hi, mid, lo[:16]])
+        assert (hi.double() + mid.double() + lo.double() - fn.double()).abs().max() <= 2**-24 * fn.abs().max()
+    for r, g, m, k in [(0, 0, 0, 0), (3, 1, 30, 9), (7, groups - 1, 47, 127), (5, 0, 23, 64), (6, 1, 5, 77)]:
+        kk = 128 * g + k
+        gk = kk // per * hidden + r * per + kk % per
+        assert torch.equal(staged[r, g, first + (m // 8) * 1024 + (k // 8) * 64 + (m % 8) * 8 + k % 8], rows[m, gk])
+        if terms == 3 and m < 8:  # the second MMA's rows: lo of columns 16 + m
+            assert torch.equal(staged[r, g, (k // 8) * 64 + m * 8 + k % 8], lo[16 + m, gk])
+
+
+@pytest.mark.parametrize("terms", [2, 3])
+def test_onchip_skeleton_wgmma_rows(terms):
+    """What the "wgmma" epilogue sums, emulated on the CPU from a stage's bytes read through ``a_layout``'s offsets
+    (the second MMA's rows 8-63 reading into the first MMA's tiles, as on the device): per column c, rows c + 24 + (48
+    with three terms) of the two MMAs' rows give the weight's column over the group's 128 K positions, to 2^-17 with
+    two terms and 2^-24 with three."""
+    probe = _bench_module("probe_onchip_skeleton")
+    torch = pytest.importorskip("torch")
+    hidden, cluster, r, g = 512, 8, 3, 1
+    fn = torch.randn(probe.MIXES, 4 * hidden, dtype=torch.float64).float()
+    per = hidden // cluster
+    stage = probe.wgmma_weight(fn, cluster, terms).view(torch.bfloat16).view(cluster, 4 * per // 128, -1)[r, g]
+    stage = torch.cat([stage, torch.zeros(72 * 128 - stage.numel(), dtype=torch.bfloat16)]).double()
+    m, k = torch.arange(64)[:, None], torch.arange(128)[None, :]
+    offset = (m // 8) * 1024 + (k // 8) * 64 + (m % 8) * 8 + k % 8
+    mmas = [stage[offset + 1024], stage[offset]] if terms == 3 else [stage[offset]]
+    rows = torch.cat(mmas)  # the MMAs' rows one after another, as in sD
+    dots = rows[:24] + rows[24:48] + (rows[48:72] if terms == 3 else 0)
+    kk = 128 * g + torch.arange(128)
+    want = fn[:, kk // per * hidden + r * per + kk % per].double()
+    assert (dots - want).abs().max() <= (2**-17 if terms == 2 else 2**-24) * want.abs().max()
 
 
 _COMPILE_SKELETON_WGMMA = (
     "import os, sys; sys.path.insert(0, os.path.join(sys.argv[1], 'bench')); import probe_onchip_skeleton as p; "
-    "p.compiled(16, 16, 7168, 7, 'project', 224, 4, True, 'trunc', 4, 96, 'wgmma')")
+    "p.compiled(16, 16, 7168, 7, 'project', 224, 4, True, 'trunc', 4, 96, 'wgmma', 1, 1, 3)")
 
 
 @pytest.mark.slow
 def test_onchip_skeleton_wgmma_sass(tmp_path, cuobjdump, dump_env):
-    """The skeleton's "wgmma" projection compiles to bf16 HGMMA issued eight back to back per commit group (no
-    WARPGROUP.DEPBAR between them: ptxas serialises the MMAs of a group when it cannot prove an accumulator safe,
-    which cost the probe's first version 5x) and spills nothing."""
+    """The skeleton's "wgmma" projection (three bf16 terms: two m64 MMAs per step) compiles to bf16 HGMMA issued
+    back to back per commit group (no WARPGROUP.DEPBAR between them: ptxas serialises the MMAs of a group when it
+    cannot prove an accumulator safe, which cost the probe's first version 5x) and spills nothing."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", _COMPILE_SKELETON_WGMMA, root], env=dump_env(tmp_path, "cubin"), check=True,
                    timeout=1800, capture_output=True)
@@ -326,7 +360,7 @@ def test_onchip_skeleton_wgmma_sass(tmp_path, cuobjdump, dump_env):
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     ops = [op for op in re.findall(r"(HGMMA\.\S+|WARPGROUP\.DEPBAR)", sass)]
     first = ops.index(next(op for op in ops if op.startswith("HGMMA")))
-    assert ops[first:first + 8] == ["HGMMA.64x16x16.F32.BF16"] * 8, ops[:16]
+    assert ops[first:first + 16] == ["HGMMA.64x16x16.F32.BF16"] * 16, ops[:24]
     usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
     spills = re.findall(r"STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
     assert spills and all(sp == ("0", "0") for sp in spills), usage
