@@ -101,7 +101,8 @@ def device_partial(m, c, rank) -> Float32:
 class OnchipSkeleton:
     def __init__(self, cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224,
                  lookahead: int = 1, carry: bool = False, split: str = "round", mma_warps: int = 0,
-                 mma_regs: int = 152, ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2):
+                 mma_regs: int = 152, ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2,
+                 kmajor: bool = False):
         assert sync in SYNCS and split in SPLITS and ring in RINGS and (mma_warps == 0 or sync == "project")
         assert ring != "bulk" or mma_warps, "the bulk ring feeds MMA warps of their own"
         assert ring != "wgmma" or (mma_warps == 4 and lookahead >= 2 and lookahead & (lookahead - 1) == 0), \
@@ -113,6 +114,9 @@ class OnchipSkeleton:
         self.chains = chains  # independent MMA accumulators per column tile (1, 2 or 4)
         self.unroll = unroll  # "bulk": blocks per iteration of the projection's loop
         self.terms = terms  # "wgmma": bf16 terms of the weight (2: hi + lo, 3: hi + mid + lo)
+        # residual_cur in shared memory K-major, with the lanes' octets to match (``rc_row``, ``octet``): what
+        # "wgmma" reads as its B; any mode can take it, to time the layout alone
+        self.kmajor = kmajor or ring == "wgmma"
         assert terms in (2, 3)
         assert chains in (1, 2, 4)
         # "project": 0, the loading warps project; else warps of their own do, after the tail warp, in warpgroups
@@ -191,9 +195,9 @@ class OnchipSkeleton:
 
     def rc_row(self, t, j, o):
         """The 16-byte row of token ``t``'s octet ``o`` of stream ``j`` in a tile's residual_cur in shared memory:
-        token-major, or with "wgmma" the K-major layout of its B operand (K_INTER: per octet of K, the tile's
-        tokens one after another)."""
-        if self.ring == "wgmma":
+        token-major, or ``kmajor`` (the layout of "wgmma"'s B operand, K_INTER: per octet of K, the tile's tokens
+        one after another)."""
+        if self.kmajor:
             return (j * self.octets + o) * self.tokens + t
         return (t * STREAMS + j) * self.octets + o
 
@@ -257,7 +261,7 @@ class OnchipSkeleton:
         row and the octet's 8-vector index in a stream row."""
         tidx, _, _ = cute.arch.thread_idx()
         q = tidx + p * self.threads
-        if cutlass.const_expr(self.ring == "wgmma"):
+        if cutlass.const_expr(self.kmajor):
             # lane pairs on two adjacent octets of one token (32 bytes: one sector per pair in global memory), the
             # pairs of a warp on consecutive tokens (2-way bank conflicts in the K-major shared layout, not 8)
             t, o = (q // 2) % self.tokens, q // (2 * self.tokens) * 2 + q % 2
@@ -872,9 +876,9 @@ class OnchipSkeleton:
 
 def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224, lookahead: int = 1,
              carry: bool = False, split: str = "round", mma_warps: int = 0, mma_regs: int = 152,
-             ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2):
+             ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2, kmajor: bool = False):
     skeleton = OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads, lookahead, carry, split, mma_warps,
-                              mma_regs, ring, chains, unroll, terms)
+                              mma_regs, ring, chains, unroll, terms, kmajor)
     return compile_kernel(skeleton, fake_buffer(BFloat16),
                           fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(Float32))
 
@@ -965,6 +969,8 @@ def main() -> int:
     ap.add_argument("--unroll", type=int, default=1, help='"project" with the bulk ring: blocks per loop iteration')
     ap.add_argument("--terms", type=int, default=2, choices=(2, 3), help='"project" with the wgmma ring: bf16 terms '
                     "of the weight (3: fp32's 24 mantissa bits)")
+    ap.add_argument("--kmajor", action="store_true", help="residual_cur in shared memory K-major, as the wgmma ring "
+                    "has it, in every mode")
     ap.add_argument("--mma-regs", type=int, nargs="+", default=[152], help="registers per MMA-warp thread (setmaxnreg; "
                     "the loading warps and the tail warp share the rest)")
     ap.add_argument("--reps", type=int, default=20)
@@ -997,9 +1003,11 @@ def main() -> int:
                                                        (f", unroll {args.unroll}" if ring == "bulk" else "") +
                                                        (f", {args.terms} terms" if ring == "wgmma" else "") +
                                                        (f" at {mma_regs} registers)" if mma_warps else ")"))
+                if args.kmajor and sync != "project":
+                    name += ", K-major"
                 try:
                     kernel = compiled(cluster, tokens, h, clusters, sync, args.threads, lookahead, carry, split,
-                                      mma_warps, mma_regs or 152, ring, chains, args.unroll, args.terms)
+                                      mma_warps, mma_regs or 152, ring, chains, args.unroll, args.terms, args.kmajor)
                 except Exception as e:  # a shape the probe or the DSL refuses: say so, go on
                     print(f"S={cluster} T={tokens} sync={name}: not compiled ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:120]})", flush=True)

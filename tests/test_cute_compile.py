@@ -201,6 +201,14 @@ def test_onchip_skeleton_probe_compiles(sync):
     assert callable(_bench_module("probe_onchip_skeleton").compiled(8, 8, 7168, 15, sync))
 
 
+@pytest.mark.parametrize("cluster, tokens, clusters", [(8, 8, 15), (16, 16, 7)])
+def test_onchip_skeleton_kmajor_compiles(cluster, tokens, clusters):
+    """The skeleton's data movement with residual_cur K-major in shared memory (the wgmma ring's B layout, to time
+    the layout alone) compiles for sm_90a."""
+    probe = _bench_module("probe_onchip_skeleton")
+    assert callable(probe.compiled(cluster, tokens, 7168, clusters, "async", kmajor=True))
+
+
 @pytest.mark.parametrize("cluster, hidden, threads", [(16, 7168, 224), (8, 4096, 256)])
 def test_onchip_skeleton_projection_compiles(cluster, hidden, threads):
     """The skeleton with the design's projection (warp-MMA TF32 hi + lo over the CTA's K slice, 16-token tiles)
