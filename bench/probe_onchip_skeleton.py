@@ -606,18 +606,17 @@ class OnchipSkeleton:
         rc_rows = self.tokens * STREAMS * self.octets
         total = Float32(0.0)
         for h in cutlass.range_constexpr(2):
-            kb = g * (WG_GROUP * WG_K // VEC) + 2 * part + h  # the octet of K, in the CTA's slice
-            total = total + du.sum_squares(sRc[slot * rc_rows + kb * self.tokens + t, None].load().to(Float32))
+            kb = g * (WG_GROUP * WG_K // VEC) + 2 * part + h  # the octet of K in the CTA's slice: j octets + o
+            total = total + du.sum_squares(sRc[slot * rc_rows + self.rc_row(t, 0, kb), None].load().to(Float32))
         return total
 
     @cute.jit
     def retire_group(self, acc: list, dots: list, mFn: cute.Tensor, sA: cute.Tensor, wfull: cute.Tensor, n, rank):
         """"wgmma": once the group of ring stage ``n % lookahead`` is done, ``acc`` is added into ``dots`` (per
-        m64 MMA of a step) and each
-        MMA warp releases the stage (its empty mbarrier); the warpgroup's first thread refills it with the group
-        ``lookahead`` on once every warp has. (Waiting with a group still pending, to keep the tensor cores busy
-        across groups, made ptxas serialise every MMA: it does not see which accumulator the pending group
-        writes.)"""
+        m64 MMA of a step) and each MMA warp releases the stage (its empty mbarrier); the warpgroup's first thread
+        refills it with the group ``lookahead`` on once every warp has. (Waiting with a group still pending, to keep
+        the tensor cores busy across groups, made ptxas serialise every MMA: it does not see which accumulator the
+        pending group writes.)"""
         warpgroup.wait_group(0)
         for i in cutlass.range_constexpr(self.mmas()):
             for e in cutlass.range_constexpr(cute.size(acc[i])):
