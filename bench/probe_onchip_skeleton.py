@@ -148,7 +148,7 @@ class OnchipSkeleton:
             smem = (SLOTS * tokens * STREAMS * self.octets * VEC * 2 + SLOTS * tokens * (ROW + GATES) * 4
                     + self.red_rows() * tokens * ROW * 4
                     + (self.proj_warps * lookahead * MIXES * du.WARP * 4 if ring in ("cp.async", "bulk") else 0)
-                    + (lookahead * self.stage_elems() * 2 + self.mmas() * WG_ROWS * tokens * 4
+                    + ((lookahead * self.stage_elems() + self.ring_pad()) * 2 + self.mmas() * WG_ROWS * tokens * 4
                        if ring == "wgmma" else 0))
             assert smem <= 227 * 1024, f"{smem} bytes of shared memory"
 
@@ -162,7 +162,7 @@ class OnchipSkeleton:
         rc = cute.make_tensor(mRc.iterator, du.row_major(m, STREAMS * self.hidden))
         li = cute.make_tensor(mLi.iterator, du.row_major(m, self.hidden))
         if cutlass.const_expr(self.ring == "wgmma"):  # the A stages (``wgmma_weight``: bf16 pairs as fp32 words)
-            fn = cute.make_tensor(mFn.iterator, du.row_major(self.cluster * self.groups, self.copy_elems() // 2))
+            fn = cute.make_tensor(mFn.iterator, du.row_major(self.cluster * self.groups, self.stage_elems() // 2))
         elif cutlass.const_expr(self.ring == "bulk"):  # the weight block by block (``blocked_weight``)
             fn = cute.make_tensor(mFn.iterator, du.row_major(STREAMS * self.hidden * MIXES // BLOCK_FLOATS,
                                                              BLOCK_FLOATS))
@@ -179,14 +179,15 @@ class OnchipSkeleton:
         return 2 if self.terms == 3 else 1
 
     def stage_elems(self) -> int:
-        """"wgmma": bf16 elements of a ring stage: the group's A tiles (K first, 8-row slabs of ``WG_ROW_GROUP``),
-        with three terms the second MMA's slab of the last 8 lo rows first, its other rows reading into the first
-        MMA's tiles (rows whose products nobody reads)."""
-        return WG_SET + (WG_ROW_GROUP if self.terms == 3 else 0)
+        """"wgmma": bf16 elements of a ring stage, all of them brought by its bulk copy: the group's A tiles (K
+        first, 8-row slabs of ``WG_ROW_GROUP``); rows whose products nobody reads need addresses, not data. Two
+        terms: rows 0-47, rows 48-63 reading into the next stage (past the last one, ``ring_pad``); three terms: the
+        second MMA's slab of the last 8 lo rows first, its other rows reading into the first MMA's 64 rows."""
+        return 6 * WG_ROW_GROUP if self.terms == 2 else WG_SET + WG_ROW_GROUP
 
-    def copy_elems(self) -> int:
-        """"wgmma": bf16 elements a stage's bulk copy brings (two terms: rows 0-47, the zero rows stay out)."""
-        return 6 * WG_ROW_GROUP if self.terms == 2 else self.stage_elems()
+    def ring_pad(self) -> int:
+        """"wgmma": elements after the ring that the last stage's unread rows reach (two terms: rows 48-63)."""
+        return 2 * WG_ROW_GROUP if self.terms == 2 else 0
 
     def red_rows(self) -> int:
         """Partial rows per token that the push sums: one per projecting warp, or one with "wgmma" (its epilogue
@@ -349,7 +350,8 @@ class OnchipSkeleton:
         if cutlass.const_expr(self.ring == "bulk"):  # the projection's weight ring
             wbuf = smem.allocate_tensor(Float32, du.row_major(self.proj_warps * self.lookahead, BLOCK_FLOATS), 128)
         elif cutlass.const_expr(self.ring == "wgmma"):  # the ring's stages (``a_layout`` reads them)
-            wbuf = smem.allocate_tensor(BFloat16, du.row_major(self.lookahead * self.stage_elems()), 1024)
+            wbuf = smem.allocate_tensor(BFloat16, du.row_major(self.lookahead * self.stage_elems() + self.ring_pad()),
+                                        1024)
             # the MMAs' rows (the second MMA's after the first's), summed per column
             sD = smem.allocate_tensor(Float32, du.row_major(self.mmas() * WG_ROWS, self.tokens), 16)
         elif cutlass.const_expr(self.ring != "cp.async"):
@@ -576,9 +578,9 @@ class OnchipSkeleton:
         of this CTA's K slice (the ``n``-th group the warpgroup multiplies, counting across tiles), one bulk copy
         counted by the stage's full mbarrier."""
         stage = n % self.lookahead
-        cute.arch.mbarrier_arrive_and_expect_tx(wfull.iterator + stage, self.copy_elems() * 2)
+        cute.arch.mbarrier_arrive_and_expect_tx(wfull.iterator + stage, self.stage_elems() * 2)
         dst = cute.make_tensor(cute.recast_ptr(sA.iterator + stage * self.stage_elems(), dtype=Float32),
-                               du.row_major(self.copy_elems() // 2))
+                               du.row_major(self.stage_elems() // 2))
         atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
         cute.copy(atom, mFn[rank * self.groups + n % self.groups, None], dst, mbar_ptr=wfull.iterator + stage)
 
