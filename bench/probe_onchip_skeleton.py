@@ -73,7 +73,7 @@ SPLITS = ("round", "trunc")  # the weight's TF32 hi + lo: both rounded to neares
 RINGS = ("registers", "cp.async", "bulk", "synthetic", "wgmma")
 BLOCK_FLOATS = MIXES * K_BLOCK  # one block's weights: 24 rows x 32 K positions
 WG_K = 16  # K positions per bf16 warpgroup MMA
-WG_ROWS = 64  # its M: rows 0-23 the weight's hi part, 24-47 its lo part, 48-63 zeros
+WG_ROWS = 64  # its M: the weight's bf16 terms, 24 rows each (``wgmma_weight``)
 WG_GROUP = 8  # MMAs accumulated in the tensor cores before an fp32 add (Hopper's accumulator is not a full fp32 adder)
 WG_SET = WG_ROWS * WG_GROUP * WG_K  # bf16 elements of a group's A tiles for one m64 MMA per step (64 x 128)
 WG_ROW_GROUP = 8 * WG_GROUP * WG_K  # of their 8-row slab (the group layout is K first: a slab is contiguous)
@@ -441,15 +441,11 @@ class OnchipSkeleton:
                     cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sRed complete
                     self.push_partials(tile, rank, received, mbar, slot, sRed, self.threads + du.WARP, mma_threads)
                     cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sRed read: free for the next
-                if cutlass.const_expr(self.ring == "bulk"):  # no CTA exits with a bulk copy in flight
-                    for k in cutlass.range_constexpr(self.lookahead):
-                        n = count * self.blocks_per_warp + k
-                        cute.arch.mbarrier_wait(wfull.iterator + self.proj_warp() * self.lookahead + n % self.lookahead,
-                                                (n // self.lookahead) % 2)
+                # no CTA exits with a bulk copy in flight: the ring's last fills, for stages never multiplied
+                if cutlass.const_expr(self.ring == "bulk"):
+                    self.drain(wfull.iterator + self.proj_warp() * self.lookahead, count * self.blocks_per_warp)
                 elif cutlass.const_expr(self.ring == "wgmma"):
-                    for k in cutlass.range_constexpr(self.lookahead):
-                        n = count * self.groups + k
-                        cute.arch.mbarrier_wait(wfull.iterator + n % self.lookahead, (n // self.lookahead) % 2)
+                    self.drain(wfull.iterator, count * self.groups)
         else:
             # the tail warp: this CTA's tokens' rows from every CTA, summed in rank order; gates to every CTA
             if cutlass.const_expr(self.mma_warps):
@@ -560,9 +556,13 @@ class OnchipSkeleton:
         stage = warp_i * self.lookahead + n % self.lookahead
         b = warp_i + (n % self.blocks_per_warp) * self.proj_warps
         if cute.arch.lane_idx() == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(wfull.iterator + stage, BLOCK_FLOATS * 4)
-            atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
-            cute.copy(atom, mFn[rank * self.blocks + b, None], wbuf[stage, None], mbar_ptr=wfull.iterator + stage)
+            bulk_fill(mFn[rank * self.blocks + b, None], wbuf[stage, None], wfull.iterator + stage)
+
+    @cute.jit
+    def drain(self, full, end):
+        """Wait for the fills ``end`` .. ``end + lookahead - 1`` of a ring whose full mbarriers start at ``full``."""
+        for k in cutlass.range_constexpr(self.lookahead):
+            cute.arch.mbarrier_wait(full + (end + k) % self.lookahead, ((end + k) // self.lookahead) % 2)
 
     def a_layout(self):
         """"wgmma": the A tiles of the ring, per stage (64 rows x 128 K positions, ``stage_elems`` apart): 8 x 8
@@ -578,11 +578,9 @@ class OnchipSkeleton:
         of this CTA's K slice (the ``n``-th group the warpgroup multiplies, counting across tiles), one bulk copy
         counted by the stage's full mbarrier."""
         stage = n % self.lookahead
-        cute.arch.mbarrier_arrive_and_expect_tx(wfull.iterator + stage, self.stage_elems() * 2)
         dst = cute.make_tensor(cute.recast_ptr(sA.iterator + stage * self.stage_elems(), dtype=Float32),
                                du.row_major(self.stage_elems() // 2))
-        atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), Float32)
-        cute.copy(atom, mFn[rank * self.groups + n % self.groups, None], dst, mbar_ptr=wfull.iterator + stage)
+        bulk_fill(mFn[rank * self.groups + n % self.groups, None], dst, wfull.iterator + stage)
 
     @cute.jit
     def issue_group(self, tiled_mma, tCrA: list, tCrB: cute.Tensor, acc: list, wfull: cute.Tensor, n, g, slot):
@@ -875,6 +873,14 @@ class OnchipSkeleton:
             du.store_bf16x8(cute.local_tile(mLi[m, None], (VEC,), (vec,)), out.load())
 
 
+@cute.jit
+def bulk_fill(src: cute.Tensor, dst: cute.Tensor, full):
+    """One thread: ``dst`` (shared memory) := ``src`` (global) by one bulk copy, counted by the mbarrier ``full``
+    (its expected bytes raised by the copy's size first)."""
+    cute.arch.mbarrier_arrive_and_expect_tx(full, cute.size(src) * src.element_type.width // 8)
+    cute.copy(cute.make_copy_atom(cpasync.CopyBulkG2SOp(), src.element_type), src, dst, mbar_ptr=full)
+
+
 def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224, lookahead: int = 1,
              carry: bool = False, split: str = "round", mma_warps: int = 0, mma_regs: int = 152,
              ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2, kmajor: bool = False):
@@ -906,14 +912,14 @@ def wgmma_weight(fn, cluster: int, terms: int = 2):
     k_slice = STREAMS * h // cluster
     hi = fn.to(torch.bfloat16)
     rest = fn - hi.float()
-    mid = rest.to(torch.bfloat16)
+    second = rest.to(torch.bfloat16)  # lo with two terms, mid with three
     if terms == 2:
-        rows = torch.cat([hi, mid, torch.zeros(WG_ROWS - 2 * MIXES, fn.shape[1], dtype=torch.bfloat16)])
+        rows = torch.cat([hi, second, torch.zeros(WG_ROWS - 2 * MIXES, fn.shape[1], dtype=torch.bfloat16)])
     else:
-        lo = (rest - mid.float()).to(torch.bfloat16)
+        lo = (rest - second.float()).to(torch.bfloat16)
         # the second MMA's 8 lo rows as the last slab of a set of their own, so that they precede the first's
-        second = torch.cat([torch.zeros(WG_ROWS - 8, fn.shape[1], dtype=torch.bfloat16), lo[16:]])
-        rows = torch.cat([second, hi, mid, lo[:16]])
+        last = torch.cat([torch.zeros(WG_ROWS - 8, fn.shape[1], dtype=torch.bfloat16), lo[16:]])
+        rows = torch.cat([last, hi, second, lo[:16]])
     sets = rows.shape[0] // WG_ROWS
     # the rank's slice in order: K position k of rank r is stream k // (H / S), offset r H / S + k % (H / S)
     per = h // cluster

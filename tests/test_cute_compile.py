@@ -228,8 +228,9 @@ def test_onchip_skeleton_weight_rings_compile(mma_warps, mma_regs, lookahead, ri
     if mma_warps:  # setmaxnreg only moves the launch's registers: asking for more in all hangs the kernel
         skeleton = probe.OnchipSkeleton(16, 16, 7168, 7, "project", 224, lookahead, True, "trunc", mma_warps, mma_regs,
                                         ring)
-        threads = 224 + 32 * (1 + mma_warps)
-        assert skeleton.loader_regs * (224 + 32) + mma_regs * 32 * mma_warps <= skeleton.even_registers() * threads
+        loaders = skeleton.threads + 32  # with the tail warp
+        assert (skeleton.loader_regs * loaders + mma_regs * 32 * mma_warps
+                <= skeleton.even_registers() * (loaders + 32 * mma_warps))
     assert callable(probe.compiled(16, 16, 7168, 7, "project", 224, lookahead, True, "trunc", mma_warps, mma_regs,
                                    ring))
 
@@ -297,6 +298,11 @@ def test_sinkhorn_probe_compiles(busy_warps):
     assert callable(probe.compile_probe(probe.SinkhornProbe(busy_warps)))
 
 
+def _wgmma_offset(m, k):
+    """Element (m, k) of a "wgmma" A tile set in its ring stage (8 x 8 core matrices, K first)."""
+    return (m // 8) * 1024 + (k // 8) * 64 + (m % 8) * 8 + k % 8
+
+
 @pytest.mark.parametrize("terms", [2, 3])
 def test_onchip_skeleton_wgmma_weight(terms):
     """The "wgmma" ring's stages as the bulk copies bring them: per CTA rank r and group G (128 K positions of the
@@ -323,9 +329,9 @@ def test_onchip_skeleton_wgmma_weight(terms):
     for r, g, m, k in [(0, 0, 0, 0), (3, 1, 30, 9), (7, groups - 1, 47, 127), (5, 0, 23, 64), (6, 1, 5, 77)]:
         kk = 128 * g + k
         gk = kk // per * hidden + r * per + kk % per
-        assert torch.equal(staged[r, g, first + (m // 8) * 1024 + (k // 8) * 64 + (m % 8) * 8 + k % 8], rows[m, gk])
+        assert torch.equal(staged[r, g, first + _wgmma_offset(m, k)], rows[m, gk])
         if terms == 3 and m < 8:  # the second MMA's rows: lo of columns 16 + m
-            assert torch.equal(staged[r, g, (k // 8) * 64 + m * 8 + k % 8], lo[16 + m, gk])
+            assert torch.equal(staged[r, g, _wgmma_offset(m, k)], lo[16 + m, gk])
 
 
 @pytest.mark.parametrize("terms", [2, 3])
@@ -337,12 +343,11 @@ def test_onchip_skeleton_wgmma_rows(terms):
     probe = _bench_module("probe_onchip_skeleton")
     torch = pytest.importorskip("torch")
     hidden, cluster, r, g = 512, 8, 3, 1
-    fn = torch.randn(probe.MIXES, 4 * hidden, dtype=torch.float64).float()
+    fn = torch.randn(probe.MIXES, 4 * hidden)
     per = hidden // cluster
     stage = probe.wgmma_weight(fn, cluster, terms).view(torch.bfloat16).view(cluster, 4 * per // 128, -1)[r, g]
     stage = torch.cat([stage, torch.zeros(72 * 128 - stage.numel(), dtype=torch.bfloat16)]).double()
-    m, k = torch.arange(64)[:, None], torch.arange(128)[None, :]
-    offset = (m // 8) * 1024 + (k // 8) * 64 + (m % 8) * 8 + k % 8
+    offset = _wgmma_offset(torch.arange(64)[:, None], torch.arange(128)[None, :])
     mmas = [stage[offset + 1024], stage[offset]] if terms == 3 else [stage[offset]]
     rows = torch.cat(mmas)  # the MMAs' rows one after another, as in sD
     dots = rows[:24] + rows[24:48] + (rows[48:72] if terms == 3 else 0)
@@ -366,7 +371,7 @@ def test_onchip_skeleton_wgmma_sass(tmp_path, cuobjdump, dump_env):
                    timeout=1800, capture_output=True)
     (cubin,) = tmp_path.glob("*.cubin")
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    ops = [op for op in re.findall(r"(HGMMA\.\S+|WARPGROUP\.DEPBAR)", sass)]
+    ops = re.findall(r"(HGMMA\.\S+|WARPGROUP\.DEPBAR)", sass)
     first = ops.index(next(op for op in ops if op.startswith("HGMMA")))
     assert ops[first:first + 16] == ["HGMMA.64x16x16.F32.BF16"] * 16, ops[:24]
     usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
