@@ -117,6 +117,7 @@ class OnchipSkeleton:
         # residual_cur in shared memory K-major, with the lanes' octets to match (``rc_row``, ``octet``): what
         # "wgmma" reads as its B; any mode can take it, to time the layout alone
         self.kmajor = kmajor or ring == "wgmma"
+        assert not self.kmajor or (hidden // cluster // VEC % 8 == 0 and tokens % 8 == 0), "whole swizzled rows"
         assert terms in (2, 3)
         assert chains in (1, 2, 4)
         # "project": 0, the loading warps project; else warps of their own do, after the tail warp, in warpgroups
@@ -142,7 +143,7 @@ class OnchipSkeleton:
             assert tokens == 16 and self.octets % 4 == 0 and blocks % self.proj_warps == 0, "one m16 tile, whole blocks"
             self.blocks, self.blocks_per_warp = blocks, blocks // self.proj_warps
             self.k_steps = STREAMS * self.octets * VEC // WG_K  # wgmma: the CTA's K slice in MMAs
-            assert ring != "wgmma" or self.k_steps % WG_GROUP == 0
+            assert ring != "wgmma" or self.k_steps % (2 * WG_GROUP) == 0, "whole pairs of groups"
             self.groups = self.k_steps // WG_GROUP  # wgmma: ring stages per tile
             assert not carry or ring in ("bulk", "wgmma") or self.blocks_per_warp % lookahead == 0, "ring lines up"
             smem = (SLOTS * tokens * STREAMS * self.octets * VEC * 2 + SLOTS * tokens * (ROW + GATES) * 4
@@ -196,10 +197,12 @@ class OnchipSkeleton:
 
     def rc_row(self, t, j, o):
         """The 16-byte row of token ``t``'s octet ``o`` of stream ``j`` in a tile's residual_cur in shared memory:
-        token-major, or ``kmajor`` (the layout of "wgmma"'s B operand, K_INTER: per octet of K, the tile's tokens
-        one after another)."""
+        token-major, or ``kmajor`` (the layout of "wgmma"'s B operand, K_SW128: per 64 K positions, the tile's
+        tokens' 128-byte rows one after another, each row's octets swizzled by the token: octet e of row t at
+        e ^ (t % 8))."""
         if self.kmajor:
-            return (j * self.octets + o) * self.tokens + t
+            kb = j * self.octets + o
+            return (kb // 8 * self.tokens + t) * 8 + ((kb % 8) ^ (t % 8))
         return (t * STREAMS + j) * self.octets + o
 
     def even_registers(self) -> int:
@@ -263,9 +266,10 @@ class OnchipSkeleton:
         tidx, _, _ = cute.arch.thread_idx()
         q = tidx + p * self.threads
         if cutlass.const_expr(self.kmajor):
-            # lane pairs on two adjacent octets of one token (32 bytes: one sector per pair in global memory), the
-            # pairs of a warp on consecutive tokens (2-way bank conflicts in the K-major shared layout, not 8)
-            t, o = (q // 2) % self.tokens, q // (2 * self.tokens) * 2 + q % 2
+            # eight lanes on eight adjacent octets of one token (128 bytes: one line in global memory, one swizzled
+            # row in shared memory, no bank conflicts), a warp on four tokens. (Lane pairs on 32 bytes of each of 16
+            # tokens, with an unswizzled K-major layout, took the data movement from 90% of copy to 69%.)
+            t, o = (q // 8) % self.tokens, q // (8 * self.tokens) * 8 + q % 8
         else:
             t, o = q // self.octets, q % self.octets
         return t, o, tile * self.tokens + t, rank * self.octets + o
@@ -601,23 +605,23 @@ class OnchipSkeleton:
 
     @cute.jit
     def group_squares(self, sRc: cute.Tensor, slot, g, t, part) -> Float32:
-        """"wgmma": this thread's share of token ``t``'s squares in group ``g``: octets 2 part and 2 part + 1 of
-        the group's 16."""
+        """"wgmma": this thread's share of token ``t``'s squares in group ``g``: the 16-byte column ``part`` of the
+        token's two swizzled rows in the group (which octets of K they hold does not matter to a sum; a warp reads
+        four tokens' whole rows: no bank conflicts)."""
         rc_rows = self.tokens * STREAMS * self.octets
         total = Float32(0.0)
         for h in cutlass.range_constexpr(2):
-            kb = g * (WG_GROUP * WG_K // VEC) + 2 * part + h  # the octet of K in the CTA's slice: j octets + o
-            total = total + du.sum_squares(sRc[slot * rc_rows + self.rc_row(t, 0, kb), None].load().to(Float32))
+            row = ((g * 2 + h) * self.tokens + t) * 8 + part  # rows of 64 K positions, two per group
+            total = total + du.sum_squares(sRc[slot * rc_rows + row, None].load().to(Float32))
         return total
 
     @cute.jit
-    def retire_group(self, acc: list, dots: list, mFn: cute.Tensor, sA: cute.Tensor, wfull: cute.Tensor, n, rank):
-        """"wgmma": once the group of ring stage ``n % lookahead`` is done, ``acc`` is added into ``dots`` (per
-        m64 MMA of a step) and each MMA warp releases the stage (its empty mbarrier); the warpgroup's first thread
-        refills it with the group ``lookahead`` on once every warp has. (Waiting with a group still pending, to keep
-        the tensor cores busy across groups, made ptxas serialise every MMA: it does not see which accumulator the
-        pending group writes.)"""
-        warpgroup.wait_group(0)
+    def retire_group(self, acc: list, dots: list, mFn: cute.Tensor, sA: cute.Tensor, wfull: cute.Tensor, n, rank,
+                     pending: int):
+        """"wgmma": once the group of ring stage ``n % lookahead`` is done (``pending`` later groups may still
+        run), ``acc`` is added into ``dots`` (per m64 MMA of a step) and each MMA warp releases the stage (its empty
+        mbarrier); the warpgroup's first thread refills it with the group ``lookahead`` on once every warp has."""
+        warpgroup.wait_group(pending)
         for i in cutlass.range_constexpr(self.mmas()):
             for e in cutlass.range_constexpr(cute.size(acc[i])):
                 dots[i][e] = dots[i][e] + acc[i][e]
@@ -634,8 +638,9 @@ class OnchipSkeleton:
         """The tile's partial rows by the MMA warpgroup: per 16 K positions one (two with three terms) bf16
         warpgroup MMA, A = the weight's bf16 terms from the ring (``a_layout``), B = the tile's residual_cur (its 16
         tokens as N) read in place; per ring stage (``WG_GROUP`` steps, 128 K positions) one commit group into the
-        tensor cores' accumulators, then an fp32 add. While a group runs, each thread sums the squares of 16 of its
-        token's values (8 threads a token, in a fixed order); once it is done the stage is released and refilled
+        tensor cores' accumulators, then an fp32 add, two groups at a time. While they run, each thread sums the
+        squares of 32 of its token's values (8 threads a token, in a fixed order); once a group is done its stage is
+        released and refilled
         (``retire_group``; ``n0``: ring stages multiplied before this tile). Then the rows go through ``sD`` and
         are summed per column in a fixed order, hi + lo or (hi + mid) + lo, into ``sRed[0]`` with the squares."""
         wg_tid = cute.arch.thread_idx()[0] - (self.threads + du.WARP)
@@ -644,27 +649,35 @@ class OnchipSkeleton:
                                     OperandMajorMode.K, OperandMajorMode.K)
         tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(op), (1, 1, 1))
         thr_mma = tiled_mma.get_slice(wg_tid)
-        b_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, BFloat16)
+        b_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
         k_slice = self.k_steps * WG_K
-        sB = cute.make_tensor(sRc.iterator, cute.tile_to_shape(b_atom, (self.tokens, k_slice, SLOTS), order=(0, 1, 2)))
+        b_layout = cute.tile_to_shape(b_atom, (self.tokens, k_slice, SLOTS), order=(0, 1, 2))
+        # (the MMA wants the swizzle on the pointer, the layout affine)
+        sB = cute.make_tensor(cute.recast_ptr(sRc.iterator, b_layout.inner, BFloat16), b_layout.outer)
         tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
         # the first MMA's tiles after the second's slab (three terms), or at the stage's start
         first = WG_ROW_GROUP if self.terms == 3 else 0
         tCrA = [thr_mma.make_fragment_A(thr_mma.partition_A(cute.make_tensor(sA.iterator + off, self.a_layout())))
                 for off in (first, 0)[:self.mmas()]]
-        acc = [cute.make_rmem_tensor(thr_mma.partition_shape_C((WG_ROWS, self.tokens)), Float32)
-               for _ in range(self.mmas())]
+        # two accumulator sets: a pair of groups issued back to back, the second's MMAs running while the first's
+        # are added up. (Pairs, not a rolling pipeline: with a group in flight across the loop's back edge, the
+        # loop's register copies read its accumulators (C7514); unrolled, ptxas ran short of registers (C7511);
+        # either way it serialised every MMA.)
+        acc = [[cute.make_rmem_tensor(thr_mma.partition_shape_C((WG_ROWS, self.tokens)), Float32)
+                for _ in range(self.mmas())] for _ in range(2)]
         dots = [cute.make_rmem_tensor(thr_mma.partition_shape_C((WG_ROWS, self.tokens)), Float32)
                 for _ in range(self.mmas())]
         for d in dots:
             d.fill(0.0)
-        # the squares: thread (token t, part) takes octets 2 part, 2 part + 1 of each group's 16
-        t, part = wg_tid // 8, wg_tid % 8
+        t, part = wg_tid // 8, wg_tid % 8  # the squares: thread (token t, part) takes column part of t's rows
         sq = Float32(0.0)
-        for g in cutlass.range(self.groups, unroll=1):
-            self.issue_group(tiled_mma, tCrA, tCrB, acc, wfull, n0 + g, g, slot)
-            sq = sq + self.group_squares(sRc, slot, g, t, part)
-            self.retire_group(acc, dots, mFn, sA, wfull, n0 + g, rank)
+        for i in cutlass.range(self.groups // 2, unroll=1):
+            for h in cutlass.range_constexpr(2):
+                self.issue_group(tiled_mma, tCrA, tCrB, acc[h], wfull, n0 + 2 * i + h, 2 * i + h, slot)
+            for h in cutlass.range_constexpr(2):
+                sq = sq + self.group_squares(sRc, slot, 2 * i + h, t, part)
+            for h in cutlass.range_constexpr(2):
+                self.retire_group(acc[h], dots, mFn, sA, wfull, n0 + 2 * i + h, rank, 1 - h)
         sq = du.warp_sum(sq, lanes=8)  # the token's 8 parts (adjacent lanes), in a fixed order
         for i in cutlass.range_constexpr(self.mmas()):
             rows = cute.make_tensor(sD.iterator + i * WG_ROWS * self.tokens, du.row_major(WG_ROWS, self.tokens))
