@@ -105,8 +105,8 @@ class OnchipSkeleton:
                  kmajor: bool = False):
         assert sync in SYNCS and split in SPLITS and ring in RINGS and (mma_warps == 0 or sync == "project")
         assert ring != "bulk" or mma_warps, "the bulk ring feeds MMA warps of their own"
-        assert ring != "wgmma" or (mma_warps == 4 and lookahead >= 2 and lookahead & (lookahead - 1) == 0), \
-            "wgmma: one warpgroup of MMA warps, a ring of two or more stages, a power of two"
+        assert ring != "wgmma" or (mma_warps in (4, 8) and lookahead >= 2 and lookahead & (lookahead - 1) == 0), \
+            "wgmma: one or two warpgroups of MMA warps, a ring of two or more stages each, a power of two"
         # the projection's weight loads ("project"): ``lookahead`` blocks in flight per warp, in registers or in
         # shared memory (``ring``; each lane copies and reads back its own 16-byte pieces), with ``carry`` the next
         # tile's first blocks fetched at the end of this tile's projection (the weights are the same every tile)
@@ -143,13 +143,17 @@ class OnchipSkeleton:
             assert tokens == 16 and self.octets % 4 == 0 and blocks % self.proj_warps == 0, "one m16 tile, whole blocks"
             self.blocks, self.blocks_per_warp = blocks, blocks // self.proj_warps
             self.k_steps = STREAMS * self.octets * VEC // WG_K  # wgmma: the CTA's K slice in MMAs
-            assert ring != "wgmma" or self.k_steps % (2 * WG_GROUP) == 0, "whole pairs of groups"
             self.groups = self.k_steps // WG_GROUP  # wgmma: ring stages per tile
+            # wgmma: warpgroups of MMA warps, each with a ring of its own for groups w, w + wgs, ... of a tile
+            self.wgs = max(1, mma_warps // 4)
+            assert ring != "wgmma" or self.k_steps % (self.wgs * WG_GROUP) == 0, "whole groups per warpgroup"
+            self.wg_groups = self.groups // self.wgs
             assert not carry or ring in ("bulk", "wgmma") or self.blocks_per_warp % lookahead == 0, "ring lines up"
             smem = (SLOTS * tokens * STREAMS * self.octets * VEC * 2 + SLOTS * tokens * (ROW + GATES) * 4
                     + self.red_rows() * tokens * ROW * 4
                     + (self.proj_warps * lookahead * MIXES * du.WARP * 4 if ring in ("cp.async", "bulk") else 0)
-                    + ((lookahead * self.stage_elems() + self.ring_pad()) * 2 + self.mmas() * WG_ROWS * tokens * 4
+                    + ((self.wgs * lookahead * self.stage_elems() + self.ring_pad()) * 2
+                       + (self.wgs * self.mmas() * WG_ROWS + SLOTS * self.octets // 8) * tokens * 4
                        if ring == "wgmma" else 0))
             assert smem <= 227 * 1024, f"{smem} bytes of shared memory"
 
@@ -341,7 +345,7 @@ class OnchipSkeleton:
         # "bulk": one mbarrier per ring stage of each MMA warp, completed by the stage's bulk copy; "wgmma": per stage
         # of the warpgroup's ring a full one (the bulk copy) and then an empty one (each MMA warp, once its MMAs of
         # the stage are done)
-        rings = {"bulk": self.mma_warps, "wgmma": 2}
+        rings = {"bulk": self.mma_warps, "wgmma": 2 * self.wgs if self.mma_warps else 0}
         wfull = (smem.allocate_tensor(cutlass.Int64, du.row_major(rings[self.ring] * self.lookahead), 8)
                  if self.ring in rings else mbar)
         # "project": each projecting warp's partial rows of the tile, summed over the warps in order before the push
@@ -354,10 +358,12 @@ class OnchipSkeleton:
         if cutlass.const_expr(self.ring == "bulk"):  # the projection's weight ring
             wbuf = smem.allocate_tensor(Float32, du.row_major(self.proj_warps * self.lookahead, BLOCK_FLOATS), 128)
         elif cutlass.const_expr(self.ring == "wgmma"):  # the ring's stages (``a_layout`` reads them)
-            wbuf = smem.allocate_tensor(BFloat16, du.row_major(self.lookahead * self.stage_elems() + self.ring_pad()),
-                                        1024)
-            # the MMAs' rows (the second MMA's after the first's), summed per column
-            sD = smem.allocate_tensor(Float32, du.row_major(self.mmas() * WG_ROWS, self.tokens), 16)
+            wbuf = smem.allocate_tensor(
+                BFloat16, du.row_major(self.wgs * self.lookahead * self.stage_elems() + self.ring_pad()), 1024)
+            # each warpgroup's MMA rows (the second MMA's after the first's), summed per column
+            sD = smem.allocate_tensor(Float32, du.row_major(self.wgs, self.mmas() * WG_ROWS, self.tokens), 16)
+            # the tile's squares, per token and 64 K positions of the slice, from the loaders' post-map
+            sSq = smem.allocate_tensor(Float32, du.row_major(SLOTS, self.tokens, self.octets // 8), 16)
         elif cutlass.const_expr(self.ring != "cp.async"):
             wbuf = cute.make_rmem_tensor((self.lookahead, MIXES // MMA_N, VEC), Float32)
         else:
@@ -377,7 +383,7 @@ class OnchipSkeleton:
                     cute.arch.mbarrier_init(mbar.iterator + 2 * SLOTS + i, self.threads)
             if cutlass.const_expr(self.ring in rings):
                 for i in cutlass.range_constexpr(rings[self.ring] * self.lookahead):
-                    arrivals = self.mma_warps if self.ring == "wgmma" and i >= self.lookahead else 1
+                    arrivals = 4 if self.ring == "wgmma" and i >= self.wgs * self.lookahead else 1
                     cute.arch.mbarrier_init(wfull.iterator + i, arrivals)
             cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive()  # every CTA's mbarriers are initialised before any push
@@ -393,7 +399,10 @@ class OnchipSkeleton:
             for it in cutlass.range(count, unroll=1):
                 tile = first + it * self.clusters
                 slot = it % SLOTS
-                self.post_map(raw, tile, rank, mRc, sRc, slot * rc_rows)
+                if cutlass.const_expr(self.ring == "wgmma"):
+                    self.post_map(raw, tile, rank, mRc, sRc, slot * rc_rows, sSq, slot)
+                else:
+                    self.post_map(raw, tile, rank, mRc, sRc, slot * rc_rows)
                 if cutlass.const_expr(self.mma_warps):
                     # this thread's residual_cur of the tile is in shared memory (release: its stores come first;
                     # the warpgroup MMAs read it through the async proxy, hence the fence)
@@ -431,15 +440,17 @@ class OnchipSkeleton:
                     for n in cutlass.range_constexpr(self.lookahead):  # the ring's first blocks
                         self.fetch_block(mFn, wbuf, wfull, n, rank)
                 elif cutlass.const_expr(self.ring == "wgmma"):
-                    if tidx == self.threads + du.WARP:
+                    wg = (tidx - self.threads - du.WARP) // 128
+                    if (tidx - self.threads - du.WARP) % 128 == 0:
                         for n in cutlass.range_constexpr(self.lookahead):  # the ring's first stages
-                            self.fetch_group(mFn, wbuf, wfull, n, rank)
+                            self.fetch_group(mFn, wbuf, wfull, n, rank, wg)
                 for it in cutlass.range(count, unroll=1):
                     tile = first + it * self.clusters
                     slot, parity = it % SLOTS, (it // SLOTS) % 2
                     cute.arch.mbarrier_wait(mbar.iterator + 2 * SLOTS + slot, parity)
                     if cutlass.const_expr(self.ring == "wgmma"):
-                        self.project_wgmma(sRc, slot, rank, mFn, sRed, wbuf, wfull, sD, it * self.groups)
+                        self.project_wgmma(sRc, slot, rank, mFn, sRed, wbuf, wfull, sD, sSq, it * self.wg_groups,
+                                           wg)
                     else:
                         self.project(sRc, slot * rc_rows, rank, mFn, sRed, wbuf, wfull, it * self.blocks_per_warp)
                     cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sRed complete
@@ -449,7 +460,7 @@ class OnchipSkeleton:
                 if cutlass.const_expr(self.ring == "bulk"):
                     self.drain(wfull.iterator + self.proj_warp() * self.lookahead, count * self.blocks_per_warp)
                 elif cutlass.const_expr(self.ring == "wgmma"):
-                    self.drain(wfull.iterator, count * self.groups)
+                    self.drain(wfull.iterator + wg * self.lookahead, count * self.wg_groups)
         else:
             # the tail warp: this CTA's tokens' rows from every CTA, summed in rank order; gates to every CTA
             if cutlass.const_expr(self.mma_warps):
@@ -572,26 +583,27 @@ class OnchipSkeleton:
         """"wgmma": the A tiles of the ring, per stage (64 rows x 128 K positions, ``stage_elems`` apart): 8 x 8
         core matrices (8 rows x 16 bytes), K first, so that an 8-row slab of a group is contiguous (``WG_ROW_GROUP``
         elements); step u's tile starts 128 elements on."""
-        inner = cute.make_layout(((8, WG_ROWS // 8), (8, WG_GROUP * WG_K // 8), self.lookahead),
+        inner = cute.make_layout(((8, WG_ROWS // 8), (8, WG_GROUP * WG_K // 8), self.wgs * self.lookahead),
                                  stride=((8, WG_ROW_GROUP), (1, 64), self.stage_elems()))
         return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, inner)
 
     @cute.jit
-    def fetch_group(self, mFn: cute.Tensor, sA: cute.Tensor, wfull: cute.Tensor, n, rank):
-        """"wgmma", by one thread: ring stage ``n % lookahead`` := the A tiles of the weight's group ``n % groups``
-        of this CTA's K slice (the ``n``-th group the warpgroup multiplies, counting across tiles), one bulk copy
-        counted by the stage's full mbarrier."""
-        stage = n % self.lookahead
+    def fetch_group(self, mFn: cute.Tensor, sA: cute.Tensor, wfull: cute.Tensor, n, rank, wg):
+        """"wgmma", by one thread of warpgroup ``wg``: its ring stage ``n % lookahead`` := the A tiles of the
+        ``n``-th group it multiplies, counting across tiles (group ``wg + wgs (n % wg_groups)`` of this CTA's K
+        slice), one bulk copy counted by the stage's full mbarrier."""
+        stage = wg * self.lookahead + n % self.lookahead
         dst = cute.make_tensor(cute.recast_ptr(sA.iterator + stage * self.stage_elems(), dtype=Float32),
                                du.row_major(self.stage_elems() // 2))
-        bulk_fill(mFn[rank * self.groups + n % self.groups, None], dst, wfull.iterator + stage)
+        g = wg + self.wgs * (n % self.wg_groups)
+        bulk_fill(mFn[rank * self.groups + g, None], dst, wfull.iterator + stage)
 
     @cute.jit
-    def issue_group(self, tiled_mma, tCrA: list, tCrB: cute.Tensor, acc: list, wfull: cute.Tensor, n, g, slot):
-        """"wgmma": once ring stage ``n % lookahead`` has landed, the ``WG_GROUP`` MMAs of the tile's group ``g``
-        into ``acc`` (per m64 MMA of a step, A tiles ``tCrA``), the first one overwriting it; one commit group (no
-        wait between its MMAs: ptxas serialises the MMAs of a commit group that has one)."""
-        stage = n % self.lookahead
+    def issue_group(self, tiled_mma, tCrA: list, tCrB: cute.Tensor, acc: list, wfull: cute.Tensor, n, g, slot, wg):
+        """"wgmma": once warpgroup ``wg``'s ring stage ``n % lookahead`` has landed, the ``WG_GROUP`` MMAs of the
+        tile's group ``g`` into ``acc`` (per m64 MMA of a step, A tiles ``tCrA``), the first one overwriting it; one
+        commit group (no wait between its MMAs: ptxas serialises the MMAs of a commit group that has one)."""
+        stage = wg * self.lookahead + n % self.lookahead
         cute.arch.mbarrier_wait(wfull.iterator + stage, (n // self.lookahead) % 2)
         warpgroup.fence()
         mma_atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom per group: its ACCUMULATE flag changes
@@ -604,51 +616,40 @@ class OnchipSkeleton:
         warpgroup.commit_group()
 
     @cute.jit
-    def group_squares(self, sRc: cute.Tensor, slot, g, t, part) -> Float32:
-        """"wgmma": this thread's share of token ``t``'s squares in group ``g``: the 16-byte column ``part`` of the
-        token's two swizzled rows in the group (which octets of K they hold does not matter to a sum; a warp reads
-        four tokens' whole rows: no bank conflicts)."""
-        rc_rows = self.tokens * STREAMS * self.octets
-        total = Float32(0.0)
-        for h in cutlass.range_constexpr(2):
-            row = ((g * 2 + h) * self.tokens + t) * 8 + part  # rows of 64 K positions, two per group
-            total = total + du.sum_squares(sRc[slot * rc_rows + row, None].load().to(Float32))
-        return total
-
-    @cute.jit
     def retire_group(self, acc: list, dots: list, mFn: cute.Tensor, sA: cute.Tensor, wfull: cute.Tensor, n, rank,
-                     pending: int):
-        """"wgmma": once the group of ring stage ``n % lookahead`` is done (``pending`` later groups may still
-        run), ``acc`` is added into ``dots`` (per m64 MMA of a step) and each MMA warp releases the stage (its empty
-        mbarrier); the warpgroup's first thread refills it with the group ``lookahead`` on once every warp has."""
+                     pending: int, wg):
+        """"wgmma": once the group of warpgroup ``wg``'s ring stage ``n % lookahead`` is done (``pending`` later
+        groups may still run), ``acc`` is added into ``dots`` (per m64 MMA of a step) and each of its warps releases
+        the stage (its empty mbarrier); its first thread refills it with the group ``lookahead`` on once every warp
+        has."""
         warpgroup.wait_group(pending)
         for i in cutlass.range_constexpr(self.mmas()):
             for e in cutlass.range_constexpr(cute.size(acc[i])):
                 dots[i][e] = dots[i][e] + acc[i][e]
-        stage = n % self.lookahead
+        empty = wfull.iterator + (self.wgs + wg) * self.lookahead + n % self.lookahead
         if cute.arch.lane_idx() == 0:
-            cute.arch.mbarrier_arrive(wfull.iterator + self.lookahead + stage)
-        if cute.arch.thread_idx()[0] == self.threads + du.WARP:
-            cute.arch.mbarrier_wait(wfull.iterator + self.lookahead + stage, (n // self.lookahead) % 2)
-            self.fetch_group(mFn, sA, wfull, n + self.lookahead, rank)
+            cute.arch.mbarrier_arrive(empty)
+        if cute.arch.thread_idx()[0] == self.threads + du.WARP + 128 * wg:
+            cute.arch.mbarrier_wait(empty, (n // self.lookahead) % 2)
+            self.fetch_group(mFn, sA, wfull, n + self.lookahead, rank, wg)
 
     @cute.jit
     def project_wgmma(self, sRc: cute.Tensor, slot, rank, mFn: cute.Tensor, sRed: cute.Tensor, sA: cute.Tensor,
-                      wfull: cute.Tensor, sD: cute.Tensor, n0):
-        """The tile's partial rows by the MMA warpgroup: per 16 K positions one (two with three terms) bf16
-        warpgroup MMA, A = the weight's bf16 terms from the ring (``a_layout``), B = the tile's residual_cur (its 16
-        tokens as N) read in place; per ring stage (``WG_GROUP`` steps, 128 K positions) one commit group into the
-        tensor cores' accumulators, then an fp32 add, two groups at a time. While they run, each thread sums the
-        squares of 32 of its token's values (8 threads a token, in a fixed order); once a group is done its stage is
-        released and refilled
-        (``retire_group``; ``n0``: ring stages multiplied before this tile). Then the rows go through ``sD`` and
-        are summed per column in a fixed order, hi + lo or (hi + mid) + lo, into ``sRed[0]`` with the squares."""
-        wg_tid = cute.arch.thread_idx()[0] - (self.threads + du.WARP)
+                      wfull: cute.Tensor, sD: cute.Tensor, sSq: cute.Tensor, n0, wg):
+        """The tile's partial rows by the MMA warpgroups (``wg``: this one, taking groups ``wg``, ``wg + wgs``, ...):
+        per 16 K positions one (two with three terms) bf16 warpgroup MMA, A = the weight's bf16 terms from the
+        warpgroup's ring (``a_layout``), B = the tile's residual_cur (its 16 tokens as N) read in place; per ring
+        stage (``WG_GROUP`` steps, 128 K positions) one commit group into the tensor cores' accumulators, then an fp32
+        add; once a group is done its stage is released and refilled (``retire_group``; ``n0``: ring stages the
+        warpgroup multiplied before this tile). Then the rows go through ``sD`` and are summed per column in a fixed
+        order (per warpgroup hi + lo or (hi + mid) + lo, warpgroups in order) into ``sRed[0]``, with the squares
+        (``sSq``, from the post-map)."""
+        mma_tid = cute.arch.thread_idx()[0] - (self.threads + du.WARP)
         mma_threads = du.WARP * self.mma_warps
         op = warpgroup.MmaF16BF16Op(BFloat16, Float32, (WG_ROWS, self.tokens, WG_K), warpgroup.OperandSource.SMEM,
                                     OperandMajorMode.K, OperandMajorMode.K)
         tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(op), (1, 1, 1))
-        thr_mma = tiled_mma.get_slice(wg_tid)
+        thr_mma = tiled_mma.get_slice(mma_tid % 128)
         b_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
         k_slice = self.k_steps * WG_K
         b_layout = cute.tile_to_shape(b_atom, (self.tokens, k_slice, SLOTS), order=(0, 1, 2))
@@ -669,33 +670,36 @@ class OnchipSkeleton:
                 for _ in range(self.mmas())]
         for d in dots:
             d.fill(0.0)
-        t, part = wg_tid // 8, wg_tid % 8  # the squares: thread (token t, part) takes column part of t's rows
-        sq = Float32(0.0)
-        for i in cutlass.range(self.groups // 2, unroll=1):
+        for i in cutlass.range(self.wg_groups // 2, unroll=1):
             for h in cutlass.range_constexpr(2):
-                self.issue_group(tiled_mma, tCrA, tCrB, acc[h], wfull, n0 + 2 * i + h, 2 * i + h, slot)
+                local = 2 * i + h
+                self.issue_group(tiled_mma, tCrA, tCrB, acc[h], wfull, n0 + local, wg + self.wgs * local, slot, wg)
             for h in cutlass.range_constexpr(2):
-                sq = sq + self.group_squares(sRc, slot, 2 * i + h, t, part)
-            for h in cutlass.range_constexpr(2):
-                self.retire_group(acc[h], dots, mFn, sA, wfull, n0 + 2 * i + h, rank, 1 - h)
-        sq = du.warp_sum(sq, lanes=8)  # the token's 8 parts (adjacent lanes), in a fixed order
+                self.retire_group(acc[h], dots, mFn, sA, wfull, n0 + 2 * i + h, rank, 1 - h, wg)
+        if cutlass.const_expr(self.wg_groups % 2):  # an odd group out
+            local = self.wg_groups - 1
+            self.issue_group(tiled_mma, tCrA, tCrB, acc[0], wfull, n0 + local, wg + self.wgs * local, slot, wg)
+            self.retire_group(acc[0], dots, mFn, sA, wfull, n0 + local, rank, 0, wg)
         for i in cutlass.range_constexpr(self.mmas()):
-            rows = cute.make_tensor(sD.iterator + i * WG_ROWS * self.tokens, du.row_major(WG_ROWS, self.tokens))
+            rows = cute.make_tensor(sD.iterator + (wg * self.mmas() + i) * WG_ROWS * self.tokens,
+                                    du.row_major(WG_ROWS, self.tokens))
             thr_mma.partition_C(rows).store(dots[i].load())
         cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)
         for e in cutlass.range_constexpr(0, self.tokens * ROW, mma_threads):
-            i = e + wg_tid
+            i = e + mma_tid
             if i < self.tokens * ROW:
                 tt, c = i // ROW, i % ROW
+                total = Float32(0.0)
                 if c < MIXES:
-                    total = sD[c, tt] + sD[MIXES + c, tt]
-                    if cutlass.const_expr(self.terms == 3):  # lo of column c: row 48 + c (the second MMA's from 64)
-                        total = total + sD[2 * MIXES + c, tt]
-                    sRed[0, tt, c] = total
-                elif c > MIXES:
-                    sRed[0, tt, c] = Float32(0.0)
-        if part == 0:
-            sRed[0, t, MIXES] = sq
+                    for w in cutlass.range_constexpr(self.wgs):
+                        part = sD[w, c, tt] + sD[w, MIXES + c, tt]
+                        if cutlass.const_expr(self.terms == 3):  # lo of column c: row 48 + c (the second MMA's 64 on)
+                            part = part + sD[w, 2 * MIXES + c, tt]
+                        total = total + part
+                elif c == MIXES:
+                    for q in cutlass.range_constexpr(self.octets // 8):
+                        total = total + sSq[slot, tt, q]
+                sRed[0, tt, c] = total
 
     @cute.jit
     def block_weights(self, wbuf: cute.Tensor, stage):
@@ -848,10 +852,13 @@ class OnchipSkeleton:
                 cute.arch.store_async_dsmem(dst, cute.recast_tensor(bits, Int32)[0], mbar.iterator + slot, owner)
 
     @cute.jit
-    def post_map(self, raw: cute.Tensor, tile, rank, mRc: cute.Tensor, sRc: cute.Tensor, row0=0):
-        """residual_cur of the thread's octets to global memory and to shared memory."""
+    def post_map(self, raw: cute.Tensor, tile, rank, mRc: cute.Tensor, sRc: cute.Tensor, row0=0, sSq=None, slot=0):
+        """residual_cur of the thread's octets to global memory and to shared memory; with ``sSq`` (K-major: eight
+        lanes on a token's 64 K positions) their squares too, summed per token and 64 K positions into
+        ``sSq[slot]`` (streams in order, then the eight lanes)."""
         for p in cutlass.range_constexpr(self.per_thread):
             t, o, m, vec = self.octet(p, tile, rank)
+            sq = Float32(0.0)
             xv = raw[p, 0, None].load().to(Float32)
             rp = [raw[p, 1 + k, None].load().to(Float32) for k in range(STREAMS)]
             for j in cutlass.range_constexpr(STREAMS):
@@ -864,6 +871,12 @@ class OnchipSkeleton:
                 rounded = du.store_bf16x8(cute.local_tile(mRc[m, None], (VEC,), (j * (self.hidden // VEC) + vec,)),
                                           out.load())
                 sRc[row0 + self.rc_row(t, j, o), None].store(rounded.to(BFloat16))
+                if cutlass.const_expr(sSq is not None):
+                    sq = sq + du.sum_squares(rounded)
+            if cutlass.const_expr(sSq is not None):
+                sq = du.warp_sum(sq, lanes=8)
+                if cute.arch.lane_idx() % 8 == 0:
+                    sSq[slot, t, o // 8] = sq
 
     @cute.jit
     def collapse(self, tile, rank, sRc: cute.Tensor, gates: cute.Tensor, mLi: cute.Tensor, row0=0, slot=None):
