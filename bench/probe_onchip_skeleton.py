@@ -54,7 +54,7 @@ STREAMS = 4
 VEC = du.VEC_BF16
 SYNCS = ("none", "all", "warp", "async", "project")
 HANDOFFS = ("async", "project")  # the modes with mbarrier handoffs and the collapse a tile behind
-SLOTS = 2  # tiles in flight per buffer kind with "async"
+SLOTS = 2  # tiles in flight per buffer kind with "async" by default (``slots``): the collapse ``slots - 1`` behind
 MIXES = 24  # projection columns (SPEC: 4 pre, 4 post, 16 comb); the partial row's column MIXES is the sum of squares
 MMA_N = 8  # columns per m16n8k8 TF32 tile: three cover the mixes
 K_BLOCK = 4 * VEC  # K positions per warp-MMA block: four k8 steps, one octet of residual_cur per quad lane
@@ -102,7 +102,7 @@ class OnchipSkeleton:
     def __init__(self, cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224,
                  lookahead: int = 1, carry: bool = False, split: str = "round", mma_warps: int = 0,
                  mma_regs: int = 152, ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2,
-                 kmajor: bool = False):
+                 kmajor: bool = False, slots: int = SLOTS):
         assert sync in SYNCS and split in SPLITS and ring in RINGS and (mma_warps == 0 or sync == "project")
         assert ring != "bulk" or mma_warps, "the bulk ring feeds MMA warps of their own"
         assert ring != "wgmma" or (mma_warps in (4, 8) and lookahead >= 2 and lookahead & (lookahead - 1) == 0), \
@@ -111,6 +111,8 @@ class OnchipSkeleton:
         # shared memory (``ring``; each lane copies and reads back its own 16-byte pieces), with ``carry`` the next
         # tile's first blocks fetched at the end of this tile's projection (the weights are the same every tile)
         self.lookahead, self.carry, self.split, self.ring = lookahead, carry, split, ring
+        self.slots = slots
+        assert slots in (2, 3) and (slots == 2 or sync in HANDOFFS)
         self.chains = chains  # independent MMA accumulators per column tile (1, 2 or 4)
         self.unroll = unroll  # "bulk": blocks per iteration of the projection's loop
         self.terms = terms  # "wgmma": bf16 terms of the weight (2: hi + lo, 3: hi + mid + lo)
@@ -149,11 +151,11 @@ class OnchipSkeleton:
             assert ring != "wgmma" or self.k_steps % (self.wgs * WG_GROUP) == 0, "whole groups per warpgroup"
             self.wg_groups = self.groups // self.wgs
             assert not carry or ring in ("bulk", "wgmma") or self.blocks_per_warp % lookahead == 0, "ring lines up"
-            smem = (SLOTS * tokens * STREAMS * self.octets * VEC * 2 + SLOTS * tokens * (ROW + GATES) * 4
+            smem = (slots * tokens * STREAMS * self.octets * VEC * 2 + slots * tokens * (ROW + GATES) * 4
                     + self.red_rows() * tokens * ROW * 4
                     + (self.proj_warps * lookahead * MIXES * du.WARP * 4 if ring in ("cp.async", "bulk") else 0)
-                    + ((self.wgs * lookahead * self.stage_elems() + self.ring_pad()) * 2
-                       + (self.wgs * self.mmas() * WG_ROWS + SLOTS * self.octets // 8) * tokens * 4
+                    + (self.wgs * lookahead * self.stage_elems() * 2
+                       + (self.wgs * self.mmas() * WG_ROWS + slots * self.octets // 8) * tokens * 4
                        if ring == "wgmma" else 0))
             assert smem <= 227 * 1024, f"{smem} bytes of shared memory"
 
@@ -186,13 +188,10 @@ class OnchipSkeleton:
     def stage_elems(self) -> int:
         """"wgmma": bf16 elements of a ring stage, all of them brought by its bulk copy: the group's A tiles (K
         first, 8-row slabs of ``WG_ROW_GROUP``); rows whose products nobody reads need addresses, not data. Two
-        terms: rows 0-47, rows 48-63 reading into the next stage (past the last one, ``ring_pad``); three terms: the
-        second MMA's slab of the last 8 lo rows first, its other rows reading into the first MMA's 64 rows."""
+        terms: rows 0-47, rows 48-63 reading into the next stage (past the last one, into ``sD``, allocated right
+        after the ring and at least as large); three terms: the second MMA's slab of the last 8 lo rows first, its
+        other rows reading into the first MMA's 64 rows."""
         return 6 * WG_ROW_GROUP if self.terms == 2 else WG_SET + WG_ROW_GROUP
-
-    def ring_pad(self) -> int:
-        """"wgmma": elements after the ring that the last stage's unread rows reach (two terms: rows 48-63)."""
-        return 2 * WG_ROW_GROUP if self.terms == 2 else 0
 
     def red_rows(self) -> int:
         """Partial rows per token that the push sums: one per projecting warp, or one with "wgmma" (its epilogue
@@ -335,13 +334,14 @@ class OnchipSkeleton:
         tidx, _, _ = cute.arch.thread_idx()
         rc_rows = self.tokens * STREAMS * self.octets
         # (1024-byte aligned with "wgmma": the MMAs read it through matrix descriptors)
-        sRc = smem.allocate_tensor(BFloat16, du.row_major(SLOTS * rc_rows, VEC), 1024 if self.ring == "wgmma" else 16)
+        sRc = smem.allocate_tensor(BFloat16, du.row_major(self.slots * rc_rows, VEC),
+                                   1024 if self.ring == "wgmma" else 16)
         # this CTA's tokens' partial rows as pushed by each CTA of the cluster, and every token's gates
-        received = smem.allocate_tensor(Float32, du.row_major(SLOTS, self.cluster, self.own, ROW), 16)
-        gates = smem.allocate_tensor(Float32, du.row_major(SLOTS, self.tokens, GATES), 16)
-        # partials[SLOTS], gates[SLOTS], and with MMA warps rc_full[SLOTS] (the tile's residual_cur is in sRc)
+        received = smem.allocate_tensor(Float32, du.row_major(self.slots, self.cluster, self.own, ROW), 16)
+        gates = smem.allocate_tensor(Float32, du.row_major(self.slots, self.tokens, GATES), 16)
+        # partials[slots], gates[slots], and with MMA warps rc_full[slots] (the tile's residual_cur is in sRc)
         kinds = 3 if self.mma_warps else 2
-        mbar = smem.allocate_tensor(cutlass.Int64, du.row_major(kinds * SLOTS), 8)
+        mbar = smem.allocate_tensor(cutlass.Int64, du.row_major(kinds * self.slots), 8)
         # "bulk": one mbarrier per ring stage of each MMA warp, completed by the stage's bulk copy; "wgmma": per stage
         # of the warpgroup's ring a full one (the bulk copy) and then an empty one (each MMA warp, once its MMAs of
         # the stage are done)
@@ -358,12 +358,12 @@ class OnchipSkeleton:
         if cutlass.const_expr(self.ring == "bulk"):  # the projection's weight ring
             wbuf = smem.allocate_tensor(Float32, du.row_major(self.proj_warps * self.lookahead, BLOCK_FLOATS), 128)
         elif cutlass.const_expr(self.ring == "wgmma"):  # the ring's stages (``a_layout`` reads them)
-            wbuf = smem.allocate_tensor(
-                BFloat16, du.row_major(self.wgs * self.lookahead * self.stage_elems() + self.ring_pad()), 1024)
-            # each warpgroup's MMA rows (the second MMA's after the first's), summed per column
+            wbuf = smem.allocate_tensor(BFloat16, du.row_major(self.wgs * self.lookahead * self.stage_elems()), 1024)
+            # each warpgroup's MMA rows (the second MMA's after the first's), summed per column (right after the
+            # ring: what the last stage's unread rows read)
             sD = smem.allocate_tensor(Float32, du.row_major(self.wgs, self.mmas() * WG_ROWS, self.tokens), 16)
             # the tile's squares, per token and 64 K positions of the slice, from the loaders' post-map
-            sSq = smem.allocate_tensor(Float32, du.row_major(SLOTS, self.tokens, self.octets // 8), 16)
+            sSq = smem.allocate_tensor(Float32, du.row_major(self.slots, self.tokens, self.octets // 8), 16)
         elif cutlass.const_expr(self.ring != "cp.async"):
             wbuf = cute.make_rmem_tensor((self.lookahead, MIXES // MMA_N, VEC), Float32)
         else:
@@ -376,11 +376,11 @@ class OnchipSkeleton:
         partial_bytes = self.cluster * self.own * ROW * 4
         gate_bytes = self.tokens * GATES * 4
         if tidx == 0:
-            for i in cutlass.range_constexpr(2 * SLOTS):
+            for i in cutlass.range_constexpr(2 * self.slots):
                 cute.arch.mbarrier_init(mbar.iterator + i, 1)
             if cutlass.const_expr(self.mma_warps):
-                for i in cutlass.range_constexpr(SLOTS):
-                    cute.arch.mbarrier_init(mbar.iterator + 2 * SLOTS + i, self.threads)
+                for i in cutlass.range_constexpr(self.slots):
+                    cute.arch.mbarrier_init(mbar.iterator + 2 * self.slots + i, self.threads)
             if cutlass.const_expr(self.ring in rings):
                 for i in cutlass.range_constexpr(rings[self.ring] * self.lookahead):
                     arrivals = 4 if self.ring == "wgmma" and i >= self.wgs * self.lookahead else 1
@@ -398,7 +398,7 @@ class OnchipSkeleton:
                 self.set_registers(self.loader_regs)
             for it in cutlass.range(count, unroll=1):
                 tile = first + it * self.clusters
-                slot = it % SLOTS
+                slot = it % self.slots
                 if cutlass.const_expr(self.ring == "wgmma"):
                     self.post_map(raw, tile, rank, mRc, sRc, slot * rc_rows, sSq, slot)
                 else:
@@ -408,7 +408,7 @@ class OnchipSkeleton:
                     # the warpgroup MMAs read it through the async proxy, hence the fence)
                     if cutlass.const_expr(self.ring == "wgmma"):
                         cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.mbarrier_arrive(mbar.iterator + 2 * SLOTS + slot)
+                    cute.arch.mbarrier_arrive(mbar.iterator + 2 * self.slots + slot)
                 self.load_tile(raw, cutlass.min(tile + self.clusters, n_tiles - 1), rank, mX, mRes, loader)
                 if cutlass.const_expr(not self.mma_warps):
                     # every loading warp of this CTA is past its collapse of tile it - 2 before any of them pushes
@@ -422,15 +422,12 @@ class OnchipSkeleton:
                         cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)  # sRed complete
                     self.push_partials(tile, rank, received, mbar, slot, sRed, 0, self.threads)
                 if tidx == 0:  # this tile's gates: counted on this slot's next phase
-                    cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + SLOTS + slot, gate_bytes)
-                if it > 0:
-                    prev = (it - 1) % SLOTS
-                    cute.arch.mbarrier_wait(mbar.iterator + SLOTS + prev, ((it - 1) // SLOTS) % 2)
-                    self.collapse(tile - self.clusters, rank, sRc, gates, mLi, prev * rc_rows, prev)
-            if count > 0:
-                last = (count - 1) % SLOTS
-                cute.arch.mbarrier_wait(mbar.iterator + SLOTS + last, ((count - 1) // SLOTS) % 2)
-                self.collapse(first + (count - 1) * self.clusters, rank, sRc, gates, mLi, last * rc_rows, last)
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + self.slots + slot, gate_bytes)
+                if it >= self.slots - 1:
+                    self.collapse_when_gated(it - (self.slots - 1), first, rank, sRc, gates, mbar, mLi)
+            for k in cutlass.range_constexpr(self.slots - 1):  # the last tiles' collapses
+                if count - (self.slots - 1) + k >= 0:
+                    self.collapse_when_gated(count - (self.slots - 1) + k, first, rank, sRc, gates, mbar, mLi)
         elif mma_warp:
             if cutlass.const_expr(self.mma_warps):
                 self.set_registers(self.mma_regs)
@@ -446,8 +443,8 @@ class OnchipSkeleton:
                             self.fetch_group(mFn, wbuf, wfull, n, rank, wg)
                 for it in cutlass.range(count, unroll=1):
                     tile = first + it * self.clusters
-                    slot, parity = it % SLOTS, (it // SLOTS) % 2
-                    cute.arch.mbarrier_wait(mbar.iterator + 2 * SLOTS + slot, parity)
+                    slot, parity = it % self.slots, (it // self.slots) % 2
+                    cute.arch.mbarrier_wait(mbar.iterator + 2 * self.slots + slot, parity)
                     if cutlass.const_expr(self.ring == "wgmma"):
                         self.project_wgmma(sRc, slot, rank, mFn, sRed, wbuf, wfull, sD, sSq, it * self.wg_groups,
                                            wg)
@@ -467,7 +464,7 @@ class OnchipSkeleton:
                 self.set_registers(self.loader_regs)
             lane = cute.arch.lane_idx()
             for it in cutlass.range(count, unroll=1):
-                slot, parity = it % SLOTS, (it // SLOTS) % 2
+                slot, parity = it % self.slots, (it // self.slots) % 2
                 if lane == 0:
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + slot, partial_bytes)
                 cute.arch.mbarrier_wait(mbar.iterator + slot, parity)
@@ -486,13 +483,23 @@ class OnchipSkeleton:
         cute.arch.cluster_wait()
 
     @cute.jit
+    def collapse_when_gated(self, it, first, rank, sRc: cute.Tensor, gates: cute.Tensor, mbar: cute.Tensor,
+                            mLi: cute.Tensor):
+        """The collapse of the cluster's ``it``-th tile once its gates are in (``slots`` - 1 tiles behind the
+        post-map)."""
+        slot = it % self.slots
+        cute.arch.mbarrier_wait(mbar.iterator + self.slots + slot, (it // self.slots) % 2)
+        self.collapse(first + it * self.clusters, rank, sRc, gates, mLi,
+                      slot * self.tokens * STREAMS * self.octets, slot)
+
+    @cute.jit
     def push_gate(self, gate: Float32, token, c, gates: cute.Tensor, mbar: cute.Tensor, slot):
         """One gate into every CTA of the cluster (st.async, counted by each one's gate mbarrier of ``slot``)."""
         bits = cute.make_rmem_tensor((1,), Float32)
         bits[0] = gate
         for peer in cutlass.range_constexpr(self.cluster):
             cute.arch.store_async_dsmem(gates.iterator + (slot * self.tokens + token) * GATES + c,
-                                        cute.recast_tensor(bits, Int32)[0], mbar.iterator + SLOTS + slot, peer)
+                                        cute.recast_tensor(bits, Int32)[0], mbar.iterator + self.slots + slot, peer)
 
     @cute.jit
     def gates_from_projection(self, rank, received: cute.Tensor, gates: cute.Tensor, mbar: cute.Tensor, slot):
@@ -652,7 +659,7 @@ class OnchipSkeleton:
         thr_mma = tiled_mma.get_slice(mma_tid % 128)
         b_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
         k_slice = self.k_steps * WG_K
-        b_layout = cute.tile_to_shape(b_atom, (self.tokens, k_slice, SLOTS), order=(0, 1, 2))
+        b_layout = cute.tile_to_shape(b_atom, (self.tokens, k_slice, self.slots), order=(0, 1, 2))
         # (the MMA wants the swizzle on the pointer, the layout affine)
         sB = cute.make_tensor(cute.recast_ptr(sRc.iterator, b_layout.inner, BFloat16), b_layout.outer)
         tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
@@ -909,9 +916,10 @@ def bulk_fill(src: cute.Tensor, dst: cute.Tensor, full):
 
 def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224, lookahead: int = 1,
              carry: bool = False, split: str = "round", mma_warps: int = 0, mma_regs: int = 152,
-             ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2, kmajor: bool = False):
+             ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2, kmajor: bool = False,
+             slots: int = SLOTS):
     skeleton = OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads, lookahead, carry, split, mma_warps,
-                              mma_regs, ring, chains, unroll, terms, kmajor)
+                              mma_regs, ring, chains, unroll, terms, kmajor, slots)
     return compile_kernel(skeleton, fake_buffer(BFloat16),
                           fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(Float32))
 
@@ -1004,6 +1012,8 @@ def main() -> int:
                     "of the weight (3: fp32's 24 mantissa bits)")
     ap.add_argument("--kmajor", action="store_true", help="residual_cur in shared memory K-major, as the wgmma ring "
                     "has it, in every mode")
+    ap.add_argument("--slots", type=int, nargs="+", default=[SLOTS], choices=(2, 3), help='"async" and "project": '
+                    "tiles in flight (residual_cur, partials and gates buffers; the collapse slots - 1 tiles behind)")
     ap.add_argument("--mma-regs", type=int, nargs="+", default=[152], help="registers per MMA-warp thread (setmaxnreg; "
                     "the loading warps and the tail warp share the rest)")
     ap.add_argument("--reps", type=int, default=20)
@@ -1025,12 +1035,13 @@ def main() -> int:
             fnd = fn.to(dev)
             prepared = {"bulk": blocked_weight(fn, cluster).to(dev),
                         "wgmma": wgmma_weight(fn, cluster, args.terms).to(dev)}
-            variants = [(sync, 1, False, "round", 0, 0, "registers", 1) for sync in args.sync if sync != "project"]
+            variants = [(sync, 1, False, "round", 0, 0, "registers", 1, sl) for sync in args.sync
+                        if sync != "project" for sl in (args.slots if sync in HANDOFFS else [SLOTS])]
             if "project" in args.sync:
-                variants += [("project", la, bool(c), sp, w, r, ring, ch) for ring in args.ring
+                variants += [("project", la, bool(c), sp, w, r, ring, ch, sl) for ring in args.ring
                              for w in args.mma_warps for la in args.lookahead for c in args.carry for sp in args.split
-                             for r in (args.mma_regs if w else [0]) for ch in args.chains]
-            for sync, lookahead, carry, split, mma_warps, mma_regs, ring, chains in variants:
+                             for r in (args.mma_regs if w else [0]) for ch in args.chains for sl in args.slots]
+            for sync, lookahead, carry, split, mma_warps, mma_regs, ring, chains, slots in variants:
                 name = sync if sync != "project" else (f"project ({ring} lookahead {lookahead}, carry {int(carry)}, "
                                                        f"{split}, {chains} chains, {mma_warps} MMA warps" +
                                                        (f", unroll {args.unroll}" if ring == "bulk" else "") +
@@ -1038,9 +1049,12 @@ def main() -> int:
                                                        (f" at {mma_regs} registers)" if mma_warps else ")"))
                 if args.kmajor and sync != "project":
                     name += ", K-major"
+                if slots != SLOTS:
+                    name += f", {slots} slots"
                 try:
                     kernel = compiled(cluster, tokens, h, clusters, sync, args.threads, lookahead, carry, split,
-                                      mma_warps, mma_regs or 152, ring, chains, args.unroll, args.terms, args.kmajor)
+                                      mma_warps, mma_regs or 152, ring, chains, args.unroll, args.terms, args.kmajor,
+                                      slots)
                 except Exception as e:  # a shape the probe or the DSL refuses: say so, go on
                     print(f"S={cluster} T={tokens} sync={name}: not compiled ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:120]})", flush=True)
