@@ -152,7 +152,7 @@ class OnchipSkeleton:
             self.wg_groups = self.groups // self.wgs
             assert not carry or ring in ("bulk", "wgmma") or self.blocks_per_warp % lookahead == 0, "ring lines up"
             smem = (slots * tokens * STREAMS * self.octets * VEC * 2 + slots * tokens * (ROW + GATES) * 4
-                    + self.red_rows() * tokens * ROW * 4
+                    + (self.proj_warps * tokens * ROW * 4 if ring != "wgmma" else 0)
                     + (self.proj_warps * lookahead * MIXES * du.WARP * 4 if ring in ("cp.async", "bulk") else 0)
                     + (self.wgs * lookahead * self.stage_elems() * 2
                        + (self.wgs * self.mmas() * WG_ROWS + slots * self.octets // 8) * tokens * 4
@@ -194,9 +194,8 @@ class OnchipSkeleton:
         return 6 * WG_ROW_GROUP if self.terms == 2 else WG_SET + WG_ROW_GROUP
 
     def red_rows(self) -> int:
-        """Partial rows per token that the push sums: one per projecting warp, or one with "wgmma" (its epilogue
-        adds the hi and lo rows)."""
-        return 1 if self.ring == "wgmma" else self.proj_warps
+        """Partial rows per token that the push sums: one per projecting warp (not "wgmma": it pushes its own)."""
+        return self.proj_warps
 
     def rc_row(self, t, j, o):
         """The 16-byte row of token ``t``'s octet ``o`` of stream ``j`` in a tile's residual_cur in shared memory:
@@ -351,7 +350,7 @@ class OnchipSkeleton:
         # "project": each projecting warp's partial rows of the tile, summed over the warps in order before the push
         # (the other modes pass ``received`` in its place, unread, so that their shared memory stays as measured)
         sRed = (smem.allocate_tensor(Float32, du.row_major(self.red_rows(), self.tokens, ROW), 16)
-                if self.sync == "project" else received)
+                if self.sync == "project" and self.ring != "wgmma" else received)
         mma_threads = du.WARP * self.mma_warps
         mma_warp = tidx >= self.threads + du.WARP  # after the tail warp (never, without MMA warps)
         projecting = mma_warp if self.mma_warps else loader
@@ -445,14 +444,15 @@ class OnchipSkeleton:
                     tile = first + it * self.clusters
                     slot, parity = it % self.slots, (it // self.slots) % 2
                     cute.arch.mbarrier_wait(mbar.iterator + 2 * self.slots + slot, parity)
-                    if cutlass.const_expr(self.ring == "wgmma"):
-                        self.project_wgmma(sRc, slot, rank, mFn, sRed, wbuf, wfull, sD, sSq, it * self.wg_groups,
-                                           wg)
+                    if cutlass.const_expr(self.ring == "wgmma"):  # (pushes the rows itself)
+                        self.project_wgmma(sRc, slot, rank, mFn, received, mbar, wbuf, wfull, sD, sSq,
+                                           it * self.wg_groups, wg)
                     else:
                         self.project(sRc, slot * rc_rows, rank, mFn, sRed, wbuf, wfull, it * self.blocks_per_warp)
-                    cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sRed complete
-                    self.push_partials(tile, rank, received, mbar, slot, sRed, self.threads + du.WARP, mma_threads)
-                    cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sRed read: free for the next
+                        cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sRed complete
+                        self.push_partials(tile, rank, received, mbar, slot, sRed, self.threads + du.WARP,
+                                           mma_threads)
+                        cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sRed read: free
                 # no CTA exits with a bulk copy in flight: the ring's last fills, for stages never multiplied
                 if cutlass.const_expr(self.ring == "bulk"):
                     self.drain(wfull.iterator + self.proj_warp() * self.lookahead, count * self.blocks_per_warp)
@@ -641,18 +641,17 @@ class OnchipSkeleton:
             self.fetch_group(mFn, sA, wfull, n + self.lookahead, rank, wg)
 
     @cute.jit
-    def project_wgmma(self, sRc: cute.Tensor, slot, rank, mFn: cute.Tensor, sRed: cute.Tensor, sA: cute.Tensor,
-                      wfull: cute.Tensor, sD: cute.Tensor, sSq: cute.Tensor, n0, wg):
-        """The tile's partial rows by the MMA warpgroups (``wg``: this one, taking groups ``wg``, ``wg + wgs``, ...):
-        per 16 K positions one (two with three terms) bf16 warpgroup MMA, A = the weight's bf16 terms from the
-        warpgroup's ring (``a_layout``), B = the tile's residual_cur (its 16 tokens as N) read in place; per ring
-        stage (``WG_GROUP`` steps, 128 K positions) one commit group into the tensor cores' accumulators, then an fp32
-        add; once a group is done its stage is released and refilled (``retire_group``; ``n0``: ring stages the
-        warpgroup multiplied before this tile). Then the rows go through ``sD`` and are summed per column in a fixed
-        order (per warpgroup hi + lo or (hi + mid) + lo, warpgroups in order) into ``sRed[0]``, with the squares
-        (``sSq``, from the post-map)."""
+    def project_wgmma(self, sRc: cute.Tensor, slot, rank, mFn: cute.Tensor, received: cute.Tensor,
+                      mbar: cute.Tensor, sA: cute.Tensor, wfull: cute.Tensor, sD: cute.Tensor, sSq: cute.Tensor, n0,
+                      wg):
+        """The tile's partial rows by the MMA warpgroups (``wg``: this one, taking groups ``wg``, ``wg + wgs``, ...),
+        pushed to their owners: per 16 K positions one (two with three terms) bf16 warpgroup MMA, A = the weight's
+        bf16 terms from the warpgroup's ring (``a_layout``, rows as ``weight_row`` places them), B = the tile's
+        residual_cur (its 16 tokens as N) read in place; per ring stage (``WG_GROUP`` steps, 128 K positions) one
+        commit group into the tensor cores' accumulators, then an fp32 add; once a group is done its stage is
+        released and refilled (``retire_group``; ``n0``: ring stages the warpgroup multiplied before this tile).
+        Then ``push_rows``."""
         mma_tid = cute.arch.thread_idx()[0] - (self.threads + du.WARP)
-        mma_threads = du.WARP * self.mma_warps
         op = warpgroup.MmaF16BF16Op(BFloat16, Float32, (WG_ROWS, self.tokens, WG_K), warpgroup.OperandSource.SMEM,
                                     OperandMajorMode.K, OperandMajorMode.K)
         tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(op), (1, 1, 1))
@@ -687,26 +686,73 @@ class OnchipSkeleton:
             local = self.wg_groups - 1
             self.issue_group(tiled_mma, tCrA, tCrB, acc[0], wfull, n0 + local, wg + self.wgs * local, slot, wg)
             self.retire_group(acc[0], dots, mFn, sA, wfull, n0 + local, rank, 0, wg)
-        for i in cutlass.range_constexpr(self.mmas()):
-            rows = cute.make_tensor(sD.iterator + (wg * self.mmas() + i) * WG_ROWS * self.tokens,
-                                    du.row_major(WG_ROWS, self.tokens))
-            thr_mma.partition_C(rows).store(dots[i].load())
-        cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)
-        for e in cutlass.range_constexpr(0, self.tokens * ROW, mma_threads):
-            i = e + mma_tid
-            if i < self.tokens * ROW:
-                tt, c = i // ROW, i % ROW
-                total = Float32(0.0)
-                if c < MIXES:
-                    for w in cutlass.range_constexpr(self.wgs):
-                        part = sD[w, c, tt] + sD[w, MIXES + c, tt]
-                        if cutlass.const_expr(self.terms == 3):  # lo of column c: row 48 + c (the second MMA's 64 on)
-                            part = part + sD[w, 2 * MIXES + c, tt]
-                        total = total + part
-                elif c == MIXES:
-                    for q in cutlass.range_constexpr(self.octets // 8):
-                        total = total + sSq[slot, tt, q]
-                sRed[0, tt, c] = total
+        self.push_rows(dots, thr_mma, slot, rank, received, mbar, sD, sSq, wg)
+
+    @cute.jit
+    def push_rows(self, dots: list, thr_mma, slot, rank, received: cute.Tensor, mbar: cute.Tensor, sD: cute.Tensor,
+                  sSq: cute.Tensor, wg):
+        """"wgmma": the tile's partial rows from the MMA warpgroups' sums ``dots``, pushed (``push_value``): per
+        column the terms added in a fixed order (hi + lo, or (hi + mid) + lo), then the warpgroups in order; the
+        squares (``sSq``, from the post-map) in column ``MIXES``; zeros after. Two terms: in registers (each thread
+        holds both terms of its columns, ``weight_row``), the second warpgroup's sums through ``sD``; three: all
+        rows through ``sD``."""
+        mma_tid = cute.arch.thread_idx()[0] - (self.threads + du.WARP)
+        mma_threads = du.WARP * self.mma_warps
+        if cutlass.const_expr(self.terms == 2):
+            # thread (warp w, lane l) of a warpgroup: accumulator rows 16 w + l // 4 (hi of column 8 w + l // 4)
+            # and 8 below (its lo), tokens 8 j + 2 (l % 4) + e at values 4 j + e and 4 j + 2 + e (wgmma's layout)
+            warp, lane = (mma_tid % 128) // du.WARP, cute.arch.lane_idx()
+            sums = cute.make_rmem_tensor((4,), Float32)
+            for j in cutlass.range_constexpr(2):
+                for e in cutlass.range_constexpr(2):
+                    sums[2 * j + e] = dots[0][4 * j + e] + dots[0][4 * j + 2 + e]
+            if cutlass.const_expr(self.wgs == 2):  # the second warpgroup's sums, added by the first
+                other = cute.make_tensor(cute.recast_ptr(sD.iterator, dtype=Float32),
+                                         du.row_major(self.slots, 128, 4))
+                if wg == 1:
+                    other[slot, mma_tid % 128, None].store(sums.load())
+                cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)
+                if wg == 0:
+                    theirs = other[slot, mma_tid, None].load()
+                    for k in cutlass.range_constexpr(4):
+                        sums[k] = sums[k] + theirs[k]
+            if wg == 0:
+                if warp < 3:
+                    for j in cutlass.range_constexpr(2):
+                        for e in cutlass.range_constexpr(2):
+                            self.push_value(sums[2 * j + e], 8 * j + 2 * (lane % 4) + e, 8 * warp + lane // 4,
+                                            rank, received, mbar, slot)
+                else:  # warp 3 (no weight rows): the squares and the zero columns, token l // 2
+                    t = lane // 2
+                    for k in cutlass.range_constexpr(4):
+                        c = MIXES + 4 * (lane % 2) + k
+                        total = Float32(0.0)
+                        if c == MIXES:
+                            for q in cutlass.range_constexpr(self.octets // 8):
+                                total = total + sSq[slot, t, q]
+                        self.push_value(total, t, c, rank, received, mbar, slot)
+        else:
+            for i in cutlass.range_constexpr(self.mmas()):
+                rows = cute.make_tensor(sD.iterator + (wg * self.mmas() + i) * WG_ROWS * self.tokens,
+                                        du.row_major(WG_ROWS, self.tokens))
+                thr_mma.partition_C(rows).store(dots[i].load())
+            cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)
+            for e in cutlass.range_constexpr(0, self.tokens * ROW, mma_threads):
+                i = e + mma_tid
+                if i < self.tokens * ROW:
+                    tt, c = i // ROW, i % ROW
+                    total = Float32(0.0)
+                    if c < MIXES:
+                        for w in cutlass.range_constexpr(self.wgs):
+                            part = Float32(0.0)
+                            for term in cutlass.range_constexpr(self.terms):
+                                part = part + sD[w, weight_row(self.terms, term, c), tt]
+                            total = total + part
+                    elif c == MIXES:
+                        for q in cutlass.range_constexpr(self.octets // 8):
+                            total = total + sSq[slot, tt, q]
+                    self.push_value(total, tt, c, rank, received, mbar, slot)
+            cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sD read: free for the next tile
 
     @cute.jit
     def block_weights(self, wbuf: cute.Tensor, stage):
@@ -838,25 +884,30 @@ class OnchipSkeleton:
     @cute.jit
     def push_partials(self, tile, rank, received: cute.Tensor, mbar: cute.Tensor, slot, sRed: cute.Tensor,
                       first: int, count: int):
-        """The tile's partial rows into their owners' ``received`` (st.async, counted by the owner's mbarrier of
-        ``slot``): row of token t goes to CTA t // own, at this CTA's rank. Synthetic rows, or with "project" the
-        sums of the warps' rows in warp order."""
+        """The tile's partial rows into their owners' ``received`` (``push_value``). Synthetic rows, or with
+        "project" the sums of the warps' rows in warp order."""
         tidx, _, _ = cute.arch.thread_idx()
         for i in cutlass.range_constexpr(0, self.tokens * ROW, count):  # by the threads first .. first + count - 1
             e = i + tidx - first
             if e < self.tokens * ROW:
                 t, c = e // ROW, e % ROW
-                bits = cute.make_rmem_tensor((1,), Float32)
                 if cutlass.const_expr(self.sync == "project"):
                     total = sRed[0, t, c]
                     for w in cutlass.range_constexpr(1, self.red_rows()):
                         total = total + sRed[w, t, c]
-                    bits[0] = total
+                    self.push_value(total, t, c, rank, received, mbar, slot)
                 else:
-                    bits[0] = device_partial(tile * self.tokens + t, c, rank)
-                owner = t // self.own
-                dst = received.iterator + ((slot * self.cluster + rank) * self.own + t % self.own) * ROW + c
-                cute.arch.store_async_dsmem(dst, cute.recast_tensor(bits, Int32)[0], mbar.iterator + slot, owner)
+                    self.push_value(device_partial(tile * self.tokens + t, c, rank), t, c, rank, received, mbar,
+                                    slot)
+
+    @cute.jit
+    def push_value(self, value: Float32, t, c, rank, received: cute.Tensor, mbar: cute.Tensor, slot):
+        """Column ``c`` of token ``t``'s partial row into its owner's ``received`` (CTA t // own, at this CTA's
+        rank; st.async, counted by the owner's mbarrier of ``slot``)."""
+        bits = cute.make_rmem_tensor((1,), Float32)
+        bits[0] = value
+        dst = received.iterator + ((slot * self.cluster + rank) * self.own + t % self.own) * ROW + c
+        cute.arch.store_async_dsmem(dst, cute.recast_tensor(bits, Int32)[0], mbar.iterator + slot, t // self.own)
 
     @cute.jit
     def post_map(self, raw: cute.Tensor, tile, rank, mRc: cute.Tensor, sRc: cute.Tensor, row0=0, sSq=None, slot=0):
@@ -934,13 +985,23 @@ def blocked_weight(fn, cluster: int):
     return parts.permute(3, 2, 4, 0, 6, 1, 5, 7).contiguous().view(-1)
 
 
+def weight_row(terms: int, term: int, c):
+    """"wgmma": the A row of term ``term`` of weight column ``c``, counting the second MMA's rows after the first's 64.
+    Two terms: per 16-row block of 8 columns (one MMA warp's accumulator rows), hi in its first 8 rows and lo in the
+    next 8, so that each thread holds both terms of its columns (rows 48-63 unused). Three terms: hi rows 0-23, mid
+    24-47, lo 48-71 (the second MMA's rows 0-7 for columns 16-23)."""
+    if terms == 2:
+        return 16 * (c // 8) + 8 * term + c % 8
+    return MIXES * term + c
+
+
 def wgmma_weight(fn, cluster: int, terms: int = 2):
     """``fn [24, 4 H]`` as the "wgmma" ring's stages (what each bulk copy brings), returned as fp32 words holding bf16
     pairs: per CTA rank r and group G (128 K positions of the rank's slice, streams one after another), 64 rows x 128
     K positions per m64 MMA in ``OnchipSkeleton.a_layout``'s order (8-row slabs of 8 x 8 core matrices, K first:
-    element (m, k) at (m // 8) 1024 + (k // 8) 64 + (m % 8) 8 + k % 8). Two terms: rows 0-23 the weight rounded to
-    bf16 (hi), 24-47 the rest rounded to bf16 (lo: hi + lo carries 16 of fp32's 24 mantissa bits); the slabs of rows
-    48-63 are not copied. Three terms: the second MMA's first slab (lo of columns 16-23), then the first MMA's 64 rows:
+    element (m, k) at (m // 8) 1024 + (k // 8) 64 + (m % 8) 8 + k % 8), rows as ``weight_row`` places them. Two
+    terms: the weight rounded to bf16 (hi) and the rest rounded to bf16 (lo: hi + lo carries 16 of fp32's 24 mantissa
+    bits) in rows 0-47; the slabs of rows 48-63 are not copied. Three terms: the second MMA's first slab (lo of columns 16-23), then the first MMA's 64 rows:
     hi, mid (the rest after hi), lo of columns 0-15 (hi + mid + lo carries all 24 bits)."""
     h = fn.shape[1] // STREAMS
     k_slice = STREAMS * h // cluster
@@ -948,7 +1009,9 @@ def wgmma_weight(fn, cluster: int, terms: int = 2):
     rest = fn - hi.float()
     second = rest.to(torch.bfloat16)  # lo with two terms, mid with three
     if terms == 2:
-        rows = torch.cat([hi, second, torch.zeros(WG_ROWS - 2 * MIXES, fn.shape[1], dtype=torch.bfloat16)])
+        rows = torch.zeros(WG_ROWS, fn.shape[1], dtype=torch.bfloat16)
+        for term, part in enumerate((hi, second)):
+            rows[[weight_row(2, term, c) for c in range(MIXES)]] = part
     else:
         lo = (rest - second.float()).to(torch.bfloat16)
         # the second MMA's 8 lo rows as the last slab of a set of their own, so that they precede the first's

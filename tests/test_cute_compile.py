@@ -306,9 +306,10 @@ def _wgmma_offset(m, k):
 @pytest.mark.parametrize("terms", [2, 3])
 def test_onchip_skeleton_wgmma_weight(terms):
     """The "wgmma" ring's stages as the bulk copies bring them: per CTA rank r and group G (128 K positions of the
-    rank's slice), element (m, k) of an MMA's A at (m // 8) 1024 + (k // 8) 64 + (m % 8) 8 + k % 8; two terms: rows
-    0-23 bf16 hi, 24-47 bf16 lo (rows 48-63 not copied); three terms: the second MMA's 8 rows (lo of columns
-    16-23) first, then hi, mid, lo of columns 0-15 (hi + mid + lo within 2^-24 of the weight)."""
+    rank's slice), element (m, k) of an MMA's A at (m // 8) 1024 + (k // 8) 64 + (m % 8) 8 + k % 8, term t of column
+    c in row ``weight_row(terms, t, c)``; two terms: bf16 hi and lo in rows 0-47 (rows 48-63 not copied); three terms:
+    the second MMA's 8 rows (lo of columns 16-23) first, then the first MMA's 64 (hi + mid + lo within 2^-24 of the
+    weight)."""
     probe = _bench_module("probe_onchip_skeleton")
     torch = pytest.importorskip("torch")
     hidden, cluster = 512, 8
@@ -319,27 +320,26 @@ def test_onchip_skeleton_wgmma_weight(terms):
     hi = fn.to(torch.bfloat16)
     mid = (fn - hi.float()).to(torch.bfloat16)
     lo = (fn - hi.float() - mid.float()).to(torch.bfloat16)
-    if terms == 2:
-        assert staged.shape[2] == 48 * 128
-        first, rows = 0, torch.cat([hi, mid])
-    else:
-        assert staged.shape[2] == 72 * 128
-        first, rows = 1024, torch.cat([hi, mid, lo[:16]])
+    assert staged.shape[2] == (48 if terms == 2 else 72) * 128
+    if terms == 3:
         assert (hi.double() + mid.double() + lo.double() - fn.double()).abs().max() <= 2**-24 * fn.abs().max()
-    for r, g, m, k in [(0, 0, 0, 0), (3, 1, 30, 9), (7, groups - 1, 47, 127), (5, 0, 23, 64), (6, 1, 5, 77)]:
+    parts = (hi, mid, lo)[:terms]
+    for r, g, c, k in [(0, 0, 0, 0), (3, 1, 7, 9), (7, groups - 1, 23, 127), (5, 0, 16, 64), (6, 1, 12, 77)]:
         kk = 128 * g + k
         gk = kk // per * hidden + r * per + kk % per
-        assert torch.equal(staged[r, g, first + _wgmma_offset(m, k)], rows[m, gk])
-        if terms == 3 and m < 8:  # the second MMA's rows: lo of columns 16 + m
-            assert torch.equal(staged[r, g, _wgmma_offset(m, k)], lo[16 + m, gk])
+        for term, part in enumerate(parts):
+            row = probe.weight_row(terms, term, c)
+            # three terms: the second MMA's rows (64 on) are the stage's first slab, the first MMA's after it
+            at = _wgmma_offset(row - 64, k) if row >= 64 else (1024 if terms == 3 else 0) + _wgmma_offset(row, k)
+            assert torch.equal(staged[r, g, at], part[c, gk]), (term, c)
 
 
 @pytest.mark.parametrize("terms", [2, 3])
 def test_onchip_skeleton_wgmma_rows(terms):
     """What the "wgmma" epilogue sums, emulated on the CPU from a stage's bytes read through ``a_layout``'s offsets
-    (the second MMA's rows 8-63 reading into the first MMA's tiles, as on the device): per column c, rows c + 24 + (48
-    with three terms) of the two MMAs' rows give the weight's column over the group's 128 K positions, to 2^-17 with
-    two terms and 2^-24 with three."""
+    (the second MMA's rows 8-63 reading into the first MMA's tiles, as on the device): per column c, its terms' rows
+    (``weight_row``) give the weight's column over the group's 128 K positions, to 2^-17 with two terms and 2^-24 with
+    three."""
     probe = _bench_module("probe_onchip_skeleton")
     torch = pytest.importorskip("torch")
     hidden, cluster, r, g = 512, 8, 3, 1
@@ -349,8 +349,8 @@ def test_onchip_skeleton_wgmma_rows(terms):
     stage = torch.cat([stage, torch.zeros(72 * 128 - stage.numel(), dtype=torch.bfloat16)]).double()
     offset = _wgmma_offset(torch.arange(64)[:, None], torch.arange(128)[None, :])
     mmas = [stage[offset + 1024], stage[offset]] if terms == 3 else [stage[offset]]
-    rows = torch.cat(mmas)  # the MMAs' rows one after another, as in sD
-    dots = rows[:24] + rows[24:48] + (rows[48:72] if terms == 3 else 0)
+    rows = torch.cat(mmas)  # the MMAs' rows one after another
+    dots = sum(rows[[probe.weight_row(terms, term, c) for c in range(probe.MIXES)]] for term in range(terms))
     kk = 128 * g + torch.arange(128)
     want = fn[:, kk // per * hidden + r * per + kk % per].double()
     assert (dots - want).abs().max() <= (2**-17 if terms == 2 else 2**-24) * want.abs().max()
