@@ -102,7 +102,7 @@ class OnchipSkeleton:
     def __init__(self, cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224,
                  lookahead: int = 1, carry: bool = False, split: str = "round", mma_warps: int = 0,
                  mma_regs: int = 152, ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2,
-                 kmajor: bool = False, slots: int = SLOTS):
+                 kmajor: bool = False, slots: int = SLOTS, reserve: int = 0):
         assert sync in SYNCS and split in SPLITS and ring in RINGS and (mma_warps == 0 or sync == "project")
         assert ring != "bulk" or mma_warps, "the bulk ring feeds MMA warps of their own"
         assert ring != "wgmma" or (mma_warps in (4, 8) and lookahead >= 2 and lookahead & (lookahead - 1) == 0), \
@@ -112,6 +112,9 @@ class OnchipSkeleton:
         # tile's first blocks fetched at the end of this tile's projection (the weights are the same every tile)
         self.lookahead, self.carry, self.split, self.ring = lookahead, carry, split, ring
         self.slots = slots
+        # KB of shared memory allocated and never used ("async" and "project"): what the L1 cache left beside a
+        # kernel's shared memory does to its loads, timed alone
+        self.reserve = reserve
         assert slots in (2, 3) and (slots == 2 or sync in HANDOFFS)
         self.chains = chains  # independent MMA accumulators per column tile (1, 2 or 4)
         self.unroll = unroll  # "bulk": blocks per iteration of the projection's loop
@@ -157,7 +160,7 @@ class OnchipSkeleton:
                     + (self.wgs * lookahead * self.stage_elems() * 2
                        + (self.wgs * self.mmas() * WG_ROWS + slots * self.octets // 8) * tokens * 4
                        if ring == "wgmma" else 0))
-            assert smem <= 227 * 1024, f"{smem} bytes of shared memory"
+            assert smem + reserve * 1024 <= 227 * 1024, f"{smem + reserve * 1024} bytes of shared memory"
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor, mFn: cute.Tensor,
@@ -340,6 +343,8 @@ class OnchipSkeleton:
         gates = smem.allocate_tensor(Float32, du.row_major(self.slots, self.tokens, GATES), 16)
         # partials[slots], gates[slots], and with MMA warps rc_full[slots] (the tile's residual_cur is in sRc)
         kinds = 3 if self.mma_warps else 2
+        if cutlass.const_expr(self.reserve):
+            smem.allocate_tensor(cutlass.Int8, du.row_major(self.reserve * 1024), 1024)
         mbar = smem.allocate_tensor(cutlass.Int64, du.row_major(kinds * self.slots), 8)
         # "bulk": one mbarrier per ring stage of each MMA warp, completed by the stage's bulk copy; "wgmma": per stage
         # of the warpgroup's ring a full one (the bulk copy) and then an empty one (each MMA warp, once its MMAs of
@@ -968,9 +973,9 @@ def bulk_fill(src: cute.Tensor, dst: cute.Tensor, full):
 def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224, lookahead: int = 1,
              carry: bool = False, split: str = "round", mma_warps: int = 0, mma_regs: int = 152,
              ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2, kmajor: bool = False,
-             slots: int = SLOTS):
+             slots: int = SLOTS, reserve: int = 0):
     skeleton = OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads, lookahead, carry, split, mma_warps,
-                              mma_regs, ring, chains, unroll, terms, kmajor, slots)
+                              mma_regs, ring, chains, unroll, terms, kmajor, slots, reserve)
     return compile_kernel(skeleton, fake_buffer(BFloat16),
                           fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(Float32))
 
@@ -1077,6 +1082,8 @@ def main() -> int:
                     "has it, in every mode")
     ap.add_argument("--slots", type=int, nargs="+", default=[SLOTS], choices=(2, 3), help='"async" and "project": '
                     "tiles in flight (residual_cur, partials and gates buffers; the collapse slots - 1 tiles behind)")
+    ap.add_argument("--reserve", type=int, nargs="+", default=[0], help='"async" and "project": KB of shared memory '
+                    "allocated and unused (the L1 cache it takes from the loads)")
     ap.add_argument("--mma-regs", type=int, nargs="+", default=[152], help="registers per MMA-warp thread (setmaxnreg; "
                     "the loading warps and the tail warp share the rest)")
     ap.add_argument("--reps", type=int, default=20)
@@ -1098,13 +1105,14 @@ def main() -> int:
             fnd = fn.to(dev)
             prepared = {"bulk": blocked_weight(fn, cluster).to(dev),
                         "wgmma": wgmma_weight(fn, cluster, args.terms).to(dev)}
-            variants = [(sync, 1, False, "round", 0, 0, "registers", 1, sl) for sync in args.sync
-                        if sync != "project" for sl in (args.slots if sync in HANDOFFS else [SLOTS])]
+            handoffs = [(sl, kb) for sl in args.slots for kb in args.reserve]
+            variants = [(sync, 1, False, "round", 0, 0, "registers", 1, *h) for sync in args.sync
+                        if sync != "project" for h in (handoffs if sync in HANDOFFS else [(SLOTS, 0)])]
             if "project" in args.sync:
-                variants += [("project", la, bool(c), sp, w, r, ring, ch, sl) for ring in args.ring
+                variants += [("project", la, bool(c), sp, w, r, ring, ch, *h) for ring in args.ring
                              for w in args.mma_warps for la in args.lookahead for c in args.carry for sp in args.split
-                             for r in (args.mma_regs if w else [0]) for ch in args.chains for sl in args.slots]
-            for sync, lookahead, carry, split, mma_warps, mma_regs, ring, chains, slots in variants:
+                             for r in (args.mma_regs if w else [0]) for ch in args.chains for h in handoffs]
+            for sync, lookahead, carry, split, mma_warps, mma_regs, ring, chains, slots, reserve in variants:
                 name = sync if sync != "project" else (f"project ({ring} lookahead {lookahead}, carry {int(carry)}, "
                                                        f"{split}, {chains} chains, {mma_warps} MMA warps" +
                                                        (f", unroll {args.unroll}" if ring == "bulk" else "") +
@@ -1114,10 +1122,12 @@ def main() -> int:
                     name += ", K-major"
                 if slots != SLOTS:
                     name += f", {slots} slots"
+                if reserve:
+                    name += f", {reserve} KB reserved"
                 try:
                     kernel = compiled(cluster, tokens, h, clusters, sync, args.threads, lookahead, carry, split,
                                       mma_warps, mma_regs or 152, ring, chains, args.unroll, args.terms, args.kmajor,
-                                      slots)
+                                      slots, reserve)
                 except Exception as e:  # a shape the probe or the DSL refuses: say so, go on
                     print(f"S={cluster} T={tokens} sync={name}: not compiled ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:120]})", flush=True)
