@@ -218,7 +218,7 @@ def test_onchip_skeleton_projection_compiles(cluster, hidden, threads):
 
 @pytest.mark.parametrize("mma_warps, mma_regs, lookahead, ring", [
     (4, 152, 2, "registers"), (4, 152, 7, "cp.async"), (0, 152, 4, "cp.async"), (4, 136, 7, "bulk"),
-    (8, 88, 3, "bulk"), (4, 152, 2, "synthetic"), (4, 96, 4, "wgmma"), (4, 96, 2, "wgmma")])
+    (8, 88, 3, "bulk"), (4, 152, 2, "synthetic"), (4, 96, 4, "wgmma"), (4, 96, 2, "wgmma"), (8, 88, 2, "wgmma")])
 def test_onchip_skeleton_weight_rings_compile(mma_warps, mma_regs, lookahead, ring):
     """The skeleton's projection variants compile for sm_90a: on MMA warps of their own (one or two warpgroups after
     the loaders and the tail warp, registers moved to the loaders with setmaxnreg) or on the loaders, with the
@@ -233,6 +233,16 @@ def test_onchip_skeleton_weight_rings_compile(mma_warps, mma_regs, lookahead, ri
                 <= skeleton.even_registers() * (loaders + 32 * mma_warps))
     assert callable(probe.compiled(16, 16, 7168, 7, "project", 224, lookahead, True, "trunc", mma_warps, mma_regs,
                                    ring))
+
+
+@pytest.mark.parametrize("sync, terms, slots, reserve", [("async", 2, 3, 0), ("project", 3, 3, 0), ("async", 2, 2, 32)])
+def test_onchip_skeleton_handoff_variants_compile(sync, terms, slots, reserve):
+    """The skeleton with a third tile in flight (the collapse two tiles behind the post-map) or with shared memory
+    reserved and unused (to time the L1 cache it takes) compiles for sm_90a, alone and with the wgmma projection."""
+    probe = _bench_module("probe_onchip_skeleton")
+    mma = (4, 96, "wgmma") if sync == "project" else (0, 152, "registers")
+    assert callable(probe.compiled(16, 16, 7168, 7, sync, 224, 2, True, "trunc", mma[0], mma[1], mma[2], 1, 1, terms,
+                                   True, slots, reserve))
 
 
 def test_onchip_skeleton_blocked_weight():
