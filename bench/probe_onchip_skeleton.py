@@ -102,7 +102,7 @@ class OnchipSkeleton:
     def __init__(self, cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224,
                  lookahead: int = 1, carry: bool = False, split: str = "round", mma_warps: int = 0,
                  mma_regs: int = 152, ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2,
-                 kmajor: bool = False, slots: int = SLOTS, reserve: int = 0):
+                 kmajor: bool = False, slots: int = SLOTS, reserve: int = 0, free_weights: bool = False):
         assert sync in SYNCS and split in SPLITS and ring in RINGS and (mma_warps == 0 or sync == "project")
         assert ring != "bulk" or mma_warps, "the bulk ring feeds MMA warps of their own"
         assert ring != "wgmma" or (mma_warps in (4, 8) and lookahead >= 2 and lookahead & (lookahead - 1) == 0), \
@@ -115,6 +115,10 @@ class OnchipSkeleton:
         # KB of shared memory allocated and never used ("async" and "project"): what the L1 cache left beside a
         # kernel's shared memory does to its loads, timed alone
         self.reserve = reserve
+        # "wgmma", timing only: the ring's stages never copied (each full mbarrier arrived on at once; the MMAs read
+        # whatever the stages hold): the design without the weight's L2 traffic and latency
+        self.free_weights = free_weights
+        assert not free_weights or ring == "wgmma"
         assert slots in (2, 3) and (slots == 2 or sync in HANDOFFS)
         self.chains = chains  # independent MMA accumulators per column tile (1, 2 or 4)
         self.unroll = unroll  # "bulk": blocks per iteration of the projection's loop
@@ -608,7 +612,10 @@ class OnchipSkeleton:
         dst = cute.make_tensor(cute.recast_ptr(sA.iterator + stage * self.stage_elems(), dtype=Float32),
                                du.row_major(self.stage_elems() // 2))
         g = wg + self.wgs * (n % self.wg_groups)
-        bulk_fill(mFn[rank * self.groups + g, None], dst, wfull.iterator + stage)
+        if cutlass.const_expr(self.free_weights):
+            cute.arch.mbarrier_arrive(wfull.iterator + stage)
+        else:
+            bulk_fill(mFn[rank * self.groups + g, None], dst, wfull.iterator + stage)
 
     @cute.jit
     def issue_group(self, tiled_mma, tCrA: list, tCrB: cute.Tensor, acc: list, wfull: cute.Tensor, n, g, slot, wg):
@@ -973,9 +980,9 @@ def bulk_fill(src: cute.Tensor, dst: cute.Tensor, full):
 def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224, lookahead: int = 1,
              carry: bool = False, split: str = "round", mma_warps: int = 0, mma_regs: int = 152,
              ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2, kmajor: bool = False,
-             slots: int = SLOTS, reserve: int = 0):
+             slots: int = SLOTS, reserve: int = 0, free_weights: bool = False):
     skeleton = OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads, lookahead, carry, split, mma_warps,
-                              mma_regs, ring, chains, unroll, terms, kmajor, slots, reserve)
+                              mma_regs, ring, chains, unroll, terms, kmajor, slots, reserve, free_weights)
     return compile_kernel(skeleton, fake_buffer(BFloat16),
                           fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(Float32))
 
@@ -1082,6 +1089,8 @@ def main() -> int:
                     "has it, in every mode")
     ap.add_argument("--slots", type=int, nargs="+", default=[SLOTS], choices=(2, 3), help='"async" and "project": '
                     "tiles in flight (residual_cur, partials and gates buffers; the collapse slots - 1 tiles behind)")
+    ap.add_argument("--free-weights", action="store_true", help='"project" with the wgmma ring, timing only: the '
+                    "weight stages never copied (no L2 traffic for the weight)")
     ap.add_argument("--reserve", type=int, nargs="+", default=[0], help='"async" and "project": KB of shared memory '
                     "allocated and unused (the L1 cache it takes from the loads)")
     ap.add_argument("--mma-regs", type=int, nargs="+", default=[152], help="registers per MMA-warp thread (setmaxnreg; "
@@ -1124,10 +1133,13 @@ def main() -> int:
                     name += f", {slots} slots"
                 if reserve:
                     name += f", {reserve} KB reserved"
+                free = args.free_weights and ring == "wgmma"
+                if free:
+                    name += ", weights not copied"
                 try:
                     kernel = compiled(cluster, tokens, h, clusters, sync, args.threads, lookahead, carry, split,
                                       mma_warps, mma_regs or 152, ring, chains, args.unroll, args.terms, args.kmajor,
-                                      slots, reserve)
+                                      slots, reserve, free)
                 except Exception as e:  # a shape the probe or the DSL refuses: say so, go on
                     print(f"S={cluster} T={tokens} sync={name}: not compiled ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:120]})", flush=True)
@@ -1147,7 +1159,8 @@ def main() -> int:
                 li_err = ((li[rows.to(dev)].cpu().double() - li_ref).abs().max() / li_ref.abs().max()).item()
                 written = not (rc.isnan().any() or li.isnan().any())
                 ok = written and rc_err <= 2**-8 and li_err <= 2**-7
-                verdict = "timing only" if sync == "project" and ring == "synthetic" else "ok" if ok else "WRONG"
+                timing_only = sync == "project" and (ring == "synthetic" or free)
+                verdict = "timing only" if timing_only else "ok" if ok else "WRONG"
                 us = statistics.median(mb.launch_us(launch, args.reps))
                 rate = 20 * h * m / us / 1e6
                 print(f"S={cluster} T={tokens:2d} clusters={clusters:2d} sync={name:4s} M={m}: {us:8.1f} us, "
