@@ -77,6 +77,7 @@ WG_ROWS = 64  # its M: the weight's bf16 terms, 24 rows each (``wgmma_weight``)
 WG_GROUP = 8  # MMAs accumulated in the tensor cores before an fp32 add (Hopper's accumulator is not a full fp32 adder)
 WG_SET = WG_ROWS * WG_GROUP * WG_K  # bf16 elements of a group's A tiles for one m64 MMA per step (64 x 128)
 WG_ROW_GROUP = 8 * WG_GROUP * WG_K  # of their 8-row slab (the group layout is K first: a slab is contiguous)
+TAIL_REGS = 64  # setmaxnreg of the tail warp's warpgroup when it has one of its own (the tail warp and idle warps)
 
 
 def post_coef(j: int) -> float:
@@ -132,13 +133,21 @@ class OnchipSkeleton:
         # "project": 0, the loading warps project; else warps of their own do, after the tail warp, in warpgroups
         # of their own with fewer registers (``setmaxnreg``: the loading warps need more than an even share)
         self.mma_warps, self.threads = mma_warps, threads  # threads: load, post-map and collapse (+ tail warp)
+        # the first MMA thread: warpgroups of their own, so after the tail warp's, which idle warps fill up when the
+        # loaders are whole warpgroups themselves (256 threads, for H = 4096's tiles)
+        self.mma_first = (threads + du.WARP + 127) // 128 * 128 if mma_warps else threads + du.WARP
         if mma_warps:
-            assert (threads + du.WARP) % 128 == 0 and mma_warps % 4 == 0, "whole warpgroups per role"
+            assert threads % 128 in (0, 128 - du.WARP) and mma_warps % 4 == 0, "whole warpgroups per role"
             self.mma_regs = mma_regs
             # setmaxnreg moves registers within what the launch gave the CTA (its even share per thread, in
             # eights): asking for more in all than that blocks the increasing warps for good (a hang, not an error)
-            pool = self.even_registers() * (threads + du.WARP * (1 + mma_warps))
-            self.loader_regs = (pool - self.mma_regs * du.WARP * mma_warps) // (threads + du.WARP) // 8 * 8
+            pool = self.even_registers() * (self.mma_first + du.WARP * mma_warps)
+            rest = pool - self.mma_regs * du.WARP * mma_warps
+            if self.mma_first == threads + du.WARP:  # the tail warp in the loaders' last warpgroup
+                self.loader_regs = self.tail_regs = rest // (threads + du.WARP) // 8 * 8
+            else:  # the tail warp's warpgroup (three idle warps) at TAIL_REGS
+                self.tail_regs = TAIL_REGS
+                self.loader_regs = (rest - TAIL_REGS * 128) // threads // 8 * 8
         self.cluster, self.tokens, self.hidden, self.clusters, self.sync = cluster, tokens, hidden, clusters, sync
         self.octets = hidden // cluster // VEC  # per token, in this CTA's slice
         assert hidden % (cluster * VEC) == 0 and tokens % cluster == 0 and (tokens // cluster) * ROW <= threads
@@ -149,7 +158,10 @@ class OnchipSkeleton:
         if sync == "project":
             blocks = STREAMS * self.octets * VEC // K_BLOCK
             self.proj_warps = mma_warps or self.warps
-            assert tokens == 16 and self.octets % 4 == 0 and blocks % self.proj_warps == 0, "one m16 tile, whole blocks"
+            if ring == "wgmma":
+                assert tokens in (16, 32), "the MMAs' N"
+            else:
+                assert tokens == 16 and self.octets % 4 == 0 and blocks % self.proj_warps == 0, "one m16 tile, blocks"
             self.blocks, self.blocks_per_warp = blocks, blocks // self.proj_warps
             self.k_steps = STREAMS * self.octets * VEC // WG_K  # wgmma: the CTA's K slice in MMAs
             self.groups = self.k_steps // WG_GROUP  # wgmma: ring stages per tile
@@ -182,7 +194,8 @@ class OnchipSkeleton:
                                                              BLOCK_FLOATS))
         else:
             fn = cute.make_tensor(mFn.iterator, du.row_major(MIXES, STREAMS * self.hidden))
-        block = self.threads + du.WARP * self.mma_warps + (du.WARP if self.sync != "none" and self.sync != "all" else 0)
+        block = (self.mma_first + du.WARP * self.mma_warps if self.mma_warps
+                 else self.threads + (du.WARP if self.sync != "none" and self.sync != "all" else 0))
         # setmaxnreg needs the occupancy bound, or ptxas drops it (CUTE_NOTES); the other modes compile as measured
         bound = {"min_blocks_per_mp": 1} if self.mma_warps else {}
         self.kernel(x, res, rc, li, fn).launch(grid=[self.clusters * self.cluster, 1, 1], block=[block, 1, 1],
@@ -216,7 +229,7 @@ class OnchipSkeleton:
 
     def even_registers(self) -> int:
         """The launch's registers per thread: the register file over the block's threads, in eights."""
-        return 65536 // (self.threads + du.WARP * (1 + self.mma_warps)) // 8 * 8
+        return 65536 // (self.mma_first + du.WARP * self.mma_warps) // 8 * 8
 
     @cute.jit
     def set_registers(self, count: int):
@@ -361,7 +374,7 @@ class OnchipSkeleton:
         sRed = (smem.allocate_tensor(Float32, du.row_major(self.red_rows(), self.tokens, ROW), 16)
                 if self.sync == "project" and self.ring != "wgmma" else received)
         mma_threads = du.WARP * self.mma_warps
-        mma_warp = tidx >= self.threads + du.WARP  # after the tail warp (never, without MMA warps)
+        mma_warp = tidx >= self.mma_first if self.mma_warps else tidx < 0  # (never, without MMA warps)
         projecting = mma_warp if self.mma_warps else loader
         if cutlass.const_expr(self.ring == "bulk"):  # the projection's weight ring
             wbuf = smem.allocate_tensor(Float32, du.row_major(self.proj_warps * self.lookahead, BLOCK_FLOATS), 128)
@@ -445,8 +458,8 @@ class OnchipSkeleton:
                     for n in cutlass.range_constexpr(self.lookahead):  # the ring's first blocks
                         self.fetch_block(mFn, wbuf, wfull, n, rank)
                 elif cutlass.const_expr(self.ring == "wgmma"):
-                    wg = (tidx - self.threads - du.WARP) // 128
-                    if (tidx - self.threads - du.WARP) % 128 == 0:
+                    wg = (tidx - self.mma_first) // 128
+                    if (tidx - self.mma_first) % 128 == 0:
                         for n in cutlass.range_constexpr(self.lookahead):  # the ring's first stages
                             self.fetch_group(mFn, wbuf, wfull, n, rank, wg)
                 for it in cutlass.range(count, unroll=1):
@@ -459,18 +472,17 @@ class OnchipSkeleton:
                     else:
                         self.project(sRc, slot * rc_rows, rank, mFn, sRed, wbuf, wfull, it * self.blocks_per_warp)
                         cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sRed complete
-                        self.push_partials(tile, rank, received, mbar, slot, sRed, self.threads + du.WARP,
-                                           mma_threads)
+                        self.push_partials(tile, rank, received, mbar, slot, sRed, self.mma_first, mma_threads)
                         cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sRed read: free
                 # no CTA exits with a bulk copy in flight: the ring's last fills, for stages never multiplied
                 if cutlass.const_expr(self.ring == "bulk"):
                     self.drain(wfull.iterator + self.proj_warp() * self.lookahead, count * self.blocks_per_warp)
                 elif cutlass.const_expr(self.ring == "wgmma"):
                     self.drain(wfull.iterator + wg * self.lookahead, count * self.wg_groups)
-        else:
+        elif tidx < self.threads + du.WARP:
             # the tail warp: this CTA's tokens' rows from every CTA, summed in rank order; gates to every CTA
             if cutlass.const_expr(self.mma_warps):
-                self.set_registers(self.loader_regs)
+                self.set_registers(self.tail_regs)
             lane = cute.arch.lane_idx()
             for it in cutlass.range(count, unroll=1):
                 slot, parity = it % self.slots, (it // self.slots) % 2
@@ -488,6 +500,8 @@ class OnchipSkeleton:
                             for peer in cutlass.range_constexpr(self.cluster):
                                 total = total + received[slot, peer, t, c]
                             self.push_gate(du.sigmoid(total), rank * self.own + t, c, gates, mbar, slot)
+        elif cutlass.const_expr(self.mma_warps):  # the idle warps of the tail warp's warpgroup (its setmaxnreg)
+            self.set_registers(self.tail_regs)
         cute.arch.cluster_arrive()  # no CTA leaves while another may still push into it
         cute.arch.cluster_wait()
 
@@ -648,7 +662,7 @@ class OnchipSkeleton:
         empty = wfull.iterator + (self.wgs + wg) * self.lookahead + n % self.lookahead
         if cute.arch.lane_idx() == 0:
             cute.arch.mbarrier_arrive(empty)
-        if cute.arch.thread_idx()[0] == self.threads + du.WARP + 128 * wg:
+        if cute.arch.thread_idx()[0] == self.mma_first + 128 * wg:
             cute.arch.mbarrier_wait(empty, (n // self.lookahead) % 2)
             self.fetch_group(mFn, sA, wfull, n + self.lookahead, rank, wg)
 
@@ -663,7 +677,7 @@ class OnchipSkeleton:
         commit group into the tensor cores' accumulators, then an fp32 add; once a group is done its stage is
         released and refilled (``retire_group``; ``n0``: ring stages the warpgroup multiplied before this tile).
         Then ``push_rows``."""
-        mma_tid = cute.arch.thread_idx()[0] - (self.threads + du.WARP)
+        mma_tid = cute.arch.thread_idx()[0] - self.mma_first
         op = warpgroup.MmaF16BF16Op(BFloat16, Float32, (WG_ROWS, self.tokens, WG_K), warpgroup.OperandSource.SMEM,
                                     OperandMajorMode.K, OperandMajorMode.K)
         tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(op), (1, 1, 1))
@@ -708,40 +722,40 @@ class OnchipSkeleton:
         squares (``sSq``, from the post-map) in column ``MIXES``; zeros after. Two terms: in registers (each thread
         holds both terms of its columns, ``weight_row``), the second warpgroup's sums through ``sD``; three: all
         rows through ``sD``."""
-        mma_tid = cute.arch.thread_idx()[0] - (self.threads + du.WARP)
+        mma_tid = cute.arch.thread_idx()[0] - self.mma_first
         mma_threads = du.WARP * self.mma_warps
         if cutlass.const_expr(self.terms == 2):
             # thread (warp w, lane l) of a warpgroup: accumulator rows 16 w + l // 4 (hi of column 8 w + l // 4)
             # and 8 below (its lo), tokens 8 j + 2 (l % 4) + e at values 4 j + e and 4 j + 2 + e (wgmma's layout)
             warp, lane = (mma_tid % 128) // du.WARP, cute.arch.lane_idx()
-            sums = cute.make_rmem_tensor((4,), Float32)
-            for j in cutlass.range_constexpr(2):
+            per = self.tokens // 4  # tokens per thread
+            sums = cute.make_rmem_tensor((per,), Float32)
+            for j in cutlass.range_constexpr(self.tokens // 8):
                 for e in cutlass.range_constexpr(2):
                     sums[2 * j + e] = dots[0][4 * j + e] + dots[0][4 * j + 2 + e]
             if cutlass.const_expr(self.wgs == 2):  # the second warpgroup's sums, added by the first
                 other = cute.make_tensor(cute.recast_ptr(sD.iterator, dtype=Float32),
-                                         du.row_major(self.slots, 128, 4))
+                                         du.row_major(self.slots, 128, per))
                 if wg == 1:
                     other[slot, mma_tid % 128, None].store(sums.load())
                 cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)
                 if wg == 0:
                     theirs = other[slot, mma_tid, None].load()
-                    for k in cutlass.range_constexpr(4):
+                    for k in cutlass.range_constexpr(per):
                         sums[k] = sums[k] + theirs[k]
             if wg == 0:
                 if warp < 3:
-                    for j in cutlass.range_constexpr(2):
+                    for j in cutlass.range_constexpr(self.tokens // 8):
                         for e in cutlass.range_constexpr(2):
                             self.push_value(sums[2 * j + e], 8 * j + 2 * (lane % 4) + e, 8 * warp + lane // 4,
                                             rank, received, mbar, slot)
-                else:  # warp 3 (no weight rows): the squares and the zero columns, token l // 2
-                    t = lane // 2
-                    for k in cutlass.range_constexpr(4):
-                        c = MIXES + 4 * (lane % 2) + k
+                else:  # warp 3 (no weight rows): per token the squares and the zero columns, eight entries
+                    for k in cutlass.range_constexpr(per):
+                        i = lane + du.WARP * k
+                        t, c = i // 8, MIXES + i % 8
                         total = Float32(0.0)
                         if c == MIXES:
-                            for q in cutlass.range_constexpr(self.octets // 8):
-                                total = total + sSq[slot, t, q]
+                            total = self.token_squares(sSq, slot, t)
                         self.push_value(total, t, c, rank, received, mbar, slot)
         else:
             for i in cutlass.range_constexpr(self.mmas()):
@@ -761,8 +775,7 @@ class OnchipSkeleton:
                                 part = part + sD[w, weight_row(self.terms, term, c), tt]
                             total = total + part
                     elif c == MIXES:
-                        for q in cutlass.range_constexpr(self.octets // 8):
-                            total = total + sSq[slot, tt, q]
+                        total = self.token_squares(sSq, slot, tt)
                     self.push_value(total, tt, c, rank, received, mbar, slot)
             cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sD read: free for the next tile
 
@@ -911,6 +924,14 @@ class OnchipSkeleton:
                 else:
                     self.push_value(device_partial(tile * self.tokens + t, c, rank), t, c, rank, received, mbar,
                                     slot)
+
+    @cute.jit
+    def token_squares(self, sSq: cute.Tensor, slot, t) -> Float32:
+        """"wgmma": token ``t``'s sum of squares over the CTA's K slice, from the post-map's per-row sums in order."""
+        total = Float32(0.0)
+        for q in cutlass.range_constexpr(self.octets // 8):
+            total = total + sSq[slot, t, q]
+        return total
 
     @cute.jit
     def push_value(self, value: Float32, t, c, rank, received: cute.Tensor, mbar: cute.Tensor, slot):

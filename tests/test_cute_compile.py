@@ -235,14 +235,16 @@ def test_onchip_skeleton_weight_rings_compile(mma_warps, mma_regs, lookahead, ri
                                    ring))
 
 
-@pytest.mark.parametrize("sync, terms, slots, reserve", [("async", 2, 3, 0), ("project", 3, 3, 0), ("async", 2, 2, 32)])
-def test_onchip_skeleton_handoff_variants_compile(sync, terms, slots, reserve):
-    """The skeleton with a third tile in flight (the collapse two tiles behind the post-map) or with shared memory
-    reserved and unused (to time the L1 cache it takes) compiles for sm_90a, alone and with the wgmma projection."""
+@pytest.mark.parametrize("sync, terms, slots, reserve, free", [
+    ("async", 2, 3, 0, False), ("project", 3, 3, 0, False), ("async", 2, 2, 32, False), ("project", 2, 2, 0, True)])
+def test_onchip_skeleton_handoff_variants_compile(sync, terms, slots, reserve, free):
+    """The skeleton with a third tile in flight (the collapse two tiles behind the post-map), with shared memory
+    reserved and unused (to time the L1 cache it takes), or with the wgmma ring's copies left out (timing only)
+    compiles for sm_90a, alone and with the wgmma projection."""
     probe = _bench_module("probe_onchip_skeleton")
     mma = (4, 96, "wgmma") if sync == "project" else (0, 152, "registers")
     assert callable(probe.compiled(16, 16, 7168, 7, sync, 224, 2, True, "trunc", mma[0], mma[1], mma[2], 1, 1, terms,
-                                   True, slots, reserve))
+                                   True, slots, reserve, free))
 
 
 def test_onchip_skeleton_blocked_weight():
