@@ -174,7 +174,7 @@ class OnchipSkeleton:
                     + (self.proj_warps * tokens * ROW * 4 if ring != "wgmma" else 0)
                     + (self.proj_warps * lookahead * MIXES * du.WARP * 4 if ring in ("cp.async", "bulk") else 0)
                     + (self.wgs * lookahead * self.stage_elems() * 2
-                       + (self.wgs * self.mmas() * WG_ROWS + slots * self.octets // 8) * tokens * 4
+                       + (self.d_floats() + slots * self.octets // 8 * tokens) * 4
                        if ring == "wgmma" else 0))
             assert smem + reserve * 1024 <= 227 * 1024, f"{smem + reserve * 1024} bytes of shared memory"
 
@@ -209,9 +209,14 @@ class OnchipSkeleton:
         """"wgmma": bf16 elements of a ring stage, all of them brought by its bulk copy: the group's A tiles (K
         first, 8-row slabs of ``WG_ROW_GROUP``); rows whose products nobody reads need addresses, not data. Two
         terms: rows 0-47, rows 48-63 reading into the next stage (past the last one, into ``sD``, allocated right
-        after the ring and at least as large); three terms: the second MMA's slab of the last 8 lo rows first, its
-        other rows reading into the first MMA's 64 rows."""
+        after the ring and at least as large); three terms: the second MMA's three slabs of lo rows first, its other
+        rows reading into the first MMA's, whose rows 48-63 read on like two terms'."""
         return 6 * WG_ROW_GROUP if self.terms == 2 else WG_SET + WG_ROW_GROUP
+
+    def d_floats(self) -> int:
+        """"wgmma": ``sD``'s floats: per warpgroup the second MMA's rows (three terms), then per slot the second
+        warpgroup's sums for the first (``push_rows``); at least the 4 KB the ring's last stage reads past its end."""
+        return self.wgs * WG_ROWS * self.tokens + self.slots * 128 * (self.tokens // 4)
 
     def red_rows(self) -> int:
         """Partial rows per token that the push sums: one per projecting warp (not "wgmma": it pushes its own)."""
@@ -382,7 +387,7 @@ class OnchipSkeleton:
             wbuf = smem.allocate_tensor(BFloat16, du.row_major(self.wgs * self.lookahead * self.stage_elems()), 1024)
             # each warpgroup's MMA rows (the second MMA's after the first's), summed per column (right after the
             # ring: what the last stage's unread rows read)
-            sD = smem.allocate_tensor(Float32, du.row_major(self.wgs, self.mmas() * WG_ROWS, self.tokens), 16)
+            sD = smem.allocate_tensor(Float32, du.row_major(self.d_floats()), 16)
             # the tile's squares, per token and 64 K positions of the slice, from the loaders' post-map
             sSq = smem.allocate_tensor(Float32, du.row_major(self.slots, self.tokens, self.octets // 8), 16)
         elif cutlass.const_expr(self.ring != "cp.async"):
@@ -689,7 +694,7 @@ class OnchipSkeleton:
         sB = cute.make_tensor(cute.recast_ptr(sRc.iterator, b_layout.inner, BFloat16), b_layout.outer)
         tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
         # the first MMA's tiles after the second's slab (three terms), or at the stage's start
-        first = WG_ROW_GROUP if self.terms == 3 else 0
+        first = 3 * WG_ROW_GROUP if self.terms == 3 else 0
         tCrA = [thr_mma.make_fragment_A(thr_mma.partition_A(cute.make_tensor(sA.iterator + off, self.a_layout())))
                 for off in (first, 0)[:self.mmas()]]
         # two accumulator sets: a pair of groups issued back to back, the second's MMAs running while the first's
@@ -718,66 +723,52 @@ class OnchipSkeleton:
     def push_rows(self, dots: list, thr_mma, slot, rank, received: cute.Tensor, mbar: cute.Tensor, sD: cute.Tensor,
                   sSq: cute.Tensor, wg):
         """"wgmma": the tile's partial rows from the MMA warpgroups' sums ``dots``, pushed (``push_value``): per
-        column the terms added in a fixed order (hi + lo, or (hi + mid) + lo), then the warpgroups in order; the
-        squares (``sSq``, from the post-map) in column ``MIXES``; zeros after. Two terms: in registers (each thread
-        holds both terms of its columns, ``weight_row``), the second warpgroup's sums through ``sD``; three: all
-        rows through ``sD``."""
+        column (hi + lo) or (hi + mid) + lo, then the warpgroups in order; the squares (``sSq``, from the post-map)
+        in column ``MIXES``; zeros after. The first two terms in registers (each thread holds both for its columns,
+        ``weight_row``), the third and the second warpgroup's sums through ``sD``."""
         mma_tid = cute.arch.thread_idx()[0] - self.mma_first
         mma_threads = du.WARP * self.mma_warps
-        if cutlass.const_expr(self.terms == 2):
-            # thread (warp w, lane l) of a warpgroup: accumulator rows 16 w + l // 4 (hi of column 8 w + l // 4)
-            # and 8 below (its lo), tokens 8 j + 2 (l % 4) + e at values 4 j + e and 4 j + 2 + e (wgmma's layout)
-            warp, lane = (mma_tid % 128) // du.WARP, cute.arch.lane_idx()
-            per = self.tokens // 4  # tokens per thread
-            sums = cute.make_rmem_tensor((per,), Float32)
-            for j in cutlass.range_constexpr(self.tokens // 8):
-                for e in cutlass.range_constexpr(2):
-                    sums[2 * j + e] = dots[0][4 * j + e] + dots[0][4 * j + 2 + e]
-            if cutlass.const_expr(self.wgs == 2):  # the second warpgroup's sums, added by the first
-                other = cute.make_tensor(cute.recast_ptr(sD.iterator, dtype=Float32),
-                                         du.row_major(self.slots, 128, per))
-                if wg == 1:
-                    other[slot, mma_tid % 128, None].store(sums.load())
-                cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)
-                if wg == 0:
-                    theirs = other[slot, mma_tid, None].load()
-                    for k in cutlass.range_constexpr(per):
-                        sums[k] = sums[k] + theirs[k]
-            if wg == 0:
-                if warp < 3:
-                    for j in cutlass.range_constexpr(self.tokens // 8):
-                        for e in cutlass.range_constexpr(2):
-                            self.push_value(sums[2 * j + e], 8 * j + 2 * (lane % 4) + e, 8 * warp + lane // 4,
-                                            rank, received, mbar, slot)
-                else:  # warp 3 (no weight rows): per token the squares and the zero columns, eight entries
-                    for k in cutlass.range_constexpr(per):
-                        i = lane + du.WARP * k
-                        t, c = i // 8, MIXES + i % 8
-                        total = Float32(0.0)
-                        if c == MIXES:
-                            total = self.token_squares(sSq, slot, t)
-                        self.push_value(total, t, c, rank, received, mbar, slot)
-        else:
-            for i in cutlass.range_constexpr(self.mmas()):
-                rows = cute.make_tensor(sD.iterator + (wg * self.mmas() + i) * WG_ROWS * self.tokens,
-                                        du.row_major(WG_ROWS, self.tokens))
-                thr_mma.partition_C(rows).store(dots[i].load())
+        # thread (warp w, lane l) of a warpgroup: accumulator rows 16 w + l // 4 (hi of column 8 w + l // 4) and 8
+        # below (its second term), tokens 8 j + 2 (l % 4) + e at values 4 j + e and 4 j + 2 + e (wgmma's layout)
+        warp, lane = (mma_tid % 128) // du.WARP, cute.arch.lane_idx()
+        per = self.tokens // 4  # tokens per thread
+        sums = cute.make_rmem_tensor((per,), Float32)
+        for j in cutlass.range_constexpr(self.tokens // 8):
+            for e in cutlass.range_constexpr(2):
+                sums[2 * j + e] = dots[0][4 * j + e] + dots[0][4 * j + 2 + e]
+        if cutlass.const_expr(self.terms == 3):  # lo: the second MMA's rows 0-23, each warpgroup through its sD rows
+            lo = cute.make_tensor(sD.iterator + wg * WG_ROWS * self.tokens, du.row_major(WG_ROWS, self.tokens))
+            thr_mma.partition_C(lo).store(dots[1].load())
+            cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+            if warp < 3:
+                for j in cutlass.range_constexpr(self.tokens // 8):
+                    for e in cutlass.range_constexpr(2):
+                        sums[2 * j + e] = sums[2 * j + e] + lo[8 * warp + lane // 4, 8 * j + 2 * (lane % 4) + e]
+            cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)  # read: free for the next tile's
+        if cutlass.const_expr(self.wgs == 2):  # the second warpgroup's sums, added by the first
+            other = cute.make_tensor(sD.iterator + self.wgs * WG_ROWS * self.tokens,
+                                     du.row_major(self.slots, 128, per))
+            if wg == 1:
+                other[slot, mma_tid % 128, None].store(sums.load())
             cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)
-            for e in cutlass.range_constexpr(0, self.tokens * ROW, mma_threads):
-                i = e + mma_tid
-                if i < self.tokens * ROW:
-                    tt, c = i // ROW, i % ROW
+            if wg == 0:
+                theirs = other[slot, mma_tid, None].load()
+                for k in cutlass.range_constexpr(per):
+                    sums[k] = sums[k] + theirs[k]
+        if wg == 0:
+            if warp < 3:
+                for j in cutlass.range_constexpr(self.tokens // 8):
+                    for e in cutlass.range_constexpr(2):
+                        self.push_value(sums[2 * j + e], 8 * j + 2 * (lane % 4) + e, 8 * warp + lane // 4, rank,
+                                        received, mbar, slot)
+            else:  # warp 3 (no weight rows): per token the squares and the zero columns, eight entries
+                for k in cutlass.range_constexpr(per):
+                    i = lane + du.WARP * k
+                    t, c = i // 8, MIXES + i % 8
                     total = Float32(0.0)
-                    if c < MIXES:
-                        for w in cutlass.range_constexpr(self.wgs):
-                            part = Float32(0.0)
-                            for term in cutlass.range_constexpr(self.terms):
-                                part = part + sD[w, weight_row(self.terms, term, c), tt]
-                            total = total + part
-                    elif c == MIXES:
-                        total = self.token_squares(sSq, slot, tt)
-                    self.push_value(total, tt, c, rank, received, mbar, slot)
-            cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)  # sD read: free for the next tile
+                    if c == MIXES:
+                        total = self.token_squares(sSq, slot, t)
+                    self.push_value(total, t, c, rank, received, mbar, slot)
 
     @cute.jit
     def block_weights(self, wbuf: cute.Tensor, stage):
@@ -1020,12 +1011,12 @@ def blocked_weight(fn, cluster: int):
 
 def weight_row(terms: int, term: int, c):
     """"wgmma": the A row of term ``term`` of weight column ``c``, counting the second MMA's rows after the first's 64.
-    Two terms: per 16-row block of 8 columns (one MMA warp's accumulator rows), hi in its first 8 rows and lo in the
-    next 8, so that each thread holds both terms of its columns (rows 48-63 unused). Three terms: hi rows 0-23, mid
-    24-47, lo 48-71 (the second MMA's rows 0-7 for columns 16-23)."""
-    if terms == 2:
+    The first two terms (hi, and lo or mid) per 16-row block of 8 columns (one MMA warp's accumulator rows), the first
+    in its first 8 rows and the second in the next 8, so that each thread holds both for its columns (rows 48-63
+    unused); three terms: lo in the second MMA's rows 0-23."""
+    if term < 2:
         return 16 * (c // 8) + 8 * term + c % 8
-    return MIXES * term + c
+    return WG_ROWS + c
 
 
 def wgmma_weight(fn, cluster: int, terms: int = 2):
@@ -1034,22 +1025,17 @@ def wgmma_weight(fn, cluster: int, terms: int = 2):
     K positions per m64 MMA in ``OnchipSkeleton.a_layout``'s order (8-row slabs of 8 x 8 core matrices, K first:
     element (m, k) at (m // 8) 1024 + (k // 8) 64 + (m % 8) 8 + k % 8), rows as ``weight_row`` places them. Two
     terms: the weight rounded to bf16 (hi) and the rest rounded to bf16 (lo: hi + lo carries 16 of fp32's 24 mantissa
-    bits) in rows 0-47; the slabs of rows 48-63 are not copied. Three terms: the second MMA's first slab (lo of columns 16-23), then the first MMA's 64 rows:
-    hi, mid (the rest after hi), lo of columns 0-15 (hi + mid + lo carries all 24 bits)."""
+    bits) in the first MMA's rows 0-47 (the slabs of rows 48-63 are not copied). Three terms: hi, mid (the rest after
+    hi) there, lo (hi + mid + lo carries all 24 bits) in the second MMA's rows 0-23, whose slabs come first."""
     h = fn.shape[1] // STREAMS
     k_slice = STREAMS * h // cluster
     hi = fn.to(torch.bfloat16)
     rest = fn - hi.float()
     second = rest.to(torch.bfloat16)  # lo with two terms, mid with three
-    if terms == 2:
-        rows = torch.zeros(WG_ROWS, fn.shape[1], dtype=torch.bfloat16)
-        for term, part in enumerate((hi, second)):
-            rows[[weight_row(2, term, c) for c in range(MIXES)]] = part
-    else:
-        lo = (rest - second.float()).to(torch.bfloat16)
-        # the second MMA's 8 lo rows as the last slab of a set of their own, so that they precede the first's
-        last = torch.cat([torch.zeros(WG_ROWS - 8, fn.shape[1], dtype=torch.bfloat16), lo[16:]])
-        rows = torch.cat([last, hi, second, lo[:16]])
+    rows = torch.zeros((terms - 1) * WG_ROWS, fn.shape[1], dtype=torch.bfloat16)  # one m64 MMA per 16 K, or two
+    parts = [hi, second] + ([(rest - second.float()).to(torch.bfloat16)] if terms == 3 else [])
+    for term, part in enumerate(parts):
+        rows[[weight_row(terms, term, c) for c in range(MIXES)]] = part
     sets = rows.shape[0] // WG_ROWS
     # the rank's slice in order: K position k of rank r is stream k // (H / S), offset r H / S + k % (H / S)
     per = h // cluster
@@ -1059,11 +1045,10 @@ def wgmma_weight(fn, cluster: int, terms: int = 2):
     # set, mg, mi, r, G, kg, ki: row 8 mg + mi of an MMA's rows, K position 128 G + 8 kg + ki of rank r
     tiles = rows[:, cols].reshape(sets, WG_ROWS // 8, 8, cluster, groups, WG_GROUP * WG_K // 8, 8)
     staged = tiles.permute(3, 4, 0, 1, 5, 2, 6).reshape(cluster, groups, sets * WG_SET)  # r G set mg kg mi ki
-    if terms == 2:
-        staged = staged[:, :, :6 * WG_ROW_GROUP]  # rows 0-47
-    else:
-        staged = staged[:, :, WG_SET - WG_ROW_GROUP:]  # the second MMA's slab, then the first MMA's rows
-    return staged.contiguous().view(-1).view(torch.float32)
+    stage = staged[:, :, :6 * WG_ROW_GROUP]  # the first MMA's rows 0-47
+    if terms == 3:  # the second MMA's rows 0-23 before them
+        stage = torch.cat([staged[:, :, WG_SET:WG_SET + 3 * WG_ROW_GROUP], stage], 2)
+    return stage.contiguous().view(-1).view(torch.float32)
 
 
 def reference(x, res, rows, cluster: int, sync: str, fn=None):

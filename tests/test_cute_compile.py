@@ -320,7 +320,7 @@ def test_onchip_skeleton_wgmma_weight(terms):
     """The "wgmma" ring's stages as the bulk copies bring them: per CTA rank r and group G (128 K positions of the
     rank's slice), element (m, k) of an MMA's A at (m // 8) 1024 + (k // 8) 64 + (m % 8) 8 + k % 8, term t of column
     c in row ``weight_row(terms, t, c)``; two terms: bf16 hi and lo in rows 0-47 (rows 48-63 not copied); three terms:
-    the second MMA's 8 rows (lo of columns 16-23) first, then the first MMA's 64 (hi + mid + lo within 2^-24 of the
+    the second MMA's rows 0-23 (lo) first, then the first MMA's 48 (hi, mid; hi + mid + lo within 2^-24 of the
     weight)."""
     probe = _bench_module("probe_onchip_skeleton")
     torch = pytest.importorskip("torch")
@@ -341,15 +341,15 @@ def test_onchip_skeleton_wgmma_weight(terms):
         gk = kk // per * hidden + r * per + kk % per
         for term, part in enumerate(parts):
             row = probe.weight_row(terms, term, c)
-            # three terms: the second MMA's rows (64 on) are the stage's first slab, the first MMA's after it
-            at = _wgmma_offset(row - 64, k) if row >= 64 else (1024 if terms == 3 else 0) + _wgmma_offset(row, k)
+            # three terms: the second MMA's rows (64 on) are the stage's first three slabs, the first MMA's after them
+            at = _wgmma_offset(row - 64, k) if row >= 64 else (3072 if terms == 3 else 0) + _wgmma_offset(row, k)
             assert torch.equal(staged[r, g, at], part[c, gk]), (term, c)
 
 
 @pytest.mark.parametrize("terms", [2, 3])
 def test_onchip_skeleton_wgmma_rows(terms):
     """What the "wgmma" epilogue sums, emulated on the CPU from a stage's bytes read through ``a_layout``'s offsets
-    (the second MMA's rows 8-63 reading into the first MMA's tiles, as on the device): per column c, its terms' rows
+    (the second MMA's rows 24-63 reading into the first MMA's tiles, as on the device): per column c, its terms' rows
     (``weight_row``) give the weight's column over the group's 128 K positions, to 2^-17 with two terms and 2^-24 with
     three."""
     probe = _bench_module("probe_onchip_skeleton")
@@ -358,9 +358,10 @@ def test_onchip_skeleton_wgmma_rows(terms):
     fn = torch.randn(probe.MIXES, 4 * hidden)
     per = hidden // cluster
     stage = probe.wgmma_weight(fn, cluster, terms).view(torch.bfloat16).view(cluster, 4 * per // 128, -1)[r, g]
-    stage = torch.cat([stage, torch.zeros(72 * 128 - stage.numel(), dtype=torch.bfloat16)]).double()
+    reach = (3072 if terms == 3 else 0) + 64 * 128  # the first MMA's rows 48-63 read past the stage
+    stage = torch.cat([stage, torch.zeros(reach - stage.numel(), dtype=torch.bfloat16)]).double()
     offset = _wgmma_offset(torch.arange(64)[:, None], torch.arange(128)[None, :])
-    mmas = [stage[offset + 1024], stage[offset]] if terms == 3 else [stage[offset]]
+    mmas = [stage[offset + 3072], stage[offset]] if terms == 3 else [stage[offset]]
     rows = torch.cat(mmas)  # the MMAs' rows one after another
     dots = sum(rows[[probe.weight_row(terms, term, c) for c in range(probe.MIXES)]] for term in range(terms))
     kk = 128 * g + torch.arange(128)
