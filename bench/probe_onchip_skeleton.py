@@ -65,11 +65,11 @@ SPLITS = ("round", "trunc")  # the weight's TF32 hi + lo: both rounded to neares
 # copy (cp.async.bulk, counted by the stage's mbarrier) from a copy of the weight laid out block by block, in the
 # order the lanes read it; "synthetic" (timing only, its outputs are not the op's) makes the weights up in
 # registers from the lane and block index, with no loads at all
-# "wgmma" (one warpgroup of MMA warps): the projection as warpgroup MMAs from shared memory, the weight's bf16 terms
-# as A, the tile's residual_cur as B (its tokens as N, K-major: the post-map stores it in that layout), A brought in
-# by bulk copies of a prepared copy (``wgmma_weight``), ``WG_GROUP`` MMAs (128 K positions) per ring stage: one
-# copy, one full and one empty mbarrier. ``terms`` 2: hi + lo (16 of fp32's 24 mantissa bits), rows 0-47 of one
-# m64 MMA; 3: hi + mid + lo (all 24), 72 rows: a second m64 MMA per step for the last 8 lo rows
+# "wgmma" (one or two warpgroups of MMA warps): the projection as warpgroup MMAs from shared memory, the weight's
+# bf16 terms as A, the tile's residual_cur as B (its tokens as N, K-major: the post-map stores it in that layout), A
+# brought in by bulk copies of a prepared copy (``wgmma_weight``), ``WG_GROUP`` MMAs (128 K positions) per ring
+# stage: one copy, one full and one empty mbarrier. ``terms`` 2: hi + lo (16 of fp32's 24 mantissa bits), rows 0-47
+# of one m64 MMA; 3: hi + mid + lo (all 24), a second m64 MMA per step for lo (``weight_row``)
 RINGS = ("registers", "cp.async", "bulk", "synthetic", "wgmma")
 BLOCK_FLOATS = MIXES * K_BLOCK  # one block's weights: 24 rows x 32 K positions
 WG_K = 16  # K positions per bf16 warpgroup MMA
@@ -202,7 +202,7 @@ class OnchipSkeleton:
                                                cluster=[self.cluster, 1, 1], stream=stream, **bound)
 
     def mmas(self) -> int:
-        """"wgmma": m64 MMAs per 16 K positions (the 72 rows of three terms take two)."""
+        """"wgmma": m64 MMAs per 16 K positions (three terms' 72 rows take two)."""
         return 2 if self.terms == 3 else 1
 
     def stage_elems(self) -> int:
@@ -615,7 +615,7 @@ class OnchipSkeleton:
             cute.arch.mbarrier_wait(full + (end + k) % self.lookahead, ((end + k) // self.lookahead) % 2)
 
     def a_layout(self):
-        """"wgmma": the A tiles of the ring, per stage (64 rows x 128 K positions, ``stage_elems`` apart): 8 x 8
+        """"wgmma": the A tiles of the rings, per stage (64 rows x 128 K positions, ``stage_elems`` apart): 8 x 8
         core matrices (8 rows x 16 bytes), K first, so that an 8-row slab of a group is contiguous (``WG_ROW_GROUP``
         elements); step u's tile starts 128 elements on."""
         inner = cute.make_layout(((8, WG_ROWS // 8), (8, WG_GROUP * WG_K // 8), self.wgs * self.lookahead),
