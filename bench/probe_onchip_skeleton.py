@@ -103,7 +103,8 @@ class OnchipSkeleton:
     def __init__(self, cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224,
                  lookahead: int = 1, carry: bool = False, split: str = "round", mma_warps: int = 0,
                  mma_regs: int = 152, ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2,
-                 kmajor: bool = False, slots: int = SLOTS, reserve: int = 0, free_weights: bool = False):
+                 kmajor: bool = False, slots: int = SLOTS, reserve: int = 0, free_weights: bool = False,
+                 tokens_m: bool = False):
         assert sync in SYNCS and split in SPLITS and ring in RINGS and (mma_warps == 0 or sync == "project")
         assert ring != "bulk" or mma_warps, "the bulk ring feeds MMA warps of their own"
         assert ring != "wgmma" or (mma_warps in (4, 8) and lookahead >= 2 and lookahead & (lookahead - 1) == 0), \
@@ -120,6 +121,11 @@ class OnchipSkeleton:
         # whatever the stages hold): the design without the weight's L2 traffic and latency
         self.free_weights = free_weights
         assert not free_weights or ring == "wgmma"
+        # "wgmma" with the tile's tokens as the MMAs' M (A = residual_cur, its rows past the tile's tokens unread) and
+        # every term of every column as N (B = the weight's stage, 24 terms rows): one m64n48 or m64n72 MMA per 16 K
+        # positions, each thread holding all terms of its columns
+        self.tokens_m = tokens_m
+        assert not tokens_m or ring == "wgmma"
         assert slots in (2, 3) and (slots == 2 or sync in HANDOFFS)
         self.chains = chains  # independent MMA accumulators per column tile (1, 2 or 4)
         self.unroll = unroll  # "bulk": blocks per iteration of the projection's loop
@@ -202,8 +208,8 @@ class OnchipSkeleton:
                                                cluster=[self.cluster, 1, 1], stream=stream, **bound)
 
     def mmas(self) -> int:
-        """"wgmma": m64 MMAs per 16 K positions (three terms' 72 rows take two)."""
-        return 2 if self.terms == 3 else 1
+        """"wgmma": MMAs per 16 K positions (with the weight as M, three terms' 72 rows take two m64 ones)."""
+        return 2 if self.terms == 3 and not self.tokens_m else 1
 
     def stage_elems(self) -> int:
         """"wgmma": bf16 elements of a ring stage, all of them brought by its bulk copy: the group's A tiles (K
@@ -213,10 +219,20 @@ class OnchipSkeleton:
         rows reading into the first MMA's, whose rows 48-63 read on like two terms'."""
         return 6 * WG_ROW_GROUP if self.terms == 2 else WG_SET + WG_ROW_GROUP
 
+    def mma_shape(self):
+        """"wgmma": the MMAs' (M, N): the weight's 64 rows by the tile's tokens, or (``tokens_m``) 64 rows from the
+        tokens by every term of every column."""
+        return (WG_ROWS, MIXES * self.terms) if self.tokens_m else (WG_ROWS, self.tokens)
+
     def d_floats(self) -> int:
         """"wgmma": ``sD``'s floats: per warpgroup the second MMA's rows (three terms), then per slot the second
         warpgroup's sums for the first (``push_rows``); at least the 4 KB the ring's last stage reads past its end."""
-        return self.wgs * WG_ROWS * self.tokens + self.slots * 128 * (self.tokens // 4)
+        return self.wgs * WG_ROWS * self.tokens + self.slots * 128 * self.sums_per_thread()
+
+    def sums_per_thread(self) -> int:
+        """"wgmma": the partial-row entries an MMA thread adds up: its tokens' columns (weight as M: a quarter of
+        the tokens, one column; tokens as M: two tokens, twelve columns)."""
+        return 2 * MIXES // 4 if self.tokens_m else self.tokens // 4
 
     def red_rows(self) -> int:
         """Partial rows per token that the push sums: one per projecting warp (not "wgmma": it pushes its own)."""
@@ -618,7 +634,8 @@ class OnchipSkeleton:
         """"wgmma": the A tiles of the rings, per stage (64 rows x 128 K positions, ``stage_elems`` apart): 8 x 8
         core matrices (8 rows x 16 bytes), K first, so that an 8-row slab of a group is contiguous (``WG_ROW_GROUP``
         elements); step u's tile starts 128 elements on."""
-        inner = cute.make_layout(((8, WG_ROWS // 8), (8, WG_GROUP * WG_K // 8), self.wgs * self.lookahead),
+        rows = MIXES * self.terms if self.tokens_m else WG_ROWS  # (as the MMAs' N: exactly the terms' rows)
+        inner = cute.make_layout(((8, rows // 8), (8, WG_GROUP * WG_K // 8), self.wgs * self.lookahead),
                                  stride=((8, WG_ROW_GROUP), (1, 64), self.stage_elems()))
         return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, inner)
 
@@ -637,10 +654,11 @@ class OnchipSkeleton:
             bulk_fill(mFn[rank * self.groups + g, None], dst, wfull.iterator + stage)
 
     @cute.jit
-    def issue_group(self, tiled_mma, tCrA: list, tCrB: cute.Tensor, acc: list, wfull: cute.Tensor, n, g, slot, wg):
+    def issue_group(self, tiled_mma, weights: list, acts: cute.Tensor, acc: list, wfull: cute.Tensor, n, g, slot, wg):
         """"wgmma": once warpgroup ``wg``'s ring stage ``n % lookahead`` has landed, the ``WG_GROUP`` MMAs of the
-        tile's group ``g`` into ``acc`` (per m64 MMA of a step, A tiles ``tCrA``), the first one overwriting it; one
-        commit group (no wait between its MMAs: ptxas serialises the MMAs of a commit group that has one)."""
+        tile's group ``g`` into ``acc`` (per MMA of a step, weight tiles ``weights``; residual_cur ``acts``), the first
+        one overwriting it; one commit group (no wait between its MMAs: ptxas serialises the MMAs of a commit group
+        that has one)."""
         stage = wg * self.lookahead + n % self.lookahead
         cute.arch.mbarrier_wait(wfull.iterator + stage, (n // self.lookahead) % 2)
         warpgroup.fence()
@@ -648,8 +666,8 @@ class OnchipSkeleton:
         mma_atom.set(warpgroup.Field.ACCUMULATE, False)
         for u in cutlass.range_constexpr(WG_GROUP):
             for i in cutlass.range_constexpr(self.mmas()):
-                cute.gemm(mma_atom, acc[i], tCrA[i][(None, None, u, stage)], tCrB[(None, None, g * WG_GROUP + u, slot)],
-                          acc[i])
+                w, x = weights[i][(None, None, u, stage)], acts[(None, None, g * WG_GROUP + u, slot)]
+                cute.gemm(mma_atom, acc[i], *((x, w) if self.tokens_m else (w, x)), acc[i])
             mma_atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
 
@@ -683,39 +701,51 @@ class OnchipSkeleton:
         released and refilled (``retire_group``; ``n0``: ring stages the warpgroup multiplied before this tile).
         Then ``push_rows``."""
         mma_tid = cute.arch.thread_idx()[0] - self.mma_first
-        op = warpgroup.MmaF16BF16Op(BFloat16, Float32, (WG_ROWS, self.tokens, WG_K), warpgroup.OperandSource.SMEM,
+        shape = self.mma_shape()
+        op = warpgroup.MmaF16BF16Op(BFloat16, Float32, (*shape, WG_K), warpgroup.OperandSource.SMEM,
                                     OperandMajorMode.K, OperandMajorMode.K)
         tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(op), (1, 1, 1))
         thr_mma = tiled_mma.get_slice(mma_tid % 128)
-        b_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
+        # residual_cur as the MMAs' operand: K_SW128 (``rc_row``), its 16 or 32 tokens as N, or as the first of M's
+        # 64 rows (the rest, 8-row groups 1 KB apart, fall on the next 64 K positions' rows: read, never used)
+        rc_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, BFloat16)
         k_slice = self.k_steps * WG_K
-        b_layout = cute.tile_to_shape(b_atom, (self.tokens, k_slice, self.slots), order=(0, 1, 2))
+        if cutlass.const_expr(self.tokens_m):
+            chunk = self.tokens * 64  # elements per 64 K positions of the tile
+            rc_layout = cute.make_layout(((8, WG_ROWS // 8), (64, k_slice // 64), self.slots),
+                                         stride=((64, 512), (1, chunk), chunk * (k_slice // 64)))
+        else:
+            rc_layout = cute.tile_to_shape(rc_atom, (self.tokens, k_slice, self.slots), order=(0, 1, 2)).outer
         # (the MMA wants the swizzle on the pointer, the layout affine)
-        sB = cute.make_tensor(cute.recast_ptr(sRc.iterator, b_layout.inner, BFloat16), b_layout.outer)
-        tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
-        # the first MMA's tiles after the second's slab (three terms), or at the stage's start
-        first = 3 * WG_ROW_GROUP if self.terms == 3 else 0
-        tCrA = [thr_mma.make_fragment_A(thr_mma.partition_A(cute.make_tensor(sA.iterator + off, self.a_layout())))
-                for off in (first, 0)[:self.mmas()]]
+        sX = cute.make_tensor(cute.recast_ptr(sRc.iterator, rc_atom.inner, BFloat16), rc_layout)
+        # the weight's tiles: the first MMA's after the second's three slabs (three terms, weight as M), or at the
+        # stage's start
+        first = 3 * WG_ROW_GROUP if self.mmas() == 2 else 0
+        sW = [cute.make_tensor(sA.iterator + off, self.a_layout()) for off in (first, 0)[:self.mmas()]]
+        if cutlass.const_expr(self.tokens_m):
+            acts = thr_mma.make_fragment_A(thr_mma.partition_A(sX))
+            weights = [thr_mma.make_fragment_B(thr_mma.partition_B(w)) for w in sW]
+        else:
+            acts = thr_mma.make_fragment_B(thr_mma.partition_B(sX))
+            weights = [thr_mma.make_fragment_A(thr_mma.partition_A(w)) for w in sW]
         # two accumulator sets: a pair of groups issued back to back, the second's MMAs running while the first's
         # are added up. (Pairs, not a rolling pipeline: with a group in flight across the loop's back edge, the
         # loop's register copies read its accumulators (C7514); unrolled, ptxas ran short of registers (C7511);
         # either way it serialised every MMA.)
-        acc = [[cute.make_rmem_tensor(thr_mma.partition_shape_C((WG_ROWS, self.tokens)), Float32)
-                for _ in range(self.mmas())] for _ in range(2)]
-        dots = [cute.make_rmem_tensor(thr_mma.partition_shape_C((WG_ROWS, self.tokens)), Float32)
-                for _ in range(self.mmas())]
+        acc = [[cute.make_rmem_tensor(thr_mma.partition_shape_C(shape), Float32) for _ in range(self.mmas())]
+               for _ in range(2)]
+        dots = [cute.make_rmem_tensor(thr_mma.partition_shape_C(shape), Float32) for _ in range(self.mmas())]
         for d in dots:
             d.fill(0.0)
         for i in cutlass.range(self.wg_groups // 2, unroll=1):
             for h in cutlass.range_constexpr(2):
                 local = 2 * i + h
-                self.issue_group(tiled_mma, tCrA, tCrB, acc[h], wfull, n0 + local, wg + self.wgs * local, slot, wg)
+                self.issue_group(tiled_mma, weights, acts, acc[h], wfull, n0 + local, wg + self.wgs * local, slot, wg)
             for h in cutlass.range_constexpr(2):
                 self.retire_group(acc[h], dots, mFn, sA, wfull, n0 + 2 * i + h, rank, 1 - h, wg)
         if cutlass.const_expr(self.wg_groups % 2):  # an odd group out
             local = self.wg_groups - 1
-            self.issue_group(tiled_mma, tCrA, tCrB, acc[0], wfull, n0 + local, wg + self.wgs * local, slot, wg)
+            self.issue_group(tiled_mma, weights, acts, acc[0], wfull, n0 + local, wg + self.wgs * local, slot, wg)
             self.retire_group(acc[0], dots, mFn, sA, wfull, n0 + local, rank, 0, wg)
         self.push_rows(dots, thr_mma, slot, rank, received, mbar, sD, sSq, wg)
 
@@ -724,27 +754,36 @@ class OnchipSkeleton:
                   sSq: cute.Tensor, wg):
         """"wgmma": the tile's partial rows from the MMA warpgroups' sums ``dots``, pushed (``push_value``): per
         column (hi + lo) or (hi + mid) + lo, then the warpgroups in order; the squares (``sSq``, from the post-map)
-        in column ``MIXES``; zeros after. The first two terms in registers (each thread holds both for its columns,
-        ``weight_row``), the third and the second warpgroup's sums through ``sD``."""
+        in column ``MIXES``; zeros after. Each thread adds the terms it holds (``sum_entry``; with the weight as M
+        and three terms, lo comes through ``sD``), the second warpgroup's sums through ``sD``."""
         mma_tid = cute.arch.thread_idx()[0] - self.mma_first
         mma_threads = du.WARP * self.mma_warps
-        # thread (warp w, lane l) of a warpgroup: accumulator rows 16 w + l // 4 (hi of column 8 w + l // 4) and 8
-        # below (its second term), tokens 8 j + 2 (l % 4) + e at values 4 j + e and 4 j + 2 + e (wgmma's layout)
         warp, lane = (mma_tid % 128) // du.WARP, cute.arch.lane_idx()
-        per = self.tokens // 4  # tokens per thread
+        per = self.sums_per_thread()
         sums = cute.make_rmem_tensor((per,), Float32)
-        for j in cutlass.range_constexpr(self.tokens // 8):
-            for e in cutlass.range_constexpr(2):
-                sums[2 * j + e] = dots[0][4 * j + e] + dots[0][4 * j + 2 + e]
-        if cutlass.const_expr(self.terms == 3):  # lo: the second MMA's rows 0-23, each warpgroup through its sD rows
-            lo = cute.make_tensor(sD.iterator + wg * WG_ROWS * self.tokens, du.row_major(WG_ROWS, self.tokens))
-            thr_mma.partition_C(lo).store(dots[1].load())
-            cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
-            if warp < 3:
-                for j in cutlass.range_constexpr(self.tokens // 8):
+        # wgmma's accumulator layout: thread (warp w, lane l) holds rows 16 w + l // 4 + 8 r and columns
+        # 8 j + 2 (l % 4) + e at value 4 j + 2 r + e
+        if cutlass.const_expr(self.tokens_m):  # rows: tokens; columns: term t of weight column c at 24 t + c
+            for r in cutlass.range_constexpr(2):
+                for j in cutlass.range_constexpr(MIXES // 8):
                     for e in cutlass.range_constexpr(2):
-                        sums[2 * j + e] = sums[2 * j + e] + lo[8 * warp + lane // 4, 8 * j + 2 * (lane % 4) + e]
-            cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)  # read: free for the next tile's
+                        entry = dots[0][4 * j + 2 * r + e]
+                        for term in cutlass.range_constexpr(1, self.terms):
+                            entry = entry + dots[0][4 * (j + MIXES // 8 * term) + 2 * r + e]
+                        sums[(r * (MIXES // 8) + j) * 2 + e] = entry
+        else:  # rows: the weight's (``weight_row``: r = 0 its first term, r = 1 its second); columns: tokens
+            for j in cutlass.range_constexpr(self.tokens // 8):
+                for e in cutlass.range_constexpr(2):
+                    sums[2 * j + e] = dots[0][4 * j + e] + dots[0][4 * j + 2 + e]
+            if cutlass.const_expr(self.terms == 3):  # lo: the second MMA's rows 0-23, through this warpgroup's sD
+                lo = cute.make_tensor(sD.iterator + wg * WG_ROWS * self.tokens, du.row_major(WG_ROWS, self.tokens))
+                thr_mma.partition_C(lo).store(dots[1].load())
+                cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+                if warp < 3:
+                    for kl in cutlass.range_constexpr(per):
+                        t, c = self.sum_entry(kl, warp, lane)
+                        sums[kl] = sums[kl] + lo[c, t]
+                cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)  # read: free for the next tile's
         if cutlass.const_expr(self.wgs == 2):  # the second warpgroup's sums, added by the first
             other = cute.make_tensor(sD.iterator + self.wgs * WG_ROWS * self.tokens,
                                      du.row_major(self.slots, 128, per))
@@ -753,22 +792,28 @@ class OnchipSkeleton:
             cute.arch.barrier(barrier_id=2, number_of_threads=mma_threads)
             if wg == 0:
                 theirs = other[slot, mma_tid, None].load()
-                for k in cutlass.range_constexpr(per):
-                    sums[k] = sums[k] + theirs[k]
+                for kx in cutlass.range_constexpr(per):
+                    sums[kx] = sums[kx] + theirs[kx]
         if wg == 0:
-            if warp < 3:
-                for j in cutlass.range_constexpr(self.tokens // 8):
-                    for e in cutlass.range_constexpr(2):
-                        self.push_value(sums[2 * j + e], 8 * j + 2 * (lane % 4) + e, 8 * warp + lane // 4, rank,
-                                        received, mbar, slot)
-            else:  # warp 3 (no weight rows): per token the squares and the zero columns, eight entries
-                for k in cutlass.range_constexpr(per):
-                    i = lane + du.WARP * k
-                    t, c = i // 8, MIXES + i % 8
-                    total = Float32(0.0)
-                    if c == MIXES:
-                        total = self.token_squares(sSq, slot, t)
-                    self.push_value(total, t, c, rank, received, mbar, slot)
+            if warp < (self.tokens // 16 if self.tokens_m else 3):  # the warps that hold rows
+                for kp in cutlass.range_constexpr(per):
+                    tp, cp = self.sum_entry(kp, warp, lane)
+                    self.push_value(sums[kp], tp, cp, rank, received, mbar, slot)
+            elif warp == 3:  # per token the squares and the zero columns, eight entries
+                for ks in cutlass.range_constexpr(self.tokens // 4):
+                    i = lane + du.WARP * ks
+                    ts, cs = i // 8, MIXES + i % 8
+                    squares = Float32(0.0)
+                    if cs == MIXES:
+                        squares = self.token_squares(sSq, slot, ts)
+                    self.push_value(squares, ts, cs, rank, received, mbar, slot)
+
+    def sum_entry(self, k: int, warp, lane):
+        """"wgmma": (token, column) of an MMA thread's ``k``-th sum (``push_rows``)."""
+        if self.tokens_m:
+            r, j, e = k // (MIXES // 4), k // 2 % (MIXES // 8), k % 2
+            return 16 * warp + lane // 4 + 8 * r, 8 * j + 2 * (lane % 4) + e
+        return 8 * (k // 2) + 2 * (lane % 4) + k % 2, 8 * warp + lane // 4
 
     @cute.jit
     def block_weights(self, wbuf: cute.Tensor, stage):
@@ -992,9 +1037,9 @@ def bulk_fill(src: cute.Tensor, dst: cute.Tensor, full):
 def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224, lookahead: int = 1,
              carry: bool = False, split: str = "round", mma_warps: int = 0, mma_regs: int = 152,
              ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2, kmajor: bool = False,
-             slots: int = SLOTS, reserve: int = 0, free_weights: bool = False):
+             slots: int = SLOTS, reserve: int = 0, free_weights: bool = False, tokens_m: bool = False):
     skeleton = OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads, lookahead, carry, split, mma_warps,
-                              mma_regs, ring, chains, unroll, terms, kmajor, slots, reserve, free_weights)
+                              mma_regs, ring, chains, unroll, terms, kmajor, slots, reserve, free_weights, tokens_m)
     return compile_kernel(skeleton, fake_buffer(BFloat16),
                           fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(Float32))
 
@@ -1009,24 +1054,28 @@ def blocked_weight(fn, cluster: int):
     return parts.permute(3, 2, 4, 0, 6, 1, 5, 7).contiguous().view(-1)
 
 
-def weight_row(terms: int, term: int, c):
-    """"wgmma": the A row of term ``term`` of weight column ``c``, counting the second MMA's rows after the first's 64.
-    The first two terms (hi, and lo or mid) per 16-row block of 8 columns (one MMA warp's accumulator rows), the first
-    in its first 8 rows and the second in the next 8, so that each thread holds both for its columns (rows 48-63
-    unused); three terms: lo in the second MMA's rows 0-23."""
+def weight_row(terms: int, term: int, c, tokens_m: bool = False):
+    """"wgmma": the stage row of term ``term`` of weight column ``c``. As the MMAs' N (``tokens_m``): 24 term + c. As
+    their M, counting the second MMA's rows after the first's 64: the first two terms (hi, and lo or mid) per 16-row
+    block of 8 columns (one MMA warp's accumulator rows), the first in its first 8 rows and the second in the next 8,
+    so that each thread holds both for its columns (rows 48-63 unused); three terms: lo in the second MMA's rows
+    0-23."""
+    if tokens_m:
+        return MIXES * term + c
     if term < 2:
         return 16 * (c // 8) + 8 * term + c % 8
     return WG_ROWS + c
 
 
-def wgmma_weight(fn, cluster: int, terms: int = 2):
+def wgmma_weight(fn, cluster: int, terms: int = 2, tokens_m: bool = False):
     """``fn [24, 4 H]`` as the "wgmma" ring's stages (what each bulk copy brings), returned as fp32 words holding bf16
     pairs: per CTA rank r and group G (128 K positions of the rank's slice, streams one after another), 64 rows x 128
     K positions per m64 MMA in ``OnchipSkeleton.a_layout``'s order (8-row slabs of 8 x 8 core matrices, K first:
     element (m, k) at (m // 8) 1024 + (k // 8) 64 + (m % 8) 8 + k % 8), rows as ``weight_row`` places them. Two
     terms: the weight rounded to bf16 (hi) and the rest rounded to bf16 (lo: hi + lo carries 16 of fp32's 24 mantissa
     bits) in the first MMA's rows 0-47 (the slabs of rows 48-63 are not copied). Three terms: hi, mid (the rest after
-    hi) there, lo (hi + mid + lo carries all 24 bits) in the second MMA's rows 0-23, whose slabs come first."""
+    hi) there, lo (hi + mid + lo carries all 24 bits) in the second MMA's rows 0-23, whose slabs come first. With
+    ``tokens_m`` the terms' 48 or 72 rows one after another (the MMAs' N)."""
     h = fn.shape[1] // STREAMS
     k_slice = STREAMS * h // cluster
     hi = fn.to(torch.bfloat16)
@@ -1035,7 +1084,7 @@ def wgmma_weight(fn, cluster: int, terms: int = 2):
     rows = torch.zeros((terms - 1) * WG_ROWS, fn.shape[1], dtype=torch.bfloat16)  # one m64 MMA per 16 K, or two
     parts = [hi, second] + ([(rest - second.float()).to(torch.bfloat16)] if terms == 3 else [])
     for term, part in enumerate(parts):
-        rows[[weight_row(terms, term, c) for c in range(MIXES)]] = part
+        rows[[weight_row(terms, term, c, tokens_m) for c in range(MIXES)]] = part
     sets = rows.shape[0] // WG_ROWS
     # the rank's slice in order: K position k of rank r is stream k // (H / S), offset r H / S + k % (H / S)
     per = h // cluster
@@ -1045,8 +1094,10 @@ def wgmma_weight(fn, cluster: int, terms: int = 2):
     # set, mg, mi, r, G, kg, ki: row 8 mg + mi of an MMA's rows, K position 128 G + 8 kg + ki of rank r
     tiles = rows[:, cols].reshape(sets, WG_ROWS // 8, 8, cluster, groups, WG_GROUP * WG_K // 8, 8)
     staged = tiles.permute(3, 4, 0, 1, 5, 2, 6).reshape(cluster, groups, sets * WG_SET)  # r G set mg kg mi ki
-    stage = staged[:, :, :6 * WG_ROW_GROUP]  # the first MMA's rows 0-47
-    if terms == 3:  # the second MMA's rows 0-23 before them
+    stage = staged[:, :, :6 * WG_ROW_GROUP]  # the first MMA's rows 0-47 (tokens_m: rows 0-47, then 48-71)
+    if tokens_m and terms == 3:
+        stage = staged[:, :, :9 * WG_ROW_GROUP]
+    elif terms == 3:  # the second MMA's rows 0-23 before them
         stage = torch.cat([staged[:, :, WG_SET:WG_SET + 3 * WG_ROW_GROUP], stage], 2)
     return stage.contiguous().view(-1).view(torch.float32)
 
@@ -1095,6 +1146,8 @@ def main() -> int:
                     "has it, in every mode")
     ap.add_argument("--slots", type=int, nargs="+", default=[SLOTS], choices=(2, 3), help='"async" and "project": '
                     "tiles in flight (residual_cur, partials and gates buffers; the collapse slots - 1 tiles behind)")
+    ap.add_argument("--tokens-m", action="store_true", help='"project" with the wgmma ring: the tile\'s tokens as '
+                    "the MMAs' M and every weight term as N (one MMA per 16 K positions whatever the terms)")
     ap.add_argument("--free-weights", action="store_true", help='"project" with the wgmma ring, timing only: the '
                     "weight stages never copied (no L2 traffic for the weight)")
     ap.add_argument("--reserve", type=int, nargs="+", default=[0], help='"async" and "project": KB of shared memory '
@@ -1119,7 +1172,7 @@ def main() -> int:
             fn = torch.randn(MIXES, STREAMS * h, generator=g) / (STREAMS * h) ** 0.5
             fnd = fn.to(dev)
             prepared = {"bulk": blocked_weight(fn, cluster).to(dev),
-                        "wgmma": wgmma_weight(fn, cluster, args.terms).to(dev)}
+                        "wgmma": wgmma_weight(fn, cluster, args.terms, args.tokens_m).to(dev)}
             handoffs = [(sl, kb) for sl in args.slots for kb in args.reserve]
             variants = [(sync, 1, False, "round", 0, 0, "registers", 1, *h) for sync in args.sync
                         if sync != "project" for h in (handoffs if sync in HANDOFFS else [(SLOTS, 0)])]
@@ -1142,10 +1195,13 @@ def main() -> int:
                 free = args.free_weights and ring == "wgmma"
                 if free:
                     name += ", weights not copied"
+                tokens_m = args.tokens_m and ring == "wgmma"
+                if tokens_m:
+                    name += ", tokens as M"
                 try:
                     kernel = compiled(cluster, tokens, h, clusters, sync, args.threads, lookahead, carry, split,
                                       mma_warps, mma_regs or 152, ring, chains, args.unroll, args.terms, args.kmajor,
-                                      slots, reserve, free)
+                                      slots, reserve, free, tokens_m)
                 except Exception as e:  # a shape the probe or the DSL refuses: say so, go on
                     print(f"S={cluster} T={tokens} sync={name}: not compiled ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:120]})", flush=True)

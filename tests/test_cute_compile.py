@@ -235,16 +235,17 @@ def test_onchip_skeleton_weight_rings_compile(mma_warps, mma_regs, lookahead, ri
                                    ring))
 
 
-@pytest.mark.parametrize("sync, terms, slots, reserve, free", [
-    ("async", 2, 3, 0, False), ("project", 3, 3, 0, False), ("async", 2, 2, 32, False), ("project", 2, 2, 0, True)])
-def test_onchip_skeleton_handoff_variants_compile(sync, terms, slots, reserve, free):
+@pytest.mark.parametrize("sync, terms, slots, reserve, free, tokens_m", [
+    ("async", 2, 3, 0, False, False), ("project", 3, 3, 0, False, False), ("async", 2, 2, 32, False, False),
+    ("project", 2, 2, 0, True, False), ("project", 3, 2, 0, False, True)])
+def test_onchip_skeleton_handoff_variants_compile(sync, terms, slots, reserve, free, tokens_m):
     """The skeleton with a third tile in flight (the collapse two tiles behind the post-map), with shared memory
-    reserved and unused (to time the L1 cache it takes), or with the wgmma ring's copies left out (timing only)
-    compiles for sm_90a, alone and with the wgmma projection."""
+    reserved and unused (to time the L1 cache it takes), with the wgmma ring's copies left out (timing only) or with
+    the tokens as the MMAs' M compiles for sm_90a, alone and with the wgmma projection."""
     probe = _bench_module("probe_onchip_skeleton")
-    mma = (4, 96, "wgmma") if sync == "project" else (0, 152, "registers")
+    mma = (4, 152 if tokens_m else 96, "wgmma") if sync == "project" else (0, 152, "registers")
     assert callable(probe.compiled(16, 16, 7168, 7, sync, 224, 2, True, "trunc", mma[0], mma[1], mma[2], 1, 1, terms,
-                                   True, slots, reserve, free))
+                                   True, slots, reserve, free, tokens_m))
 
 
 def test_onchip_skeleton_blocked_weight():
@@ -315,20 +316,20 @@ def _wgmma_offset(m, k):
     return (m // 8) * 1024 + (k // 8) * 64 + (m % 8) * 8 + k % 8
 
 
-@pytest.mark.parametrize("terms", [2, 3])
-def test_onchip_skeleton_wgmma_weight(terms):
+@pytest.mark.parametrize("terms, tokens_m", [(2, False), (3, False), (3, True)])
+def test_onchip_skeleton_wgmma_weight(terms, tokens_m):
     """The "wgmma" ring's stages as the bulk copies bring them: per CTA rank r and group G (128 K positions of the
     rank's slice), element (m, k) of an MMA's A at (m // 8) 1024 + (k // 8) 64 + (m % 8) 8 + k % 8, term t of column
     c in row ``weight_row(terms, t, c)``; two terms: bf16 hi and lo in rows 0-47 (rows 48-63 not copied); three terms:
     the second MMA's rows 0-23 (lo) first, then the first MMA's 48 (hi, mid; hi + mid + lo within 2^-24 of the
-    weight)."""
+    weight); with the tokens as the MMAs' M, the terms' rows one after another."""
     probe = _bench_module("probe_onchip_skeleton")
     torch = pytest.importorskip("torch")
     hidden, cluster = 512, 8
     fn = torch.randn(probe.MIXES, 4 * hidden)
     per = hidden // cluster
     groups = 4 * per // 128
-    staged = probe.wgmma_weight(fn, cluster, terms).view(torch.bfloat16).view(cluster, groups, -1)
+    staged = probe.wgmma_weight(fn, cluster, terms, tokens_m).view(torch.bfloat16).view(cluster, groups, -1)
     hi = fn.to(torch.bfloat16)
     mid = (fn - hi.float()).to(torch.bfloat16)
     lo = (fn - hi.float() - mid.float()).to(torch.bfloat16)
@@ -340,14 +341,17 @@ def test_onchip_skeleton_wgmma_weight(terms):
         kk = 128 * g + k
         gk = kk // per * hidden + r * per + kk % per
         for term, part in enumerate(parts):
-            row = probe.weight_row(terms, term, c)
+            row = probe.weight_row(terms, term, c, tokens_m)
             # three terms: the second MMA's rows (64 on) are the stage's first three slabs, the first MMA's after them
-            at = _wgmma_offset(row - 64, k) if row >= 64 else (3072 if terms == 3 else 0) + _wgmma_offset(row, k)
+            if tokens_m or terms == 2:
+                at = _wgmma_offset(row, k)
+            else:
+                at = _wgmma_offset(row - 64, k) if row >= 64 else 3072 + _wgmma_offset(row, k)
             assert torch.equal(staged[r, g, at], part[c, gk]), (term, c)
 
 
-@pytest.mark.parametrize("terms", [2, 3])
-def test_onchip_skeleton_wgmma_rows(terms):
+@pytest.mark.parametrize("terms, tokens_m", [(2, False), (3, False), (3, True)])
+def test_onchip_skeleton_wgmma_rows(terms, tokens_m):
     """What the "wgmma" epilogue sums, emulated on the CPU from a stage's bytes read through ``a_layout``'s offsets
     (the second MMA's rows 24-63 reading into the first MMA's tiles, as on the device): per column c, its terms' rows
     (``weight_row``) give the weight's column over the group's 128 K positions, to 2^-17 with two terms and 2^-24 with
@@ -357,13 +361,16 @@ def test_onchip_skeleton_wgmma_rows(terms):
     hidden, cluster, r, g = 512, 8, 3, 1
     fn = torch.randn(probe.MIXES, 4 * hidden)
     per = hidden // cluster
-    stage = probe.wgmma_weight(fn, cluster, terms).view(torch.bfloat16).view(cluster, 4 * per // 128, -1)[r, g]
-    reach = (3072 if terms == 3 else 0) + 64 * 128  # the first MMA's rows 48-63 read past the stage
-    stage = torch.cat([stage, torch.zeros(reach - stage.numel(), dtype=torch.bfloat16)]).double()
-    offset = _wgmma_offset(torch.arange(64)[:, None], torch.arange(128)[None, :])
-    mmas = [stage[offset + 3072], stage[offset]] if terms == 3 else [stage[offset]]
-    rows = torch.cat(mmas)  # the MMAs' rows one after another
-    dots = sum(rows[[probe.weight_row(terms, term, c) for c in range(probe.MIXES)]] for term in range(terms))
+    staged = probe.wgmma_weight(fn, cluster, terms, tokens_m).view(torch.bfloat16)
+    stage = staged.view(cluster, 4 * per // 128, -1)[r, g]
+    if tokens_m:  # the stage is the MMAs' N rows, all read
+        rows = stage[_wgmma_offset(torch.arange(24 * terms)[:, None], torch.arange(128)[None, :])].double()
+    else:
+        reach = (3072 if terms == 3 else 0) + 64 * 128  # the first MMA's rows 48-63 read past the stage
+        stage = torch.cat([stage, torch.zeros(reach - stage.numel(), dtype=torch.bfloat16)]).double()
+        offset = _wgmma_offset(torch.arange(64)[:, None], torch.arange(128)[None, :])
+        rows = torch.cat([stage[offset + 3072], stage[offset]] if terms == 3 else [stage[offset]])  # MMA after MMA
+    dots = sum(rows[[probe.weight_row(terms, term, c, tokens_m) for c in range(probe.MIXES)]] for term in range(terms))
     kk = 128 * g + torch.arange(128)
     want = fn[:, kk // per * hidden + r * per + kk % per].double()
     assert (dots - want).abs().max() <= (2**-17 if terms == 2 else 2**-24) * want.abs().max()
