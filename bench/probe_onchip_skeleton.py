@@ -696,7 +696,8 @@ class OnchipSkeleton:
         """The tile's partial rows by the MMA warpgroups (``wg``: this one, taking groups ``wg``, ``wg + wgs``, ...),
         pushed to their owners: per 16 K positions one (two with three terms) bf16 warpgroup MMA, A = the weight's
         bf16 terms from the warpgroup's ring (``a_layout``, rows as ``weight_row`` places them), B = the tile's
-        residual_cur (its 16 tokens as N) read in place; per ring stage (``WG_GROUP`` steps, 128 K positions) one
+        residual_cur (its tokens as N) read in place, or (``tokens_m``) the other way round, one MMA whatever the
+        terms (``mma_shape``); per ring stage (``WG_GROUP`` steps, 128 K positions) one
         commit group into the tensor cores' accumulators, then an fp32 add; once a group is done its stage is
         released and refilled (``retire_group``; ``n0``: ring stages the warpgroup multiplied before this tile).
         Then ``push_rows``."""
