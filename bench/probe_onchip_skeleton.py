@@ -401,8 +401,7 @@ class OnchipSkeleton:
             wbuf = smem.allocate_tensor(Float32, du.row_major(self.proj_warps * self.lookahead, BLOCK_FLOATS), 128)
         elif cutlass.const_expr(self.ring == "wgmma"):  # the ring's stages (``a_layout`` reads them)
             wbuf = smem.allocate_tensor(BFloat16, du.row_major(self.wgs * self.lookahead * self.stage_elems()), 1024)
-            # each warpgroup's MMA rows (the second MMA's after the first's), summed per column (right after the
-            # ring: what the last stage's unread rows read)
+            # the epilogue's exchanges (``d_floats``), right after the ring: what its last stage's unread rows read
             sD = smem.allocate_tensor(Float32, du.row_major(self.d_floats()), 16)
             # the tile's squares, per token and 64 K positions of the slice, from the loaders' post-map
             sSq = smem.allocate_tensor(Float32, du.row_major(self.slots, self.tokens, self.octets // 8), 16)
