@@ -378,22 +378,27 @@ def test_onchip_skeleton_wgmma_rows(terms, tokens_m):
 
 _COMPILE_SKELETON_WGMMA = (
     "import os, sys; sys.path.insert(0, os.path.join(sys.argv[1], 'bench')); import probe_onchip_skeleton as p; "
-    "p.compiled(16, 16, 7168, 7, 'project', 224, 4, True, 'trunc', 4, 96, 'wgmma', 1, 1, 3)")
+    "p.compiled(16, 16, 7168, 7, 'project', 224, 4, True, 'trunc', 4, int(sys.argv[2]), 'wgmma', 1, 1, 3, True, 2, 0, "
+    "False, sys.argv[3] == '1')")
 
 
 @pytest.mark.slow
-def test_onchip_skeleton_wgmma_sass(tmp_path, cuobjdump, dump_env):
-    """The skeleton's "wgmma" projection (three bf16 terms: two m64 MMAs per step) compiles to bf16 HGMMA issued
-    back to back per commit group (no WARPGROUP.DEPBAR between them: ptxas serialises the MMAs of a group when it
-    cannot prove an accumulator safe, which cost the probe's first version 5x) and spills nothing."""
+@pytest.mark.parametrize("tokens_m, regs, hgmma", [(False, 96, "HGMMA.64x16x16.F32.BF16"),
+                                                   (True, 152, "HGMMA.64x72x16.F32.BF16")])
+def test_onchip_skeleton_wgmma_sass(tmp_path, cuobjdump, dump_env, tokens_m, regs, hgmma):
+    """The skeleton's "wgmma" projection with three bf16 terms (the weight as M: two m64n16 MMAs per step; the tokens
+    as M: one m64n72) compiles to bf16 HGMMA issued back to back for a pair of commit groups (no WARPGROUP.DEPBAR
+    between them: ptxas serialises the MMAs when it cannot prove an accumulator safe, which cost the probe's first
+    version 5x) and spills nothing."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, "-c", _COMPILE_SKELETON_WGMMA, root], env=dump_env(tmp_path, "cubin"), check=True,
-                   timeout=1800, capture_output=True)
+    subprocess.run([sys.executable, "-c", _COMPILE_SKELETON_WGMMA, root, str(regs), str(int(tokens_m))],
+                   env=dump_env(tmp_path, "cubin"), check=True, timeout=1800, capture_output=True)
     (cubin,) = tmp_path.glob("*.cubin")
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     ops = re.findall(r"(HGMMA\.\S+|WARPGROUP\.DEPBAR)", sass)
     first = ops.index(next(op for op in ops if op.startswith("HGMMA")))
-    assert ops[first:first + 16] == ["HGMMA.64x16x16.F32.BF16"] * 16, ops[:24]
+    pair = 2 * 8 * (1 if tokens_m else 2)  # two groups of eight steps, one or two MMAs a step
+    assert ops[first:first + pair + 1] == [hgmma] * pair + ["WARPGROUP.DEPBAR"], ops[:pair + 4]
     usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
     spills = re.findall(r"STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
     assert spills and all(sp == ("0", "0") for sp in spills), usage
