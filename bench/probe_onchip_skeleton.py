@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from mhc_cute import benchmark as mb  # noqa: E402
+from mhc_cute.weights import bf16_terms  # noqa: E402
 from mhc_cute.kernels import compile_kernel, fake_buffer  # noqa: E402  (first: sets the DSL's target arch)
 from mhc_cute.kernels import device_utils as du  # noqa: E402
 
@@ -234,10 +235,6 @@ class OnchipSkeleton:
         the tokens, one column; tokens as M: two tokens, twelve columns)."""
         return 2 * MIXES // 4 if self.tokens_m else self.tokens // 4
 
-    def red_rows(self) -> int:
-        """Partial rows per token that the push sums: one per projecting warp (not "wgmma": it pushes its own)."""
-        return self.proj_warps
-
     def rc_row(self, t, j, o):
         """The 16-byte row of token ``t``'s octet ``o`` of stream ``j`` in a tile's residual_cur in shared memory:
         token-major, or ``kmajor`` (the layout of "wgmma"'s B operand, K_SW128: per 64 K positions, the tile's
@@ -392,7 +389,7 @@ class OnchipSkeleton:
                  if self.ring in rings else mbar)
         # "project": each projecting warp's partial rows of the tile, summed over the warps in order before the push
         # (the other modes pass ``received`` in its place, unread, so that their shared memory stays as measured)
-        sRed = (smem.allocate_tensor(Float32, du.row_major(self.red_rows(), self.tokens, ROW), 16)
+        sRed = (smem.allocate_tensor(Float32, du.row_major(self.proj_warps, self.tokens, ROW), 16)
                 if self.sync == "project" and self.ring != "wgmma" else received)
         mma_threads = du.WARP * self.mma_warps
         mma_warp = tidx >= self.mma_first if self.mma_warps else tidx < 0  # (never, without MMA warps)
@@ -954,7 +951,7 @@ class OnchipSkeleton:
                 t, c = e // ROW, e % ROW
                 if cutlass.const_expr(self.sync == "project"):
                     total = sRed[0, t, c]
-                    for w in cutlass.range_constexpr(1, self.red_rows()):
+                    for w in cutlass.range_constexpr(1, self.proj_warps):
                         total = total + sRed[w, t, c]
                     self.push_value(total, t, c, rank, received, mbar, slot)
                 else:
@@ -1078,12 +1075,8 @@ def wgmma_weight(fn, cluster: int, terms: int = 2, tokens_m: bool = False):
     ``tokens_m`` the terms' 48 or 72 rows one after another (the MMAs' N)."""
     h = fn.shape[1] // STREAMS
     k_slice = STREAMS * h // cluster
-    hi = fn.to(torch.bfloat16)
-    rest = fn - hi.float()
-    second = rest.to(torch.bfloat16)  # lo with two terms, mid with three
     rows = torch.zeros((terms - 1) * WG_ROWS, fn.shape[1], dtype=torch.bfloat16)  # one m64 MMA per 16 K, or two
-    parts = [hi, second] + ([(rest - second.float()).to(torch.bfloat16)] if terms == 3 else [])
-    for term, part in enumerate(parts):
+    for term, part in enumerate(bf16_terms(fn, terms)):  # hi, then lo (two terms) or mid and lo (three)
         rows[[weight_row(terms, term, c, tokens_m) for c in range(MIXES)]] = part
     sets = rows.shape[0] // WG_ROWS
     # the rank's slice in order: K position k of rank r is stream k // (H / S), offset r H / S + k % (H / S)

@@ -16,6 +16,17 @@ CACHE_ENTRIES = 512  # V4-Pro has 122 boundary weights: every one stays prepared
 _cache: dict = {}  # insertion-ordered: the oldest entry goes first when full
 
 
+def bf16_terms(w: torch.Tensor, count: int = 3) -> list[torch.Tensor]:
+    """``w`` as ``count`` bf16 terms, each the rest so far rounded to nearest: two carry 16 of fp32's 24 significand
+    bits, three all of them (their sum is ``w`` exactly for weights between about 2^-100 and bf16's largest)."""
+    terms, rest = [], w.float()
+    for i in range(count):
+        terms.append(rest.to(torch.bfloat16))
+        if i + 1 < count:
+            rest = rest - terms[-1].float()
+    return terms
+
+
 def prepared(fn: torch.Tensor, kind: str, prepare: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``prepare(fn)``, computed once per weight tensor and ``kind`` (the name of the prepared form).
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..problem import MhcFusedHcOutput, Problem
-from ..weights import prepared
+from ..weights import bf16_terms, prepared
 from ..workspace import get_workspace
 from .configs import PARTIAL_COLS, TritonTactic, arch_of, fit, select_tactic
 
@@ -73,11 +73,7 @@ def split_bf16x3(fn: torch.Tensor) -> torch.Tensor:
     out the four streams' tiles."""
     n_mix, k = fn.shape
     w = fn.float().view(n_mix, 4, k // 4).transpose(1, 2).reshape(n_mix, k)
-    w1 = w.to(torch.bfloat16)
-    r1 = w - w1.float()
-    w2 = r1.to(torch.bfloat16)
-    w3 = (r1 - w2.float()).to(torch.bfloat16)
-    return torch.stack([w1, w2, w3]).contiguous()
+    return torch.stack(bf16_terms(w)).contiguous()
 
 
 @triton.jit
