@@ -72,6 +72,7 @@ SPLITS = ("round", "trunc")  # the weight's TF32 hi + lo: both rounded to neares
 # stage: one copy, one full and one empty mbarrier. ``terms`` 2: hi + lo (16 of fp32's 24 mantissa bits), rows 0-47
 # of one m64 MMA; 3: hi + mid + lo (all 24), a second m64 MMA per step for lo (``weight_row``)
 RINGS = ("registers", "cp.async", "bulk", "synthetic", "wgmma")
+COLLAPSE_FROM = ("shared", "global")
 BLOCK_FLOATS = MIXES * K_BLOCK  # one block's weights: 24 rows x 32 K positions
 WG_K = 16  # K positions per bf16 warpgroup MMA
 WG_ROWS = 64  # its M: the weight's bf16 terms, 24 rows each (``wgmma_weight``)
@@ -105,7 +106,7 @@ class OnchipSkeleton:
                  lookahead: int = 1, carry: bool = False, split: str = "round", mma_warps: int = 0,
                  mma_regs: int = 152, ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2,
                  kmajor: bool = False, slots: int = SLOTS, reserve: int = 0, free_weights: bool = False,
-                 tokens_m: bool = False):
+                 tokens_m: bool = False, collapse_from: str = "shared"):
         assert sync in SYNCS and split in SPLITS and ring in RINGS and (mma_warps == 0 or sync == "project")
         assert ring != "bulk" or mma_warps, "the bulk ring feeds MMA warps of their own"
         assert ring != "wgmma" or (mma_warps in (4, 8) and lookahead >= 2 and lookahead & (lookahead - 1) == 0), \
@@ -127,6 +128,12 @@ class OnchipSkeleton:
         # positions, each thread holding all terms of its columns
         self.tokens_m = tokens_m
         assert not tokens_m or ring == "wgmma"
+        # where the collapse reads residual_cur: the tile's copy in shared memory, or (``COLLAPSE_FROM`` "global")
+        # what the post-map stored to global memory a tile earlier (from L2, if it is still there); then only the
+        # projection keeps a copy in shared memory ("async" allocates none)
+        assert collapse_from in COLLAPSE_FROM
+        self.collapse_from = collapse_from
+        self.keeps_rc = collapse_from == "shared" or sync == "project"
         assert slots in (2, 3) and (slots == 2 or sync in HANDOFFS)
         self.chains = chains  # independent MMA accumulators per column tile (1, 2 or 4)
         self.unroll = unroll  # "bulk": blocks per iteration of the projection's loop
@@ -347,7 +354,8 @@ class OnchipSkeleton:
     def run_synced(self, smem, raw: cute.Tensor, rank, first, count, n_tiles, loader, mX: cute.Tensor,
                    mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor):
         """Modes "none", "all", "warp": post-map, next loads, tail (cluster barriers), collapse, per tile."""
-        sRc = smem.allocate_tensor(BFloat16, du.row_major(self.tokens * STREAMS * self.octets, VEC), 16)
+        sRc = smem.allocate_tensor(BFloat16, du.row_major(self.tokens * STREAMS * self.octets if self.keeps_rc else 1,
+                                                          VEC), 16)
         partials = smem.allocate_tensor(Float32, du.row_major(self.tokens, ROW), 16)
         gates = smem.allocate_tensor(Float32, du.row_major(self.tokens, GATES), 16)
         for it in cutlass.range(count, unroll=1):
@@ -361,7 +369,7 @@ class OnchipSkeleton:
             elif cutlass.const_expr(self.sync == "warp"):
                 self.tail(tile, rank, partials, gates, Int32(self.threads), du.WARP)
             if loader:
-                self.collapse(tile, rank, sRc, gates, mLi)
+                self.collapse(tile, rank, sRc, mRc, gates, mLi)
 
     @cute.jit
     def run_async(self, smem, raw: cute.Tensor, rank, first, count, n_tiles, loader, mX: cute.Tensor,
@@ -371,7 +379,7 @@ class OnchipSkeleton:
         tidx, _, _ = cute.arch.thread_idx()
         rc_rows = self.tokens * STREAMS * self.octets
         # (1024-byte aligned with "wgmma": the MMAs read it through matrix descriptors)
-        sRc = smem.allocate_tensor(BFloat16, du.row_major(self.slots * rc_rows, VEC),
+        sRc = smem.allocate_tensor(BFloat16, du.row_major(self.slots * rc_rows if self.keeps_rc else 1, VEC),
                                    1024 if self.ring == "wgmma" else 16)
         # this CTA's tokens' partial rows as pushed by each CTA of the cluster, and every token's gates
         received = smem.allocate_tensor(Float32, du.row_major(self.slots, self.cluster, self.own, ROW), 16)
@@ -462,10 +470,11 @@ class OnchipSkeleton:
                 if tidx == 0:  # this tile's gates: counted on this slot's next phase
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + self.slots + slot, gate_bytes)
                 if it >= self.slots - 1:
-                    self.collapse_when_gated(it - (self.slots - 1), first, rank, sRc, gates, mbar, mLi)
+                    self.collapse_when_gated(it - (self.slots - 1), first, rank, sRc, mRc, gates, mbar, mLi)
             for k in cutlass.range_constexpr(self.slots - 1):  # the last tiles' collapses
                 if count - (self.slots - 1) + k >= 0:
-                    self.collapse_when_gated(count - (self.slots - 1) + k, first, rank, sRc, gates, mbar, mLi)
+                    self.collapse_when_gated(count - (self.slots - 1) + k, first, rank, sRc, mRc, gates, mbar,
+                                                 mLi)
         elif mma_warp:
             if cutlass.const_expr(self.mma_warps):
                 self.set_registers(self.mma_regs)
@@ -523,13 +532,13 @@ class OnchipSkeleton:
         cute.arch.cluster_wait()
 
     @cute.jit
-    def collapse_when_gated(self, it, first, rank, sRc: cute.Tensor, gates: cute.Tensor, mbar: cute.Tensor,
-                            mLi: cute.Tensor):
+    def collapse_when_gated(self, it, first, rank, sRc: cute.Tensor, mRc: cute.Tensor, gates: cute.Tensor,
+                            mbar: cute.Tensor, mLi: cute.Tensor):
         """The collapse of the cluster's ``it``-th tile once its gates are in (``slots`` - 1 tiles behind the
         post-map)."""
         slot = it % self.slots
         cute.arch.mbarrier_wait(mbar.iterator + self.slots + slot, (it // self.slots) % 2)
-        self.collapse(first + it * self.clusters, rank, sRc, gates, mLi,
+        self.collapse(first + it * self.clusters, rank, sRc, mRc, gates, mLi,
                       slot * self.tokens * STREAMS * self.octets, slot)
 
     @cute.jit
@@ -994,7 +1003,8 @@ class OnchipSkeleton:
                     out[e] = chain
                 rounded = du.store_bf16x8(cute.local_tile(mRc[m, None], (VEC,), (j * (self.hidden // VEC) + vec,)),
                                           out.load())
-                sRc[row0 + self.rc_row(t, j, o), None].store(rounded.to(BFloat16))
+                if cutlass.const_expr(self.keeps_rc):
+                    sRc[row0 + self.rc_row(t, j, o), None].store(rounded.to(BFloat16))
                 if cutlass.const_expr(sSq is not None):
                     sq = sq + du.sum_squares(rounded)
             if cutlass.const_expr(sSq is not None):
@@ -1003,11 +1013,20 @@ class OnchipSkeleton:
                     sSq[slot, t, o // 8] = sq
 
     @cute.jit
-    def collapse(self, tile, rank, sRc: cute.Tensor, gates: cute.Tensor, mLi: cute.Tensor, row0=0, slot=None):
-        """layer_input of the thread's octets, from shared memory."""
+    def collapse(self, tile, rank, sRc: cute.Tensor, mRc: cute.Tensor, gates: cute.Tensor, mLi: cute.Tensor, row0=0,
+                 slot=None):
+        """layer_input of the thread's octets, from shared memory or (``collapse_from``) global memory: the octets
+        this thread stored in its post-map of the tile."""
         for p in cutlass.range_constexpr(self.per_thread):
             t, o, m, vec = self.octet(p, tile, rank)
-            vals = [sRc[row0 + self.rc_row(t, j, o), None].load().to(Float32) for j in range(STREAMS)]
+            if cutlass.const_expr(self.collapse_from == "global"):
+                vals = []
+                for j in cutlass.range_constexpr(STREAMS):
+                    got = cute.make_rmem_tensor((VEC,), BFloat16)
+                    cute.autovec_copy(cute.local_tile(mRc[m, None], (VEC,), (j * (self.hidden // VEC) + vec,)), got)
+                    vals.append(got.load().to(Float32))
+            else:
+                vals = [sRc[row0 + self.rc_row(t, j, o), None].load().to(Float32) for j in range(STREAMS)]
             if cutlass.const_expr(self.sync == "none"):
                 g = [Float32(0.5)] * STREAMS
             elif cutlass.const_expr(slot is None):
@@ -1034,9 +1053,11 @@ def bulk_fill(src: cute.Tensor, dst: cute.Tensor, full):
 def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, threads: int = 224, lookahead: int = 1,
              carry: bool = False, split: str = "round", mma_warps: int = 0, mma_regs: int = 152,
              ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2, kmajor: bool = False,
-             slots: int = SLOTS, reserve: int = 0, free_weights: bool = False, tokens_m: bool = False):
+             slots: int = SLOTS, reserve: int = 0, free_weights: bool = False, tokens_m: bool = False,
+             collapse_from: str = "shared"):
     skeleton = OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads, lookahead, carry, split, mma_warps,
-                              mma_regs, ring, chains, unroll, terms, kmajor, slots, reserve, free_weights, tokens_m)
+                              mma_regs, ring, chains, unroll, terms, kmajor, slots, reserve, free_weights, tokens_m,
+                              collapse_from)
     return compile_kernel(skeleton, fake_buffer(BFloat16),
                           fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(Float32))
 
@@ -1145,6 +1166,8 @@ def main() -> int:
                     "weight stages never copied (no L2 traffic for the weight)")
     ap.add_argument("--reserve", type=int, nargs="+", default=[0], help='"async" and "project": KB of shared memory '
                     "allocated and unused (the L1 cache it takes from the loads)")
+    ap.add_argument("--collapse-from", nargs="+", choices=COLLAPSE_FROM, default=["shared"], help='"async" and '
+                    '"project": where the collapse reads residual_cur (global: the post-map\'s stores, from L2)')
     ap.add_argument("--mma-regs", type=int, nargs="+", default=[152], help="registers per MMA-warp thread (setmaxnreg; "
                     "the loading warps and the tail warp share the rest)")
     ap.add_argument("--reps", type=int, default=20)
@@ -1166,14 +1189,14 @@ def main() -> int:
             fnd = fn.to(dev)
             prepared = {"bulk": blocked_weight(fn, cluster).to(dev),
                         "wgmma": wgmma_weight(fn, cluster, args.terms, args.tokens_m).to(dev)}
-            handoffs = [(sl, kb) for sl in args.slots for kb in args.reserve]
+            handoffs = [(sl, kb, cf) for sl in args.slots for kb in args.reserve for cf in args.collapse_from]
             variants = [(sync, 1, False, "round", 0, 0, "registers", 1, *h) for sync in args.sync
-                        if sync != "project" for h in (handoffs if sync in HANDOFFS else [(SLOTS, 0)])]
+                        if sync != "project" for h in (handoffs if sync in HANDOFFS else [(SLOTS, 0, "shared")])]
             if "project" in args.sync:
                 variants += [("project", la, bool(c), sp, w, r, ring, ch, *h) for ring in args.ring
                              for w in args.mma_warps for la in args.lookahead for c in args.carry for sp in args.split
                              for r in (args.mma_regs if w else [0]) for ch in args.chains for h in handoffs]
-            for sync, lookahead, carry, split, mma_warps, mma_regs, ring, chains, slots, reserve in variants:
+            for sync, lookahead, carry, split, mma_warps, mma_regs, ring, chains, slots, reserve, cf in variants:
                 name = sync if sync != "project" else (f"project ({ring} lookahead {lookahead}, carry {int(carry)}, "
                                                        f"{split}, {chains} chains, {mma_warps} MMA warps" +
                                                        (f", unroll {args.unroll}" if ring == "bulk" else "") +
@@ -1185,6 +1208,8 @@ def main() -> int:
                     name += f", {slots} slots"
                 if reserve:
                     name += f", {reserve} KB reserved"
+                if cf != "shared":
+                    name += f", collapse from {cf}"
                 free = args.free_weights and ring == "wgmma"
                 if free:
                     name += ", weights not copied"
@@ -1194,7 +1219,7 @@ def main() -> int:
                 try:
                     kernel = compiled(cluster, tokens, h, clusters, sync, args.threads, lookahead, carry, split,
                                       mma_warps, mma_regs or 152, ring, chains, args.unroll, args.terms, args.kmajor,
-                                      slots, reserve, free, tokens_m)
+                                      slots, reserve, free, tokens_m, cf)
                 except Exception as e:  # a shape the probe or the DSL refuses: say so, go on
                     print(f"S={cluster} T={tokens} sync={name}: not compiled ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:120]})", flush=True)
