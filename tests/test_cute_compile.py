@@ -235,17 +235,20 @@ def test_onchip_skeleton_weight_rings_compile(mma_warps, mma_regs, lookahead, ri
                                    ring))
 
 
-@pytest.mark.parametrize("sync, terms, slots, reserve, free, tokens_m", [
-    ("async", 2, 3, 0, False, False), ("project", 3, 3, 0, False, False), ("async", 2, 2, 32, False, False),
-    ("project", 2, 2, 0, True, False), ("project", 3, 2, 0, False, True)])
-def test_onchip_skeleton_handoff_variants_compile(sync, terms, slots, reserve, free, tokens_m):
+@pytest.mark.parametrize("sync, terms, slots, reserve, free, tokens_m, collapse_from", [
+    ("async", 2, 3, 0, False, False, "shared"), ("project", 3, 3, 0, False, False, "shared"),
+    ("async", 2, 2, 32, False, False, "shared"), ("project", 2, 2, 0, True, False, "shared"),
+    ("project", 3, 2, 0, False, True, "shared"), ("async", 2, 2, 0, False, False, "global"),
+    ("project", 3, 2, 0, False, True, "global")])
+def test_onchip_skeleton_handoff_variants_compile(sync, terms, slots, reserve, free, tokens_m, collapse_from):
     """The skeleton with a third tile in flight (the collapse two tiles behind the post-map), with shared memory
-    reserved and unused (to time the L1 cache it takes), with the wgmma ring's copies left out (timing only) or with
-    the tokens as the MMAs' M compiles for sm_90a, alone and with the wgmma projection."""
+    reserved and unused (to time the L1 cache it takes), with the wgmma ring's copies left out (timing only), with
+    the tokens as the MMAs' M or with the collapse reading residual_cur from global memory compiles for sm_90a, alone
+    and with the wgmma projection."""
     probe = _bench_module("probe_onchip_skeleton")
     mma = (4, 152 if tokens_m else 96, "wgmma") if sync == "project" else (0, 152, "registers")
     assert callable(probe.compiled(16, 16, 7168, 7, sync, 224, 2, True, "trunc", mma[0], mma[1], mma[2], 1, 1, terms,
-                                   True, slots, reserve, free, tokens_m))
+                                   True, slots, reserve, free, tokens_m, collapse_from))
 
 
 def test_onchip_skeleton_blocked_weight():
