@@ -23,7 +23,9 @@ synthetic partials: the loading warps multiply the tile's `residual_cur` in shar
 fp32 weight ``fn [24, 4 H]`` read from L2 every tile, on the tensor cores (m16n8k8 TF32, the weight split into hi +
 lo in registers as path E's warp MMA does; T = 16 tokens fill the 16 rows), sum their warps' partial rows in
 shared memory in a fixed order and push them with the sums of squares; the tail warp takes the pre gates as
-``sigmoid(dot_j * rsqrt(sumsq / 4H + eps))``, a stand-in for SPEC's steps 2-4 without the Sinkhorn).
+``sigmoid(dot_j * rsqrt(sumsq / 4H + eps))``, a stand-in for SPEC's steps 2-4 without the Sinkhorn). ``--collapse-from global`` has the collapse read
+`residual_cur` back from global memory (what the post-map stored, from L2 if it is still there) instead of from the
+tile's copy in shared memory, by the loaders a tile behind or (``--collapse-warps``, "async") by warps of their own.
 
     python bench/probe_onchip_skeleton.py --cluster 8 16 --tokens 8 16 --hidden 7168 --m 8192
 """
@@ -106,7 +108,8 @@ class OnchipSkeleton:
                  lookahead: int = 1, carry: bool = False, split: str = "round", mma_warps: int = 0,
                  mma_regs: int = 152, ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2,
                  kmajor: bool = False, slots: int = SLOTS, reserve: int = 0, free_weights: bool = False,
-                 tokens_m: bool = False, collapse_from: str = "shared"):
+                 tokens_m: bool = False, collapse_from: str = "shared", collapse_warps: int = 0,
+                 collapse_regs: int = 112):
         assert sync in SYNCS and split in SPLITS and ring in RINGS and (mma_warps == 0 or sync == "project")
         assert ring != "bulk" or mma_warps, "the bulk ring feeds MMA warps of their own"
         assert ring != "wgmma" or (mma_warps in (4, 8) and lookahead >= 2 and lookahead & (lookahead - 1) == 0), \
@@ -134,6 +137,12 @@ class OnchipSkeleton:
         assert collapse_from in COLLAPSE_FROM
         self.collapse_from = collapse_from
         self.keeps_rc = collapse_from == "shared" or sync == "project"
+        # "async" with the collapse from global memory: warps of their own collapse each tile once its gates are in
+        # (``collapse_regs`` registers each), so that the loaders' loop never waits for the re-read (0: the loaders
+        # collapse, a tile behind their post-map)
+        self.collapse_warps, self.collapse_regs = collapse_warps, collapse_regs
+        assert not collapse_warps or (sync == "async" and collapse_from == "global" and collapse_warps % 4 == 0
+                                      and threads % 128 in (0, 128 - du.WARP)), "whole warpgroups per role"
         assert slots in (2, 3) and (slots == 2 or sync in HANDOFFS)
         self.chains = chains  # independent MMA accumulators per column tile (1, 2 or 4)
         self.unroll = unroll  # "bulk": blocks per iteration of the projection's loop
@@ -150,12 +159,25 @@ class OnchipSkeleton:
         # the first MMA thread: warpgroups of their own, so after the tail warp's, which idle warps fill up when the
         # loaders are whole warpgroups themselves (256 threads, for H = 4096's tiles)
         self.mma_first = (threads + du.WARP + 127) // 128 * 128 if mma_warps else threads + du.WARP
+        # collapse warps: warpgroups of their own after the loaders' and the tail warp's (idle warps fill the tail
+        # warp's warpgroup when the loaders are whole warpgroups themselves, as for MMA warps)
+        self.collapse_first = (threads + du.WARP + 127) // 128 * 128
+        self.block_threads = (self.mma_first + du.WARP * mma_warps if mma_warps
+                              else self.collapse_first + du.WARP * collapse_warps if collapse_warps
+                              else threads + (du.WARP if sync not in ("none", "all") else 0))
+        if collapse_warps:
+            rest = self.even_registers() * self.block_threads - collapse_regs * du.WARP * collapse_warps
+            if self.collapse_first == threads + du.WARP:
+                self.loader_regs = self.tail_regs = min(240, rest // (threads + du.WARP) // 8 * 8)
+            else:
+                self.tail_regs = TAIL_REGS
+                self.loader_regs = min(240, (rest - TAIL_REGS * 128) // threads // 8 * 8)
         if mma_warps:
             assert threads % 128 in (0, 128 - du.WARP) and mma_warps % 4 == 0, "whole warpgroups per role"
             self.mma_regs = mma_regs
             # setmaxnreg moves registers within what the launch gave the CTA (its even share per thread, in
             # eights): asking for more in all than that blocks the increasing warps for good (a hang, not an error)
-            pool = self.even_registers() * (self.mma_first + du.WARP * mma_warps)
+            pool = self.even_registers() * self.block_threads
             rest = pool - self.mma_regs * du.WARP * mma_warps
             if self.mma_first == threads + du.WARP:  # the tail warp in the loaders' last warpgroup
                 self.loader_regs = self.tail_regs = rest // (threads + du.WARP) // 8 * 8
@@ -208,11 +230,10 @@ class OnchipSkeleton:
                                                              BLOCK_FLOATS))
         else:
             fn = cute.make_tensor(mFn.iterator, du.row_major(MIXES, STREAMS * self.hidden))
-        block = (self.mma_first + du.WARP * self.mma_warps if self.mma_warps
-                 else self.threads + (du.WARP if self.sync != "none" and self.sync != "all" else 0))
         # setmaxnreg needs the occupancy bound, or ptxas drops it (CUTE_NOTES); the other modes compile as measured
-        bound = {"min_blocks_per_mp": 1} if self.mma_warps else {}
-        self.kernel(x, res, rc, li, fn).launch(grid=[self.clusters * self.cluster, 1, 1], block=[block, 1, 1],
+        bound = {"min_blocks_per_mp": 1} if self.mma_warps or self.collapse_warps else {}
+        self.kernel(x, res, rc, li, fn).launch(grid=[self.clusters * self.cluster, 1, 1],
+                                               block=[self.block_threads, 1, 1],
                                                cluster=[self.cluster, 1, 1], stream=stream, **bound)
 
     def mmas(self) -> int:
@@ -254,7 +275,7 @@ class OnchipSkeleton:
 
     def even_registers(self) -> int:
         """The launch's registers per thread: the register file over the block's threads, in eights."""
-        return 65536 // (self.mma_first + du.WARP * self.mma_warps) // 8 * 8
+        return 65536 // self.block_threads // 8 * 8
 
     @cute.jit
     def set_registers(self, count: int):
@@ -307,11 +328,14 @@ class OnchipSkeleton:
             self.load_octets(raw, tile, rank, mX, mRes)
 
     @cute.jit
-    def octet(self, p: int, tile, rank):
-        """This thread's octet ``p`` of the tile: its token in the tile, its octet in the CTA's slice, the token's
-        row and the octet's 8-vector index in a stream row."""
+    def octet(self, p: int, tile, rank, collapsing: bool = False):
+        """This thread's octet ``p`` of the tile (as a loader, or as a collapse warp's thread): its token in the tile,
+        its octet in the CTA's slice, the token's row and the octet's 8-vector index in a stream row."""
         tidx, _, _ = cute.arch.thread_idx()
-        q = tidx + p * self.threads
+        if cutlass.const_expr(collapsing):
+            q = tidx - self.collapse_first + p * du.WARP * self.collapse_warps
+        else:
+            q = tidx + p * self.threads
         if cutlass.const_expr(self.kmajor):
             # eight lanes on eight adjacent octets of one token (128 bytes: one line in global memory, one swizzled
             # row in shared memory, no bank conflicts), a warp on four tokens. (Lane pairs on 32 bytes of each of 16
@@ -384,8 +408,10 @@ class OnchipSkeleton:
         # this CTA's tokens' partial rows as pushed by each CTA of the cluster, and every token's gates
         received = smem.allocate_tensor(Float32, du.row_major(self.slots, self.cluster, self.own, ROW), 16)
         gates = smem.allocate_tensor(Float32, du.row_major(self.slots, self.tokens, GATES), 16)
-        # partials[slots], gates[slots], and with MMA warps rc_full[slots] (the tile's residual_cur is in sRc)
-        kinds = 3 if self.mma_warps else 2
+        # partials[slots], gates[slots], and with MMA warps rc_full[slots] (the tile's residual_cur is in sRc), or
+        # with collapse warps rc_stored[slots] (the loaders' residual_cur stores of the tile are done) and
+        # collapsed[slots] (the collapse warps are done with the tile's gates)
+        kinds = 3 if self.mma_warps else 4 if self.collapse_warps else 2
         if cutlass.const_expr(self.reserve):
             smem.allocate_tensor(cutlass.Int8, du.row_major(self.reserve * 1024), 1024)
         mbar = smem.allocate_tensor(cutlass.Int64, du.row_major(kinds * self.slots), 8)
@@ -424,9 +450,12 @@ class OnchipSkeleton:
         if tidx == 0:
             for i in cutlass.range_constexpr(2 * self.slots):
                 cute.arch.mbarrier_init(mbar.iterator + i, 1)
-            if cutlass.const_expr(self.mma_warps):
+            if cutlass.const_expr(self.mma_warps or self.collapse_warps):
                 for i in cutlass.range_constexpr(self.slots):
                     cute.arch.mbarrier_init(mbar.iterator + 2 * self.slots + i, self.threads)
+            if cutlass.const_expr(self.collapse_warps):
+                for i in cutlass.range_constexpr(self.slots):
+                    cute.arch.mbarrier_init(mbar.iterator + 3 * self.slots + i, du.WARP * self.collapse_warps)
             if cutlass.const_expr(self.ring in rings):
                 for i in cutlass.range_constexpr(rings[self.ring] * self.lookahead):
                     arrivals = 4 if self.ring == "wgmma" and i >= self.wgs * self.lookahead else 1
@@ -440,7 +469,7 @@ class OnchipSkeleton:
         # that two roles reach after different counts to the smaller one (the loaders spilled at the MMA warps'
         # count when the roles set them before the common setup)
         if loader:
-            if cutlass.const_expr(self.mma_warps):
+            if cutlass.const_expr(self.mma_warps or self.collapse_warps):
                 self.set_registers(self.loader_regs)
             for it in cutlass.range(count, unroll=1):
                 tile = first + it * self.clusters
@@ -456,6 +485,13 @@ class OnchipSkeleton:
                         cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.mbarrier_arrive(mbar.iterator + 2 * self.slots + slot)
                 self.load_tile(raw, cutlass.min(tile + self.clusters, n_tiles - 1), rank, mX, mRes, loader)
+                if cutlass.const_expr(self.collapse_warps):
+                    # the collapse warps are done with this slot's gates (tile it - slots) before this tile's rows
+                    # can lead to new ones; then this thread's stores of the tile are announced (after that wait,
+                    # so that rc_stored never runs a phase ahead of its reader)
+                    if it >= self.slots:
+                        cute.arch.mbarrier_wait(mbar.iterator + 3 * self.slots + slot, (it // self.slots - 1) % 2)
+                    cute.arch.mbarrier_arrive(mbar.iterator + 2 * self.slots + slot)
                 if cutlass.const_expr(not self.mma_warps):
                     # every loading warp of this CTA is past its collapse of tile it - 2 before any of them pushes
                     # tile it's rows: the gates those rows lead to land in that tile's gate slot (without this
@@ -469,9 +505,9 @@ class OnchipSkeleton:
                     self.push_partials(tile, rank, received, mbar, slot, sRed, 0, self.threads)
                 if tidx == 0:  # this tile's gates: counted on this slot's next phase
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + self.slots + slot, gate_bytes)
-                if it >= self.slots - 1:
+                if it >= self.slots - 1 and not self.collapse_warps:
                     self.collapse_when_gated(it - (self.slots - 1), first, rank, sRc, mRc, gates, mbar, mLi)
-            for k in cutlass.range_constexpr(self.slots - 1):  # the last tiles' collapses
+            for k in cutlass.range_constexpr(0 if self.collapse_warps else self.slots - 1):  # the last tiles'
                 if count - (self.slots - 1) + k >= 0:
                     self.collapse_when_gated(count - (self.slots - 1) + k, first, rank, sRc, mRc, gates, mbar,
                                                  mLi)
@@ -507,7 +543,7 @@ class OnchipSkeleton:
                     self.drain(wfull.iterator + wg * self.lookahead, count * self.wg_groups)
         elif tidx < self.threads + du.WARP:
             # the tail warp: this CTA's tokens' rows from every CTA, summed in rank order; gates to every CTA
-            if cutlass.const_expr(self.mma_warps):
+            if cutlass.const_expr(self.mma_warps or self.collapse_warps):
                 self.set_registers(self.tail_regs)
             lane = cute.arch.lane_idx()
             for it in cutlass.range(count, unroll=1):
@@ -526,6 +562,18 @@ class OnchipSkeleton:
                             for peer in cutlass.range_constexpr(self.cluster):
                                 total = total + received[slot, peer, t, c]
                             self.push_gate(du.sigmoid(total), rank * self.own + t, c, gates, mbar, slot)
+        elif cutlass.const_expr(self.collapse_warps):
+            if tidx >= self.collapse_first:
+                # the collapse warps: each tile once its gates are in and the loaders' residual_cur stores are done
+                self.set_registers(self.collapse_regs)
+                for it in cutlass.range(count, unroll=1):
+                    slot, parity = it % self.slots, (it // self.slots) % 2
+                    cute.arch.mbarrier_wait(mbar.iterator + self.slots + slot, parity)
+                    cute.arch.mbarrier_wait(mbar.iterator + 2 * self.slots + slot, parity)
+                    self.collapse(first + it * self.clusters, rank, sRc, mRc, gates, mLi, 0, slot, collapsing=True)
+                    cute.arch.mbarrier_arrive(mbar.iterator + 3 * self.slots + slot)
+            else:  # the idle warps of the tail warp's warpgroup (its setmaxnreg)
+                self.set_registers(self.tail_regs)
         elif cutlass.const_expr(self.mma_warps):  # the idle warps of the tail warp's warpgroup (its setmaxnreg)
             self.set_registers(self.tail_regs)
         cute.arch.cluster_arrive()  # no CTA leaves while another may still push into it
@@ -1014,11 +1062,12 @@ class OnchipSkeleton:
 
     @cute.jit
     def collapse(self, tile, rank, sRc: cute.Tensor, mRc: cute.Tensor, gates: cute.Tensor, mLi: cute.Tensor, row0=0,
-                 slot=None):
+                 slot=None, collapsing: bool = False):
         """layer_input of the thread's octets, from shared memory or (``collapse_from``) global memory: the octets
-        this thread stored in its post-map of the tile."""
-        for p in cutlass.range_constexpr(self.per_thread):
-            t, o, m, vec = self.octet(p, tile, rank)
+        this thread stored in its post-map of the tile, or (``collapsing``) a collapse warp's share of the tile."""
+        per = self.tokens * self.octets // (du.WARP * self.collapse_warps) if collapsing else self.per_thread
+        for p in cutlass.range_constexpr(per):
+            t, o, m, vec = self.octet(p, tile, rank, collapsing)
             if cutlass.const_expr(self.collapse_from == "global"):
                 vals = []
                 for j in cutlass.range_constexpr(STREAMS):
@@ -1054,10 +1103,10 @@ def compiled(cluster: int, tokens: int, hidden: int, clusters: int, sync: str, t
              carry: bool = False, split: str = "round", mma_warps: int = 0, mma_regs: int = 152,
              ring: str = "registers", chains: int = 1, unroll: int = 1, terms: int = 2, kmajor: bool = False,
              slots: int = SLOTS, reserve: int = 0, free_weights: bool = False, tokens_m: bool = False,
-             collapse_from: str = "shared"):
+             collapse_from: str = "shared", collapse_warps: int = 0, collapse_regs: int = 112):
     skeleton = OnchipSkeleton(cluster, tokens, hidden, clusters, sync, threads, lookahead, carry, split, mma_warps,
                               mma_regs, ring, chains, unroll, terms, kmajor, slots, reserve, free_weights, tokens_m,
-                              collapse_from)
+                              collapse_from, collapse_warps, collapse_regs)
     return compile_kernel(skeleton, fake_buffer(BFloat16),
                           fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(BFloat16), fake_buffer(Float32))
 
@@ -1168,6 +1217,9 @@ def main() -> int:
                     "allocated and unused (the L1 cache it takes from the loads)")
     ap.add_argument("--collapse-from", nargs="+", choices=COLLAPSE_FROM, default=["shared"], help='"async" and '
                     '"project": where the collapse reads residual_cur (global: the post-map\'s stores, from L2)')
+    ap.add_argument("--collapse-warps", type=int, nargs="+", default=[0], help='"async" with --collapse-from global: '
+                    "warps of their own for the collapse (0: the loaders collapse)")
+    ap.add_argument("--collapse-regs", type=int, default=112, help="registers per collapse-warp thread (setmaxnreg)")
     ap.add_argument("--mma-regs", type=int, nargs="+", default=[152], help="registers per MMA-warp thread (setmaxnreg; "
                     "the loading warps and the tail warp share the rest)")
     ap.add_argument("--reps", type=int, default=20)
@@ -1189,14 +1241,16 @@ def main() -> int:
             fnd = fn.to(dev)
             prepared = {"bulk": blocked_weight(fn, cluster).to(dev),
                         "wgmma": wgmma_weight(fn, cluster, args.terms, args.tokens_m).to(dev)}
-            handoffs = [(sl, kb, cf) for sl in args.slots for kb in args.reserve for cf in args.collapse_from]
+            handoffs = [(sl, kb, cf, cw) for sl in args.slots for kb in args.reserve for cf in args.collapse_from
+                        for cw in args.collapse_warps if cw == 0 or cf == "global"]
             variants = [(sync, 1, False, "round", 0, 0, "registers", 1, *h) for sync in args.sync
-                        if sync != "project" for h in (handoffs if sync in HANDOFFS else [(SLOTS, 0, "shared")])]
+                        if sync != "project" for h in (handoffs if sync in HANDOFFS else [(SLOTS, 0, "shared", 0)])]
             if "project" in args.sync:
                 variants += [("project", la, bool(c), sp, w, r, ring, ch, *h) for ring in args.ring
                              for w in args.mma_warps for la in args.lookahead for c in args.carry for sp in args.split
-                             for r in (args.mma_regs if w else [0]) for ch in args.chains for h in handoffs]
-            for sync, lookahead, carry, split, mma_warps, mma_regs, ring, chains, slots, reserve, cf in variants:
+                             for r in (args.mma_regs if w else [0]) for ch in args.chains for h in handoffs
+                             if h[3] == 0]
+            for sync, lookahead, carry, split, mma_warps, mma_regs, ring, chains, slots, reserve, cf, cw in variants:
                 name = sync if sync != "project" else (f"project ({ring} lookahead {lookahead}, carry {int(carry)}, "
                                                        f"{split}, {chains} chains, {mma_warps} MMA warps" +
                                                        (f", unroll {args.unroll}" if ring == "bulk" else "") +
@@ -1210,6 +1264,8 @@ def main() -> int:
                     name += f", {reserve} KB reserved"
                 if cf != "shared":
                     name += f", collapse from {cf}"
+                if cw:
+                    name += f" by {cw} warps at {args.collapse_regs} registers"
                 free = args.free_weights and ring == "wgmma"
                 if free:
                     name += ", weights not copied"
@@ -1219,7 +1275,7 @@ def main() -> int:
                 try:
                     kernel = compiled(cluster, tokens, h, clusters, sync, args.threads, lookahead, carry, split,
                                       mma_warps, mma_regs or 152, ring, chains, args.unroll, args.terms, args.kmajor,
-                                      slots, reserve, free, tokens_m, cf)
+                                      slots, reserve, free, tokens_m, cf, cw, args.collapse_regs)
                 except Exception as e:  # a shape the probe or the DSL refuses: say so, go on
                     print(f"S={cluster} T={tokens} sync={name}: not compiled ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:120]})", flush=True)

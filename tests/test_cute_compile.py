@@ -251,6 +251,22 @@ def test_onchip_skeleton_handoff_variants_compile(sync, terms, slots, reserve, f
                                    True, slots, reserve, free, tokens_m, collapse_from))
 
 
+@pytest.mark.parametrize("hidden, threads, tokens, collapse_warps", [(7168, 224, 16, 4), (4096, 256, 32, 8)])
+def test_onchip_skeleton_collapse_warps_compile(hidden, threads, tokens, collapse_warps):
+    """The skeleton's data movement with the collapse from global memory by warps of their own (a warpgroup or two
+    after the loaders' and the tail warp's, idle warps filling the tail warp's when the loaders are whole warpgroups)
+    compiles for sm_90a, and the roles' registers fit the launch's."""
+    probe = _bench_module("probe_onchip_skeleton")
+    skeleton = probe.OnchipSkeleton(16, tokens, hidden, 7, "async", threads, collapse_from="global",
+                                    collapse_warps=collapse_warps)
+    tail_group = skeleton.collapse_first - threads  # the tail warp and any idle warps
+    used = (skeleton.loader_regs * threads + skeleton.tail_regs * tail_group
+            + skeleton.collapse_regs * 32 * collapse_warps)
+    assert used <= skeleton.even_registers() * skeleton.block_threads
+    assert callable(probe.compiled(16, tokens, hidden, 7, "async", threads, collapse_from="global",
+                                   collapse_warps=collapse_warps))
+
+
 def test_onchip_skeleton_blocked_weight():
     """The bulk ring's weight copy: CTA rank r's block b, lane (g, q), column tile nt, half h holds the weight row
     8 nt + g at the K positions of the lane's octet in that block (what the register ring loads for the lane)."""
