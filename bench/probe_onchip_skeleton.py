@@ -142,7 +142,9 @@ class OnchipSkeleton:
         # collapse, a tile behind their post-map)
         self.collapse_warps, self.collapse_regs = collapse_warps, collapse_regs
         assert not collapse_warps or (sync == "async" and collapse_from == "global" and collapse_warps % 4 == 0
-                                      and threads % 128 in (0, 128 - du.WARP)), "whole warpgroups per role"
+                                      and threads % 128 in (0, 128 - du.WARP)
+                                      and tokens * (hidden // cluster // VEC) % (du.WARP * collapse_warps) == 0), \
+            "whole warpgroups per role, the tile's octets split evenly over the collapse warps"
         assert slots in (2, 3) and (slots == 2 or sync in HANDOFFS)
         self.chains = chains  # independent MMA accumulators per column tile (1, 2 or 4)
         self.unroll = unroll  # "bulk": blocks per iteration of the projection's loop
