@@ -429,6 +429,7 @@ class OnchipSkeleton:
                 if self.sync == "project" and self.ring != "wgmma" else received)
         mma_threads = du.WARP * self.mma_warps
         mma_warp = tidx >= self.mma_first if self.mma_warps else tidx < 0  # (never, without MMA warps)
+        collapse_warp = tidx >= self.collapse_first if self.collapse_warps else tidx < 0  # (likewise)
         projecting = mma_warp if self.mma_warps else loader
         if cutlass.const_expr(self.ring == "bulk"):  # the projection's weight ring
             wbuf = smem.allocate_tensor(Float32, du.row_major(self.proj_warps * self.lookahead, BLOCK_FLOATS), 128)
@@ -507,12 +508,13 @@ class OnchipSkeleton:
                     self.push_partials(tile, rank, received, mbar, slot, sRed, 0, self.threads)
                 if tidx == 0:  # this tile's gates: counted on this slot's next phase
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator + self.slots + slot, gate_bytes)
-                if it >= self.slots - 1 and not self.collapse_warps:
-                    self.collapse_when_gated(it - (self.slots - 1), first, rank, sRc, mRc, gates, mbar, mLi)
+                if cutlass.const_expr(not self.collapse_warps):
+                    if it >= self.slots - 1:
+                        self.collapse_when_gated(it - (self.slots - 1), first, rank, sRc, mRc, gates, mbar, mLi)
             for k in cutlass.range_constexpr(0 if self.collapse_warps else self.slots - 1):  # the last tiles'
                 if count - (self.slots - 1) + k >= 0:
                     self.collapse_when_gated(count - (self.slots - 1) + k, first, rank, sRc, mRc, gates, mbar,
-                                                 mLi)
+                                             mLi)
         elif mma_warp:
             if cutlass.const_expr(self.mma_warps):
                 self.set_registers(self.mma_regs)
@@ -564,9 +566,10 @@ class OnchipSkeleton:
                             for peer in cutlass.range_constexpr(self.cluster):
                                 total = total + received[slot, peer, t, c]
                             self.push_gate(du.sigmoid(total), rank * self.own + t, c, gates, mbar, slot)
-        elif cutlass.const_expr(self.collapse_warps):
-            if tidx >= self.collapse_first:
-                # the collapse warps: each tile once its gates are in and the loaders' residual_cur stores are done
+        elif collapse_warp:
+            # the collapse warps: each tile once its gates are in and the loaders' residual_cur stores are done
+            # (traced only where they exist: a runtime branch is traced whatever its condition)
+            if cutlass.const_expr(self.collapse_warps):
                 self.set_registers(self.collapse_regs)
                 for it in cutlass.range(count, unroll=1):
                     slot, parity = it % self.slots, (it // self.slots) % 2
@@ -574,10 +577,8 @@ class OnchipSkeleton:
                     cute.arch.mbarrier_wait(mbar.iterator + 2 * self.slots + slot, parity)
                     self.collapse(first + it * self.clusters, rank, sRc, mRc, gates, mLi, 0, slot, collapsing=True)
                     cute.arch.mbarrier_arrive(mbar.iterator + 3 * self.slots + slot)
-            else:  # the idle warps of the tail warp's warpgroup (its setmaxnreg)
-                self.set_registers(self.tail_regs)
-        elif cutlass.const_expr(self.mma_warps):  # the idle warps of the tail warp's warpgroup (its setmaxnreg)
-            self.set_registers(self.tail_regs)
+        elif cutlass.const_expr(self.mma_warps or self.collapse_warps):
+            self.set_registers(self.tail_regs)  # the idle warps of the tail warp's warpgroup (its setmaxnreg)
         cute.arch.cluster_arrive()  # no CTA leaves while another may still push into it
         cute.arch.cluster_wait()
 
