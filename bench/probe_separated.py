@@ -6,6 +6,7 @@ kernel timestamps: each separator's end to the end of the call's last kernel. Fo
 the torch peers) a lone call should take its back-to-back time, which checks each measure.
 
     python bench/probe_separated.py --hidden 7168 --m 1 8 16 32 --names auto triton
+    python bench/probe_separated.py --m 17 32 --names auto half_fma:k224:t16:n6:w128:s1:b1:flat:mma
 
 Lines: ``SEPV round name H M graph_us sep_us after_us``.
 """
@@ -58,7 +59,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     peers = mb.peer_calls(False)
-    calls = {n: peers[n] if n in peers else mb.mhc_cute_call(n) for n in args.names}
+    # a name with a colon is a tactic name (backend first): that tactic at every M
+    calls = {n: peers[n] if n in peers else mb.mhc_cute_call(n.split(":")[0], tactic=n if ":" in n else None)
+             for n in args.names}
     for r in range(args.rounds):
         for h in args.hidden:
             for m in args.m:
