@@ -9,7 +9,8 @@ flight, ring of its own), each ring fed by a producer warp of its own so that ne
 the same K order, same partials), so the outputs must be bit-identical to kernel 1's with the same tactic: the probe
 checks that and the float64 contract, then times both (CUDA-graph replay over rotated inputs, alternating rounds).
 
-    python bench/probe_k1_wide.py --hidden 7168 4096 --m 2048 8192 --tactic half_mma:k2:m64:s2:fbw --box 4
+    python bench/probe_k1_wide.py --hidden 7168 --m 8192 --baseline half_mma:k2:m64:s3:fbw \
+        --variant 4:2:half_mma:k2:m64:s2:fbw 1:3:half_mma:k2:m64:s3:fbw    # box:raw_stages:tactic
 """
 
 import argparse
@@ -277,12 +278,13 @@ def compile_variant(make_kernel, problem, out):
 
 
 def launcher(tactic, problem, make_kernel):
-    """A call(inputs) -> outputs of the compiled kernel (fresh poisoned outputs each call)."""
+    """A call(inputs, poison=False) -> outputs of the compiled kernel (fresh outputs each call; NaN-filled first
+    with ``poison``, for the check: not in timed calls, where the fill would be timed too)."""
     fn = compile_variant(make_kernel, problem, problem.empty_outputs())
 
-    def call(s):
+    def call(s, poison=False):
         p = problem_of(s)
-        out = poisoned_outputs(p)
+        out = poisoned_outputs(p) if poison else p.empty_outputs()
         ws = get_workspace(p.x.device)
         parts = ws.partials(tactic.split_k * p.m * PARTIAL_COLS)
         counters = ws.counters(-(-p.m // tactic.tile_m))
@@ -296,9 +298,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168])
     ap.add_argument("--m", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--tactic", nargs="+", default=["half_mma:k2:m64:s2:fbw"], help="weight stages = s")
-    ap.add_argument("--box", type=int, nargs="+", default=[4], help="32-wide blocks per activation box")
-    ap.add_argument("--raw-stages", type=int, default=2)
+    ap.add_argument("--variant", nargs="+", default=["4:2:half_mma:k2:m64:s2:fbw"],
+                    help="BOX:RAW:TACTIC: 32-wide blocks per activation box, boxes in flight, the tactic (its s: "
+                    "weight blocks in flight)")
     ap.add_argument("--baseline", default="half_mma:k2:m64:s3:fbw", help="kernel 1 as shipped, timed alongside")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
@@ -313,19 +315,19 @@ def main() -> int:
             base = parse_tactic(args.baseline)
             calls = {f"kernel 1 {base.name}": launcher(
                 base, problem, lambda: mma.MmaFusedHcKernel(h, base, "fp32", None))}
-            for name in args.tactic:
+            for variant in args.variant:
+                box, raw, name = variant.split(":", 2)
                 t = parse_tactic(name)
-                for box in args.box:
-                    label = f"box {box} raw {args.raw_stages} {t.name}"
-                    try:
-                        calls[label] = launcher(t, problem, lambda t=t, box=box: WideBoxKernel(
-                            h, t, "fp32", None, box, args.raw_stages))
-                    except (AssertionError, ValueError) as e:
-                        print(f"H={h} M={m} {label}: not built ({e})", flush=True)
+                label = f"box {box} raw {raw} {t.name}"
+                try:
+                    calls[label] = launcher(t, problem, lambda t=t, box=int(box), raw=int(raw): WideBoxKernel(
+                        h, t, "fp32", None, box, raw))
+                except (AssertionError, ValueError) as e:
+                    print(f"H={h} M={m} {label}: not built ({e})", flush=True)
             # correctness: the float64 contract, and the same bits as kernel 1 with the same tactic's split
             reference = {}
             for label, call in calls.items():
-                out = call(sets[0])
+                out = call(sets[0], poison=True)
                 torch.cuda.synchronize()
                 try:
                     check_outputs(out, problem, **tolerances("half_mma", "fp32"))
