@@ -283,7 +283,7 @@ def launcher(tactic, problem, make_kernel):
     fn = compile_variant(make_kernel, problem, problem.empty_outputs())
 
     def call(s, poison=False):
-        p = problem_of(s)
+        p = problem_of(s, problem.precision)
         out = poisoned_outputs(p) if poison else p.empty_outputs()
         ws = get_workspace(p.x.device)
         parts = ws.partials(tactic.split_k * p.m * PARTIAL_COLS)
@@ -302,6 +302,8 @@ def main() -> int:
                     help="BOX:RAW:TACTIC: 32-wide blocks per activation box, boxes in flight, the tactic (its s: "
                     "weight blocks in flight)")
     ap.add_argument("--baseline", default="half_mma:k2:m64:s3:fbw", help="kernel 1 as shipped, timed alongside")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "tf32"), help="tf32: the weight's hi part only "
+                    "(half the weight ring's shared memory)")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -310,18 +312,18 @@ def main() -> int:
     for h in args.hidden:
         for m in args.m:
             sets = mb.rotated_sets(m, h, dev)
-            problem = problem_of(sets[0])
+            problem = problem_of(sets[0], args.precision)
             floor_us = mb.floor_bytes(m, h) / bw * 1e6
             base = parse_tactic(args.baseline)
             calls = {f"kernel 1 {base.name}": launcher(
-                base, problem, lambda: mma.MmaFusedHcKernel(h, base, "fp32", None))}
+                base, problem, lambda: mma.MmaFusedHcKernel(h, base, args.precision, None))}
             for variant in args.variant:
                 box, raw, name = variant.split(":", 2)
                 t = parse_tactic(name)
                 label = f"box {box} raw {raw} {t.name}"
                 try:
                     calls[label] = launcher(t, problem, lambda t=t, box=int(box), raw=int(raw): WideBoxKernel(
-                        h, t, "fp32", None, box, raw))
+                        h, t, args.precision, None, box, raw))
                 except (AssertionError, ValueError) as e:
                     print(f"H={h} M={m} {label}: not built ({e})", flush=True)
             # correctness: the float64 contract, and the same bits as kernel 1 with the same tactic's split
@@ -330,7 +332,7 @@ def main() -> int:
                 out = call(sets[0], poison=True)
                 torch.cuda.synchronize()
                 try:
-                    check_outputs(out, problem, **tolerances("half_mma", "fp32"))
+                    check_outputs(out, problem, **tolerances("half_mma", args.precision))
                     verdict = "ok"
                 except AssertionError as e:
                     verdict = f"WRONG ({str(e).splitlines()[0][:120]})"
