@@ -421,3 +421,20 @@ def test_onchip_skeleton_wgmma_sass(tmp_path, cuobjdump, dump_env, tokens_m, reg
     usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
     spills = re.findall(r"STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
     assert spills and all(sp == ("0", "0") for sp in spills), usage
+
+
+@pytest.mark.parametrize("box, raw, tactic, precision", [(4, 2, "half_mma:k2:m64:s2:fbw", "fp32"),
+                                                         (2, 3, "half_mma:k8:m64:s3:fbw", "fp32"),
+                                                         (4, 2, "half_mma:k2:m64:s4:fbw", "tf32")])
+def test_k1_wide_probe_compiles(box, raw, tactic, precision):
+    """bench/probe_k1_wide.py (path B's kernel 1 with its activations in wider TMA boxes, a ring and a producer warp
+    of their own) compiles for sm_90a; a variant whose rings exceed shared memory is refused."""
+    from mhc_cute.kernels import spec_problem
+
+    probe = _bench_module("probe_k1_wide")
+    t = tac.parse_tactic(tactic)
+    problem = spec_problem(7168, precision, None)
+    assert callable(probe.compile_variant(lambda: probe.WideBoxKernel(7168, t, precision, None, box, raw), problem,
+                                          problem.empty_outputs()))
+    with pytest.raises(AssertionError, match="shared memory"):
+        probe.WideBoxKernel(7168, tac.parse_tactic("half_mma:k2:m64:s3:fbw"), "fp32", None, 4, 2)
