@@ -26,7 +26,7 @@ import cutlass.pipeline as pipeline  # noqa: E402
 from cutlass import BFloat16, Float32, Int32  # noqa: E402
 
 from mhc_cute import benchmark as mb  # noqa: E402
-from mhc_cute.accuracy import problem_of  # noqa: E402
+from mhc_cute.accuracy import poisoned_outputs, problem_of  # noqa: E402
 from mhc_cute.tactics import HC_MULT, MMA_BLOCK_H, MMA_WG_THREADS, PARTIAL_COLS, parse_tactic  # noqa: E402
 from mhc_cute.workspace import get_workspace  # noqa: E402
 
@@ -57,10 +57,11 @@ class CopyOnlyKernel(mma.MmaFusedHcKernel):
             state.advance()
 
 
-def compile_variant(kernel_cls, tactic, problem, out):
-    """``mma.compile_mma`` for ``kernel_cls`` (kernel 1's class or the copy-only one), the same fake arguments."""
+def compile_variant(make_kernel, problem, out):
+    """``mma.compile_mma``'s fake arguments for the kernel object ``make_kernel()`` (kernel 1's class or a probe's
+    variant of it; no GPU needed)."""
     h = problem.hidden
-    kernel = kernel_cls(h, tactic, problem.precision, None)
+    kernel = make_kernel()
     m = cute.sym_int()
     tokens = fake_tensors(problem.x, problem.residual, problem.post_mix, problem.comb_mix, tokens=m)
     weight, = fake_tensors(torch.empty(h // MMA_BLOCK_H, HC_MULT, kernel.n, MMA_BLOCK_H))
@@ -69,13 +70,14 @@ def compile_variant(kernel_cls, tactic, problem, out):
                           fake_buffer(Float32), fake_buffer(Int32))
 
 
-def launcher(tactic, sets, kernel_cls):
-    problem = problem_of(sets[0])
-    fn = compile_variant(kernel_cls, tactic, problem, problem.empty_outputs())
+def launcher(tactic, problem, make_kernel):
+    """A call(inputs, poison=False) -> outputs of the compiled ``make_kernel()`` at ``problem``'s precision (fresh
+    outputs each call; NaN-filled first with ``poison``, for a check: not in timed calls, which would time the fill)."""
+    fn = compile_variant(make_kernel, problem, problem.empty_outputs())
 
-    def call(s):
-        p = problem_of(s)
-        out = p.empty_outputs()
+    def call(s, poison=False):
+        p = problem_of(s, problem.precision)
+        out = poisoned_outputs(p) if poison else p.empty_outputs()
         ws = get_workspace(p.x.device)
         parts = ws.partials(tactic.split_k * p.m * PARTIAL_COLS)
         counters = ws.counters(-(-p.m // tactic.tile_m))
@@ -97,8 +99,9 @@ def main() -> int:
     tactic = parse_tactic(args.tactic)
     if args.once:
         sets = mb.make_sets(args.once[0], args.once[1], 1, dev, False)
+        problem = problem_of(sets[0])
         for cls in (mma.MmaFusedHcKernel, CopyOnlyKernel):
-            call = launcher(tactic, sets, cls)
+            call = launcher(tactic, problem, lambda cls=cls: cls(args.once[1], tactic, "fp32", None))
             for _ in range(2):
                 call(sets[0])
         torch.cuda.synchronize()
@@ -109,8 +112,9 @@ def main() -> int:
         for m in args.m:
             sets = mb.rotated_sets(m, h, dev)
             floor_us = mb.floor_bytes(m, h) / bw * 1e6
-            calls = {"kernel": launcher(tactic, sets, mma.MmaFusedHcKernel),
-                     "copy-only": launcher(tactic, sets, CopyOnlyKernel)}
+            problem = problem_of(sets[0])
+            calls = {name: launcher(tactic, problem, lambda cls=cls: cls(h, tactic, "fp32", None))
+                     for name, cls in (("kernel", mma.MmaFusedHcKernel), ("copy-only", CopyOnlyKernel))}
             for r in range(args.rounds):
                 for name, call in calls.items():
                     us = mb.time_graph(call, sets)

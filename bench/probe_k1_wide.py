@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 # mhc_cute.kernels first: it sets the DSL's target architecture before cutlass is imported
-from mhc_cute.kernels import compile_kernel, fake_buffer, fake_tensors, mma, scalar_args  # noqa: E402
+from mhc_cute.kernels import mma  # noqa: E402
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
@@ -31,12 +31,13 @@ from cutlass import BFloat16, Float32, Int32, const_expr  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 
 from mhc_cute import benchmark as mb  # noqa: E402
-from mhc_cute.accuracy import check_outputs, poisoned_outputs, problem_of, same_bits, tolerances  # noqa: E402
+from mhc_cute.accuracy import check_outputs, problem_of, same_bits, tolerances  # noqa: E402
 from mhc_cute.kernels.big_fuse import BigFuseScalars, flat_outputs, partials_view  # noqa: E402
 from mhc_cute.kernels.wgmma_tf32 import make_tf32_tiled_mma  # noqa: E402
-from mhc_cute.tactics import HC_MULT, MMA_BLOCK_H as BLOCK_H, MMA_WG_THREADS, N_MIXES, PARTIAL_COLS  # noqa: E402
-from mhc_cute.tactics import parse_tactic  # noqa: E402
-from mhc_cute.workspace import get_workspace  # noqa: E402
+from mhc_cute.tactics import HC_MULT, MMA_BLOCK_H as BLOCK_H, parse_tactic  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_k1_copy import launcher  # noqa: E402
 
 SMEM_LIMIT = 227 * 1024
 
@@ -62,22 +63,8 @@ class WideBoxKernel(mma.MmaFusedHcKernel):
                  sinkhorn_repeat: Int32, norm_eps: Float32, stream):
         tile_m, wide, raw_stages, stages = self.tile_m, self.wide, self.raw_stages, self.stages
         m = mX.shape[0]
-        # as kernel 1's, each row ``wide`` long: [stream][row][wide]
-        res_layout = cute.make_layout((tile_m, HC_MULT, wide, raw_stages),
-                                      stride=(wide, tile_m * wide, 1, tile_m * wide * HC_MULT))
-        x_layout = cute.make_layout((tile_m, wide, raw_stages), stride=(wide, 1, tile_m * wide))
-        w_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float32)
-        w_stage_layout = cute.tile_to_shape(w_atom, (self.n, self.k_stage), order=(0, 1))
-        w_layout = cute.tile_to_shape(w_atom, (self.n, self.k_stage, stages), order=(0, 1, 2))
-        mB = cute.make_tensor(
-            mW.iterator,
-            cute.make_layout((self.n, (BLOCK_H, HC_MULT * self.n_hblk)), stride=(BLOCK_H, (1, BLOCK_H * self.n))),
-        )
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_res, tma_mRes = cpasync.make_tiled_tma_atom(
-            g2s, mRes, cute.slice_(res_layout, (None, None, None, 0)), (tile_m, HC_MULT, wide))
-        tma_x, tma_mX = cpasync.make_tiled_tma_atom(g2s, mX, cute.slice_(x_layout, (None, None, 0)), (tile_m, wide))
-        tma_w, tma_mB = cpasync.make_tiled_tma_atom(g2s, mB, w_stage_layout, (self.n, self.k_stage))
+        res_layout, x_layout, tma_res, tma_mRes, tma_x, tma_mX = self.activation_tma(mRes, mX, wide, raw_stages)
+        w_layout, tma_w, tma_mB = self.weight_tma(mW)
         tiled_mma = make_tf32_tiled_mma(self.n, warpgroup.OperandSource.RMEM)
 
         @cute.struct
@@ -177,121 +164,26 @@ class WideBoxKernel(mma.MmaFusedHcKernel):
     @cute.jit
     def consume_wide(self, raw_pipeline, w_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mResOut, mPartials, tidx,
                      m_tile, split, blk_begin, n_blk):
-        """Kernel 1's ``consume``, block by block from the activations' boxes (the box's ``sub``-th 32 positions)."""
+        """Kernel 1's ``consume`` (its helpers, block by block), the activations from the box's ``sub``-th 32
+        positions: each ring waited for and released on its own."""
         m_total = mResOut.shape[0]
-        wg = tidx // MMA_WG_THREADS
-        wg_tid = tidx % MMA_WG_THREADS
-        lane = tidx % 32
-        quad = lane % 4
-        row0 = wg * 64 + (wg_tid // 32) * 16 + lane // 4
-        rows = (row0, row0 + 8)
-        thr_mma = tiled_mma.get_slice(wg_tid)
-        tCrA = thr_mma.make_fragment_A(thr_mma.partition_shape_A((64, self.k_stage)))
-        tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sW))
-        acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((64, self.n)), Float32)
-        dots = cute.make_rmem_tensor((N_MIXES // 2,), Float32)
-        dots.fill(0.0)
-        post = cute.make_rmem_tensor((2, HC_MULT), Float32)
-        comb = cute.make_rmem_tensor((2, HC_MULT, HC_MULT), Float32)
-        post.fill(0.0)
-        comb.fill(0.0)
-        for r in cutlass.range_constexpr(2):
-            m = m_tile * self.tile_m + rows[r]
-            if m < m_total:
-                for j in cutlass.range_constexpr(HC_MULT):
-                    post[r, j] = mPost[m, j]
-                    for k in cutlass.range_constexpr(HC_MULT):
-                        comb[r, k, j] = mComb[m, k, j]
-        sumsq = cute.make_rmem_tensor((2,), Float32)
-        sumsq.fill(0.0)
-        xv = cute.make_rmem_tensor((2, mma.VEC), Float32)
-        rv = cute.make_rmem_tensor((2, HC_MULT, mma.VEC), Float32)
-        out = cute.make_rmem_tensor((mma.VEC,), BFloat16)
-        xf = cute.make_rmem_tensor((mma.VEC,), Float32)
+        ctx = self.consumer_setup(tiled_mma, sW, mPost, mComb, m_total, tidx, m_tile)
         raw_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.raw_stages)
         w_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for i in cutlass.range(n_blk, unroll=1):
-            vec_idx = (blk_begin + i) * (BLOCK_H // mma.VEC) + quad
-            sub_vec = (i % self.box) * (BLOCK_H // mma.VEC) + quad  # this thread's vector in the box's rows
-            if i % self.box == 0:
+            sub = i % self.box
+            if sub == 0:
                 raw_pipeline.consumer_wait(raw_state)
             w_pipeline.consumer_wait(w_state)
-            si, wi = raw_state.index, w_state.index
-            for r in cutlass.range_constexpr(2):
-                xv[r, None].store(self._vec(sX[(rows[r], None, si)], sub_vec).load().to(Float32))
-                for k in cutlass.range_constexpr(HC_MULT):
-                    rv[r, k, None].store(self._vec(sRes[(rows[r], k, None, si)], sub_vec).load().to(Float32))
-            if i % self.box == self.box - 1:  # the box is read: free for the next one
-                raw_pipeline.consumer_release(raw_state)
-                raw_state.advance()
-            for j in cutlass.range_constexpr(HC_MULT):
-                for r in cutlass.range_constexpr(2):
-                    for e in cutlass.range_constexpr(mma.VEC):
-                        a = post[r, j] * xv[r, e]
-                        for k in cutlass.range_constexpr(HC_MULT):
-                            a = cute.math.fma(comb[r, k, j], rv[r, k, e], a)
-                        out[e] = a.to(BFloat16)
-                    m = m_tile * self.tile_m + rows[r]
-                    if m < m_total:
-                        cute.autovec_copy(out, self._vec(mResOut[(m, j, None)], vec_idx))
-                    xf.store(out.load().to(Float32))
-                    for e in cutlass.range_constexpr(mma.VEC):
-                        sumsq[r] = cute.math.fma(xf[e], xf[e], sumsq[r])
-                        tCrA[(r + 2 * (e % 2), 0, j * 4 + e // 2)] = xf[e]
-            warpgroup.fence()
-            mma_atom = cute.make_mma_atom(tiled_mma.op)
-            mma_atom.set(warpgroup.Field.ACCUMULATE, False)
-            for ks in cutlass.range_constexpr(self.k_stage // 8):
-                cute.gemm(mma_atom, acc, tCrA[(None, None, ks)], tCrB[(None, None, ks, wi)], acc)
-                mma_atom.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+            self.project_block(ctx, tiled_mma, sX, sRes, raw_state.index, sub * (BLOCK_H // mma.VEC) + ctx.quad,
+                               w_state.index, mResOut, blk_begin + i, m_tile, m_total)
             w_pipeline.consumer_release(w_state)
             w_state.advance()
-            for c in cutlass.range_constexpr(N_MIXES // 2):
-                if const_expr(self.n_parts == 2):
-                    dots[c] = dots[c] + (acc[c] + acc[c + N_MIXES // 2])
-                else:
-                    dots[c] = dots[c] + acc[c]
-        for r in cutlass.range_constexpr(2):
-            sumsq[r] = mma.du.warp_sum(sumsq[r], lanes=4)
-        for r in cutlass.range_constexpr(2):
-            m = m_tile * self.tile_m + rows[r]
-            if m < m_total:
-                for c in cutlass.range_constexpr(N_MIXES // 8):
-                    for a in cutlass.range_constexpr(2):
-                        mPartials[split, m, 8 * c + 2 * quad + a] = dots[a + 2 * r + 4 * c]
-                if quad == 0:
-                    mPartials[split, m, mma.SUMSQ_COL] = sumsq[r]
-
-
-def compile_variant(make_kernel, problem, out):
-    """``mma.compile_mma``'s fake arguments for the kernel object ``make_kernel()`` (no GPU needed)."""
-    h = problem.hidden
-    kernel = make_kernel()
-    m = cute.sym_int()
-    tokens = fake_tensors(problem.x, problem.residual, problem.post_mix, problem.comb_mix, tokens=m)
-    weight, = fake_tensors(torch.empty(h // BLOCK_H, HC_MULT, kernel.n, BLOCK_H))
-    scale, base = fake_tensors(problem.hc_scale, problem.hc_base, align=4)
-    return compile_kernel(kernel, *tokens, weight, scale, base, None, *fake_tensors(*out, tokens=m),
-                          fake_buffer(Float32), fake_buffer(Int32))
-
-
-def launcher(tactic, problem, make_kernel):
-    """A call(inputs, poison=False) -> outputs of the compiled kernel (fresh outputs each call; NaN-filled first
-    with ``poison``, for the check: not in timed calls, where the fill would be timed too)."""
-    fn = compile_variant(make_kernel, problem, problem.empty_outputs())
-
-    def call(s, poison=False):
-        p = problem_of(s, problem.precision)
-        out = poisoned_outputs(p) if poison else p.empty_outputs()
-        ws = get_workspace(p.x.device)
-        parts = ws.partials(tactic.split_k * p.m * PARTIAL_COLS)
-        counters = ws.counters(-(-p.m // tactic.tile_m))
-        fn(p.x, p.residual, p.post_mix, p.comb_mix, mma.cached_weight(p.fn, p.precision), p.hc_scale, p.hc_base,
-           p.norm_weight, *out, parts, counters, *scalar_args(p.scalars))
-        return out
-    return call
+            if sub == self.box - 1:  # the box's last block: free for the next box
+                raw_pipeline.consumer_release(raw_state)
+                raw_state.advance()
+            self.accumulate_block(ctx)
+        self.store_partials(ctx, mPartials, split, m_tile, m_total)
 
 
 def main() -> int:

@@ -431,10 +431,22 @@ def test_k1_wide_probe_compiles(box, raw, tactic, precision):
     of their own) compiles for sm_90a; a variant whose rings exceed shared memory is refused."""
     from mhc_cute.kernels import spec_problem
 
-    probe = _bench_module("probe_k1_wide")
+    probe, k1_copy = _bench_module("probe_k1_wide"), _bench_module("probe_k1_copy")
     t = tac.parse_tactic(tactic)
     problem = spec_problem(7168, precision, None)
-    assert callable(probe.compile_variant(lambda: probe.WideBoxKernel(7168, t, precision, None, box, raw), problem,
-                                          problem.empty_outputs()))
+    assert callable(k1_copy.compile_variant(lambda: probe.WideBoxKernel(7168, t, precision, None, box, raw), problem,
+                                            problem.empty_outputs()))
     with pytest.raises(AssertionError, match="shared memory"):
         probe.WideBoxKernel(7168, tac.parse_tactic("half_mma:k2:m64:s3:fbw"), "fp32", None, 4, 2)
+
+
+def test_k1_copy_probe_compiles():
+    """bench/probe_k1_copy.py's copy-only kernel 1 (its consumers only copy each stage's residual tile out)
+    compiles for sm_90a through the probes' shared ``compile_variant``."""
+    from mhc_cute.kernels import spec_problem
+
+    k1_copy = _bench_module("probe_k1_copy")
+    t = tac.parse_tactic("half_mma:k2:m64:s3:fbw")
+    problem = spec_problem(7168, "fp32", None)
+    assert callable(k1_copy.compile_variant(lambda: k1_copy.CopyOnlyKernel(7168, t, "fp32", None), problem,
+                                            problem.empty_outputs()))

@@ -32,6 +32,7 @@ import os
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import functools  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -59,6 +60,19 @@ from .wgmma_tf32 import make_tf32_tiled_mma  # noqa: E402
 
 VEC = 8  # contiguous H positions per thread and row: one 16-byte bf16 vector
 SUMSQ_COL = N_MIXES  # partials column of the sum of squares
+
+
+class _Consumer(NamedTuple):
+    """A consumer thread of kernel 1: its K slice, its two rows, and its register tensors."""
+    quad: object  # t: H offsets [8 t, 8 t + 8) of each 32-wide block
+    rows: tuple  # its rows g, g + 8 in the tile
+    tCrA: cute.Tensor  # the A fragment of one block (post-mapped residual_cur)
+    tCrB: cute.Tensor  # the B fragments of every weight stage
+    acc: cute.Tensor  # one block's MMA sums
+    dots: cute.Tensor  # the split's fp32 dots
+    post: cute.Tensor  # post_mix of its rows
+    comb: cute.Tensor  # comb_mix of its rows
+    sumsq: cute.Tensor  # the squares of its rows
 
 
 def finish_phase(tactic: MmaTactic, hidden: int, norm_dtype) -> BigFusePhase:
@@ -178,32 +192,8 @@ class MmaFusedHcKernel:
     ):
         tile_m, stages = self.tile_m, self.stages
         m = mX.shape[0]
-        # residual tile as [stream][row][32]: the 8 rows a quarter-warp reads are 64 B apart, conflict-free
-        res_layout = cute.make_layout(
-            (tile_m, HC_MULT, BLOCK_H, stages), stride=(BLOCK_H, tile_m * BLOCK_H, 1, tile_m * BLOCK_H * HC_MULT)
-        )
-        x_layout = cute.make_layout((tile_m, BLOCK_H, stages), stride=(BLOCK_H, 1, tile_m * BLOCK_H))
-        # weight: K-major, 128-byte swizzle, [stream][n][32] per stage. The stage layout is built on its own:
-        # slicing the staged composed layout aborts the 4.8.1 compiler for n = 48.
-        w_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float32)
-        w_stage_layout = cute.tile_to_shape(w_atom, (self.n, self.k_stage), order=(0, 1))
-        w_layout = cute.tile_to_shape(w_atom, (self.n, self.k_stage, stages), order=(0, 1, 2))
-
-        # B viewed as (n, K) with K in stage order: k = 128 * block + 32 * stream + p
-        mB = cute.make_tensor(
-            mW.iterator,
-            cute.make_layout((self.n, (BLOCK_H, HC_MULT * self.n_hblk)), stride=(BLOCK_H, (1, BLOCK_H * self.n))),
-        )
-        # Inline descriptors (encoded by the compiled host code, passed by value) rather than tma_cache's
-        # device-resident ones, for every operand: measured on an H200 (tma_cache/README.md), inline costs
-        # ~0.01 µs of host time per descriptor against 1.2-1.6 µs for a cache hit, and a by-pointer
-        # descriptor adds a per-CTA tensormap fence and fetch (+1.9 µs at 448 CTAs).
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_res, tma_mRes = cpasync.make_tiled_tma_atom(
-            g2s, mRes, cute.slice_(res_layout, (None, None, None, 0)), (tile_m, HC_MULT, BLOCK_H)
-        )
-        tma_x, tma_mX = cpasync.make_tiled_tma_atom(g2s, mX, cute.slice_(x_layout, (None, None, 0)), (tile_m, BLOCK_H))
-        tma_w, tma_mB = cpasync.make_tiled_tma_atom(g2s, mB, w_stage_layout, (self.n, self.k_stage))
+        res_layout, x_layout, tma_res, tma_mRes, tma_x, tma_mX = self.activation_tma(mRes, mX, BLOCK_H, stages)
+        w_layout, tma_w, tma_mB = self.weight_tma(mW)
         tiled_mma = make_tf32_tiled_mma(self.n, warpgroup.OperandSource.RMEM)
 
         @cute.struct
@@ -227,6 +217,44 @@ class MmaFusedHcKernel:
         )
         if const_expr(not self.fused):
             self.big_fuse.launch(partials, mScale, mBase, mNormW, *flat, scalars, stream)
+
+    @cute.jit
+    def activation_tma(self, mRes: cute.Tensor, mX: cute.Tensor, wide: int, stages: int):
+        """The activations' stage layouts and TMA atoms: ``residual_prev [tile_m, 4, wide]`` and ``x_prev
+        [tile_m, wide]`` per stage, ``stages`` of them. The residual tile as [stream][row][wide]: at ``wide`` = 32
+        the 8 rows a quarter-warp reads are 64 B apart, conflict-free.
+
+        Inline descriptors (encoded by the compiled host code, passed by value) rather than tma_cache's
+        device-resident ones, for every operand: measured on an H200 (tma_cache/README.md), inline costs ~0.01 µs
+        of host time per descriptor against 1.2-1.6 µs for a cache hit, and a by-pointer descriptor adds a per-CTA
+        tensormap fence and fetch (+1.9 µs at 448 CTAs)."""
+        tile_m = self.tile_m
+        res_layout = cute.make_layout(
+            (tile_m, HC_MULT, wide, stages), stride=(wide, tile_m * wide, 1, tile_m * wide * HC_MULT)
+        )
+        x_layout = cute.make_layout((tile_m, wide, stages), stride=(wide, 1, tile_m * wide))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_res, tma_mRes = cpasync.make_tiled_tma_atom(
+            g2s, mRes, cute.slice_(res_layout, (None, None, None, 0)), (tile_m, HC_MULT, wide)
+        )
+        tma_x, tma_mX = cpasync.make_tiled_tma_atom(g2s, mX, cute.slice_(x_layout, (None, None, 0)), (tile_m, wide))
+        return res_layout, x_layout, tma_res, tma_mRes, tma_x, tma_mX
+
+    @cute.jit
+    def weight_tma(self, mW: cute.Tensor):
+        """The weight's stage layout (K-major, 128-byte swizzle, [stream][n][32] per stage, ``stages`` of them) and
+        its TMA atom over B viewed as (n, K) with K in stage order: k = 128 * block + 32 * stream + p. The stage
+        layout is built on its own: slicing the staged composed layout aborts the 4.8.1 compiler for n = 48."""
+        w_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float32)
+        w_stage_layout = cute.tile_to_shape(w_atom, (self.n, self.k_stage), order=(0, 1))
+        w_layout = cute.tile_to_shape(w_atom, (self.n, self.k_stage, self.stages), order=(0, 1, 2))
+        mB = cute.make_tensor(
+            mW.iterator,
+            cute.make_layout((self.n, (BLOCK_H, HC_MULT * self.n_hblk)), stride=(BLOCK_H, (1, BLOCK_H * self.n))),
+        )
+        tma_w, tma_mB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, w_stage_layout,
+                                                    (self.n, self.k_stage))
+        return w_layout, tma_w, tma_mB
 
     # -------------------------------------------------------------------- device side
     @cute.kernel
@@ -352,6 +380,20 @@ class MmaFusedHcKernel:
     def consume(self, ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mResOut, mPartials, tidx, m_tile, split,
                 blk_begin, n_blk):
         m_total = mResOut.shape[0]
+        ctx = self.consumer_setup(tiled_mma, sW, mPost, mComb, m_total, tidx, m_tile)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for i in cutlass.range(n_blk, unroll=1):
+            ab_pipeline.consumer_wait(state)
+            si = state.index
+            self.project_block(ctx, tiled_mma, sX, sRes, si, ctx.quad, si, mResOut, blk_begin + i, m_tile, m_total)
+            ab_pipeline.consumer_release(state)
+            state.advance()
+            self.accumulate_block(ctx)
+        self.store_partials(ctx, mPartials, split, m_tile, m_total)
+
+    @cute.jit
+    def consumer_setup(self, tiled_mma, sW, mPost, mComb, m_total, tidx, m_tile) -> "_Consumer":
+        """A consumer thread's fragments, accumulators and mixing coefficients (``_Consumer``)."""
         wg = tidx // WG_THREADS
         wg_tid = tidx % WG_THREADS
         lane = tidx % 32
@@ -384,63 +426,70 @@ class MmaFusedHcKernel:
                         comb[r, k, j] = mComb[m, k, j]
         sumsq = cute.make_rmem_tensor((2,), Float32)
         sumsq.fill(0.0)
+        return _Consumer(quad, rows, tCrA, tCrB, acc, dots, post, comb, sumsq)
 
+    @cute.jit
+    def project_block(self, ctx: "_Consumer", tiled_mma, sX, sRes, si, vec_in_row, wi, mResOut, blk, m_tile,
+                      m_total):
+        """One 32-wide block of H: the thread's 8-vectors (``vec_in_row`` of its rows in the activation stage
+        ``si``), the post-map into ``residual_cur`` (H block ``blk``), the squares and the A fragment, then the
+        stage's MMAs against weight stage ``wi``, waited for (the A registers are rewritten next)."""
         xv = cute.make_rmem_tensor((2, VEC), Float32)
         rv = cute.make_rmem_tensor((2, HC_MULT, VEC), Float32)
         out = cute.make_rmem_tensor((VEC,), BFloat16)
         xf = cute.make_rmem_tensor((VEC,), Float32)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        for i in cutlass.range(n_blk, unroll=1):
-            vec_idx = (blk_begin + i) * (BLOCK_H // VEC) + quad
-            ab_pipeline.consumer_wait(state)
-            si = state.index
+        vec_idx = blk * (BLOCK_H // VEC) + ctx.quad
+        for r in cutlass.range_constexpr(2):
+            xv[r, None].store(self._vec(sX[(ctx.rows[r], None, si)], vec_in_row).load().to(Float32))
+            for k in cutlass.range_constexpr(HC_MULT):
+                rv[r, k, None].store(self._vec(sRes[(ctx.rows[r], k, None, si)], vec_in_row).load().to(Float32))
+        for j in cutlass.range_constexpr(HC_MULT):
             for r in cutlass.range_constexpr(2):
-                xv[r, None].store(self._vec(sX[(rows[r], None, si)], quad).load().to(Float32))
-                for k in cutlass.range_constexpr(HC_MULT):
-                    rv[r, k, None].store(self._vec(sRes[(rows[r], k, None, si)], quad).load().to(Float32))
-            for j in cutlass.range_constexpr(HC_MULT):
-                for r in cutlass.range_constexpr(2):
-                    # SPEC step 1: acc = post[j] x[h]; acc = fma(comb[k][j], res[k][h], acc), k = 0..3
-                    for e in cutlass.range_constexpr(VEC):
-                        a = post[r, j] * xv[r, e]
-                        for k in cutlass.range_constexpr(HC_MULT):
-                            a = cute.math.fma(comb[r, k, j], rv[r, k, e], a)
-                        out[e] = a.to(BFloat16)
-                    m = m_tile * self.tile_m + rows[r]
-                    if m < m_total:
-                        cute.autovec_copy(out, self._vec(mResOut[(m, j, None)], vec_idx))
-                    xf.store(out.load().to(Float32))
-                    for e in cutlass.range_constexpr(VEC):
-                        sumsq[r] = cute.math.fma(xf[e], xf[e], sumsq[r])
-                        # H offset 8 t + e is K column t (e even) or t + 4 (e odd) of k8 step 4 j + e // 2
-                        tCrA[(r + 2 * (e % 2), 0, j * 4 + e // 2)] = xf[e]
-            warpgroup.fence()
-            mma_atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom per stage: its ACCUMULATE flag changes
-            mma_atom.set(warpgroup.Field.ACCUMULATE, False)
-            for ks in cutlass.range_constexpr(self.k_stage // 8):
-                cute.gemm(mma_atom, acc, tCrA[(None, None, ks)], tCrB[(None, None, ks, si)], acc)
-                mma_atom.set(warpgroup.Field.ACCUMULATE, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)  # the A registers are rewritten and the stage's weight is released next
-            ab_pipeline.consumer_release(state)
-            state.advance()
-            for i in cutlass.range_constexpr(N_MIXES // 2):
-                if const_expr(self.n_parts == 2):
-                    dots[i] = dots[i] + (acc[i] + acc[i + N_MIXES // 2])  # hi rows 0..23, lo rows 24..47
-                else:
-                    dots[i] = dots[i] + acc[i]
+                # SPEC step 1: acc = post[j] x[h]; acc = fma(comb[k][j], res[k][h], acc), k = 0..3
+                for e in cutlass.range_constexpr(VEC):
+                    a = ctx.post[r, j] * xv[r, e]
+                    for k in cutlass.range_constexpr(HC_MULT):
+                        a = cute.math.fma(ctx.comb[r, k, j], rv[r, k, e], a)
+                    out[e] = a.to(BFloat16)
+                m = m_tile * self.tile_m + ctx.rows[r]
+                if m < m_total:
+                    cute.autovec_copy(out, self._vec(mResOut[(m, j, None)], vec_idx))
+                xf.store(out.load().to(Float32))
+                for e in cutlass.range_constexpr(VEC):
+                    ctx.sumsq[r] = cute.math.fma(xf[e], xf[e], ctx.sumsq[r])
+                    # H offset 8 t + e is K column t (e even) or t + 4 (e odd) of k8 step 4 j + e // 2
+                    ctx.tCrA[(r + 2 * (e % 2), 0, j * 4 + e // 2)] = xf[e]
+        warpgroup.fence()
+        mma_atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom per stage: its ACCUMULATE flag changes
+        mma_atom.set(warpgroup.Field.ACCUMULATE, False)
+        for ks in cutlass.range_constexpr(self.k_stage // 8):
+            cute.gemm(mma_atom, ctx.acc, ctx.tCrA[(None, None, ks)], ctx.tCrB[(None, None, ks, wi)], ctx.acc)
+            mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
 
-        # epilogue: partials[split, m, c] = dots (columns 2 t, 2 t + 1 of each 8-column block), sumsq
+    @cute.jit
+    def accumulate_block(self, ctx: "_Consumer"):
+        """The block's MMA sums into the fp32 dots (hi rows 0..23 + lo rows 24..47)."""
+        for i in cutlass.range_constexpr(N_MIXES // 2):
+            if const_expr(self.n_parts == 2):
+                ctx.dots[i] = ctx.dots[i] + (ctx.acc[i] + ctx.acc[i + N_MIXES // 2])
+            else:
+                ctx.dots[i] = ctx.dots[i] + ctx.acc[i]
+
+    @cute.jit
+    def store_partials(self, ctx: "_Consumer", mPartials, split, m_tile, m_total):
+        """partials[split, m, c] = dots (columns 2 t, 2 t + 1 of each 8-column block), the sum of squares."""
         for r in cutlass.range_constexpr(2):
-            sumsq[r] = du.warp_sum(sumsq[r], lanes=4)
+            ctx.sumsq[r] = du.warp_sum(ctx.sumsq[r], lanes=4)
         for r in cutlass.range_constexpr(2):
-            m = m_tile * self.tile_m + rows[r]
+            m = m_tile * self.tile_m + ctx.rows[r]
             if m < m_total:
                 for c in cutlass.range_constexpr(N_MIXES // 8):
                     for a in cutlass.range_constexpr(2):
-                        mPartials[split, m, 8 * c + 2 * quad + a] = dots[a + 2 * r + 4 * c]
-                if quad == 0:
-                    mPartials[split, m, SUMSQ_COL] = sumsq[r]
+                        mPartials[split, m, 8 * c + 2 * ctx.quad + a] = ctx.dots[a + 2 * r + 4 * c]
+                if ctx.quad == 0:
+                    mPartials[split, m, SUMSQ_COL] = ctx.sumsq[r]
 
     @staticmethod
     @cute.jit
