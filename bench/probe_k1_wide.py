@@ -34,12 +34,10 @@ from mhc_cute import benchmark as mb  # noqa: E402
 from mhc_cute.accuracy import check_outputs, problem_of, same_bits, tolerances  # noqa: E402
 from mhc_cute.kernels.big_fuse import BigFuseScalars, flat_outputs, partials_view  # noqa: E402
 from mhc_cute.kernels.wgmma_tf32 import make_tf32_tiled_mma  # noqa: E402
-from mhc_cute.tactics import HC_MULT, MMA_BLOCK_H as BLOCK_H, parse_tactic  # noqa: E402
+from mhc_cute.tactics import HC_MULT, MMA_BLOCK_H as BLOCK_H, MMA_SMEM_LIMIT, parse_tactic  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_k1_copy import launcher  # noqa: E402
-
-SMEM_LIMIT = 227 * 1024
 
 
 class WideBoxKernel(mma.MmaFusedHcKernel):
@@ -53,7 +51,7 @@ class WideBoxKernel(mma.MmaFusedHcKernel):
         self.wide = BLOCK_H * box
         smem = (raw_stages * self.tile_m * (HC_MULT + 1) * self.wide * 2
                 + self.stages * self.n * self.k_stage * 4 + 1024)
-        assert smem <= SMEM_LIMIT, f"{smem} bytes of shared memory"
+        assert smem <= MMA_SMEM_LIMIT, f"{smem} bytes of shared memory"
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor, mW: cute.Tensor,
