@@ -129,3 +129,54 @@ def test_gpu_saturated_gates(backend, norm):
     if why is not None:
         pytest.skip(f"{backend} unavailable: {why}")
     check_backend(problem_of(inputs, "fp32"), backend)
+
+
+# Row offsets past 2^31 elements: the first row of residual_cur [M, 4H] that a 32-bit element offset cannot reach
+# (M = 74,899 at H = 7168), and the first of x_prev / layer_input [M, H] (M = 299,594: 43 GB of operands, slow).
+LARGE_H = 7168
+LARGE_CASES = [(2**31 // (4 * LARGE_H) + 1, False), (2**31 // (4 * LARGE_H) + 1, True),
+               pytest.param(2**31 // LARGE_H + 1, True, marks=pytest.mark.slow)]
+
+
+def _large_problem(first_past: int, norm: bool):
+    """A problem whose rows run 67 past ``first_past`` (the first row whose offset passes 2^31 elements), made on
+    the GPU; the op is row-wise, so any rows of it can be checked against the reference of those rows alone."""
+    from mhc_cute.problem import Problem, Scalars
+    from mhc_cute.reference import sinkhorn
+
+    m, h = first_past + 67, LARGE_H
+    small = make_inputs(1, h, seed=3, device="cuda", norm=norm)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    residual = torch.randn(m, 4, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    post = torch.sigmoid(torch.randn(m, 4, device="cuda", generator=g)) * 2
+    comb = sinkhorn(torch.randn(m, 4, 4, device="cuda", generator=g), 1e-6, 20)
+    return Problem(x, residual, post, comb, small["fn"], small["hc_scale"], small["hc_base"], small["norm_weight"],
+                   Scalars(), "fp32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("first_past,norm", LARGE_CASES)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_gpu_offsets_past_int32(backend, first_past, norm):
+    """Rows whose element offsets pass 2^31 are read and written where they belong: every output written (poisoned
+    with NaN first), and rows at the start, on both sides of the boundary and at the end within the float64
+    contract. A 32-bit offset wraps there (negative addresses: a fault, or another row's data)."""
+    from mhc_cute.accuracy import check_outputs, run_backend, tolerances
+
+    why = backends.unavailable_reason(backend, torch.device("cuda"))
+    if why is not None:
+        pytest.skip(f"{backend} unavailable: {why}")
+    need = (first_past + 67) * LARGE_H * 25  # bytes: inputs and outputs (20 per token and H position), the checks
+    if torch.cuda.mem_get_info()[0] < need:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory")
+    problem = _large_problem(first_past, norm)
+    out = run_backend(problem, backend)
+    for name, t in zip(out._fields, out):
+        assert not t.isnan().any().item(), f"{name}: unwritten (NaN-poisoned) elements"
+    m = problem.m
+    rows = torch.tensor([0, 1, 2, first_past - 2, first_past - 1, first_past, first_past + 1, m - 2, m - 1],
+                        device="cuda")
+    sub = problem._replace(x=problem.x[rows], residual=problem.residual[rows], post_mix=problem.post_mix[rows],
+                           comb_mix=problem.comb_mix[rows])
+    check_outputs(type(out)(*(t[rows] for t in out)), sub, **tolerances(backend, "fp32"))

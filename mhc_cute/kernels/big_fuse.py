@@ -192,7 +192,7 @@ class BigFusePhase:
             # residual_cur does not depend on the partials: the first batch of the collapse loads while the
             # partials are summed (two memory round trips overlap)
             gtid, _, row = self.round_token(0, m0, mLayerIn.shape[0])
-            first = self.load_batch(0, gtid, mResCur[m0 + row, None])
+            first = self.load_batch(0, gtid, du.token_row(mResCur, m0 + row))
         self.sum_partials(storage, m0, mPartials)
         self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
 
@@ -274,7 +274,7 @@ class BigFusePhase:
             rounded = cute.make_rmem_tensor((self.slots if self.keep_rounded else 1, du.VEC_BF16), Float32)
             rstd = self.rstd(storage, tc, scalars.rms_eps)
             pre = [du.sigmoid(self.mix(storage, tc, j, rstd, 0)) + scalars.hc_pre_eps for j in range(HC_MULT)]
-            row_res, row_out = mResCur[m0 + tc, None], mLayerIn[m0 + tc, None]
+            row_res, row_out = du.token_row(mResCur, m0 + tc), du.token_row(mLayerIn, m0 + tc)
             if cutlass.const_expr(self.batches <= 2):
                 for b in cutlass.range_constexpr(self.batches):
                     if cutlass.const_expr(r == 0 and b == 0 and first is not None):

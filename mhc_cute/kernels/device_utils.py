@@ -10,7 +10,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import BFloat16, Float32, Int32  # noqa: E402
+from cutlass import BFloat16, Float32, Int32, Int64  # noqa: E402
 
 WARP = 32
 VEC_BF16 = 8  # bf16 elements in one 16-byte access
@@ -24,6 +24,12 @@ def row_major(*shape):
         step *= extent
         strides.append(step)
     return cute.make_layout(shape, stride=tuple(reversed(strides)))
+
+
+def token_row(t: cute.Tensor, m) -> cute.Tensor:
+    """Row ``m`` of a row-per-token tensor (``row_major(M, n)``), its offset computed in 64 bits: with a 32-bit
+    token index ``m * n`` wraps once it passes 2^31 (``residual_cur`` [M, 4H] from M = 74,899 at H = 7168)."""
+    return t[Int64(m), None]
 
 
 @cute.jit

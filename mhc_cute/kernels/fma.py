@@ -332,9 +332,9 @@ class FmaFusedHc:
             task = cutlass.min(tidx + r * self.threads, self.post_tasks - 1)
             m = cutlass.min(m0 + task // self.octets, m_total - 1)
             vec = h0 // du.VEC_BF16 + task % self.octets  # index of this 8-vector within a stream row
-            cute.autovec_copy(cute.local_tile(mX[m, None], (du.VEC_BF16,), (vec,)), raw[r, 0, None])
+            cute.autovec_copy(cute.local_tile(du.token_row(mX, m), (du.VEC_BF16,), (vec,)), raw[r, 0, None])
             for k in cutlass.range_constexpr(HC_MULT):
-                src = cute.local_tile(mRes[m, None], (du.VEC_BF16,), (k * octets_h + vec,))
+                src = cute.local_tile(du.token_row(mRes, m), (du.VEC_BF16,), (k * octets_h + vec,))
                 cute.autovec_copy(src, raw[r, 1 + k, None])
         cute.arch.sync_warp()
         for r in cutlass.range_constexpr(self.post_rounds):
@@ -344,7 +344,7 @@ class FmaFusedHc:
                 m = m0 + t
                 if m < m_total:
                     vec = h0 // du.VEC_BF16 + o
-                    row_out = mResCur[m, None]
+                    row_out = du.token_row(mResCur, m)
                     xv = raw[r, 0, None].load().to(Float32)
                     res = [raw[r, 1 + k, None].load().to(Float32) for k in range(HC_MULT)]
                     for j in cutlass.range_constexpr(HC_MULT):
