@@ -63,7 +63,8 @@ def session_specs(sm_count):
     """(FMA specs, MMA specs) of every variant a device session reaches (see the module docstring)."""
     sys.path[:0] = [os.path.join(HERE, "..", "tests"), HERE]
     import bench_mma
-    from test_correctness import GPU_HS, GPU_MS, PAIR_TACTICS, warp_mma_tactics
+    from test_correctness import (GPU_HS, GPU_MS, LARGE_FIRST_PAST, LARGE_H, LARGE_ROWS_PAST, PAIR_TACTICS,
+                                  warp_mma_tactics)
 
     from mhc_cute import autotune, tactics
     from mhc_cute.benchmark import BENCH_MS
@@ -71,6 +72,9 @@ def session_specs(sm_count):
     ms = sorted(set(GPU_MS) | set(BENCH_MS))
     hiddens = sorted(set(GPU_HS) | {4096, 7168})
     fma, mma = specs_for(tactics.FMA_PATHS + tactics.MMA_PATHS, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count)
+    large = specs_for(tactics.FMA_PATHS + tactics.MMA_PATHS, [m + LARGE_ROWS_PAST for m in LARGE_FIRST_PAST],
+                      [LARGE_H], [None, "bfloat16"], ["fp32"], sm_count)  # the offsets-past-2^31 test
+    fma, mma = fma + large[0], mma + large[1]
     mma += bench_mma.test_grid_specs(sm_count)
     named = [(autotune.TuneKey.parse(key).hidden, c.tactic)  # the shipped tables' picks
              for key, rows in autotune.load_shipped_tables().items() for c in rows.values() if c.tactic]

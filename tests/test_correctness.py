@@ -134,17 +134,20 @@ def test_gpu_saturated_gates(backend, norm):
 # Row offsets past 2^31 elements: the first row of residual_cur [M, 4H] that a 32-bit element offset cannot reach
 # (M = 74,899 at H = 7168), and the first of x_prev / layer_input [M, H] (M = 299,594: 43 GB of operands, slow).
 LARGE_H = 7168
-LARGE_CASES = [(2**31 // (4 * LARGE_H) + 1, False), (2**31 // (4 * LARGE_H) + 1, True),
-               pytest.param(2**31 // LARGE_H + 1, True, marks=pytest.mark.slow)]
+LARGE_FIRST_PAST = (2**31 // (4 * LARGE_H) + 1, 2**31 // LARGE_H + 1)
+LARGE_ROWS_PAST = 67  # rows after the first one past the boundary
+LARGE_CASES = [(LARGE_FIRST_PAST[0], False), (LARGE_FIRST_PAST[0], True),
+               pytest.param(LARGE_FIRST_PAST[1], True, marks=pytest.mark.slow)]
 
 
 def _large_problem(first_past: int, norm: bool):
-    """A problem whose rows run 67 past ``first_past`` (the first row whose offset passes 2^31 elements), made on
-    the GPU; the op is row-wise, so any rows of it can be checked against the reference of those rows alone."""
+    """A problem whose rows run ``LARGE_ROWS_PAST`` past ``first_past`` (the first row whose offset passes 2^31
+    elements), made on the GPU; the op is row-wise, so any rows of it can be checked against the reference of those
+    rows alone."""
     from mhc_cute.problem import Problem, Scalars
     from mhc_cute.reference import sinkhorn
 
-    m, h = first_past + 67, LARGE_H
+    m, h = first_past + LARGE_ROWS_PAST, LARGE_H
     small = make_inputs(1, h, seed=3, device="cuda", norm=norm)
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -167,7 +170,7 @@ def test_gpu_offsets_past_int32(backend, first_past, norm):
     why = backends.unavailable_reason(backend, torch.device("cuda"))
     if why is not None:
         pytest.skip(f"{backend} unavailable: {why}")
-    need = (first_past + 67) * LARGE_H * 25  # bytes: inputs and outputs (20 per token and H position), the checks
+    need = (first_past + LARGE_ROWS_PAST) * LARGE_H * 25  # bytes: inputs and outputs (20 per token and H position), the checks
     if torch.cuda.mem_get_info()[0] < need:
         pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory")
     problem = _large_problem(first_past, norm)
