@@ -37,7 +37,7 @@ echo "warm $(( $(date +%s) - t0 )) s"
 
 [ "${TEST_S:-240}" = 0 ] || {
 if [ -n "${TESTS:-}" ]; then sel=$(cat "$TESTS"); else sel="-m gpu tests"; fi
-timeout "${TEST_S:-240}" python -m pytest -q -p no:cacheprovider --tb=line -rf $sel > "$OUT/tests.log" 2>&1
+timeout "${TEST_S:-240}" python -m pytest -q -p no:cacheprovider --tb=line -rfs $sel > "$OUT/tests.log" 2>&1
 echo "tests rc=$? $(( $(date +%s) - t0 )) s"; grep -E "passed|failed" "$OUT/tests.log" | tail -1
 grep -E "^FAILED|Error|assert" "$OUT/tests.log" | head -40
 }
