@@ -32,7 +32,13 @@ def _dispatch(problem: Problem, backend: str, tactic=None, out: MhcFusedHcOutput
     mult = backends.BACKENDS[backend].h_multiple
     if problem.hidden % mult:
         raise ValueError(f"mhc_fused_hc: backend {backend!r} needs H % {mult} == 0; got H = {problem.hidden}")
-    backends.BACKENDS[backend].load()(problem, tactic, out)
+    run = backends.BACKENDS[backend].load()
+    if dev.type == "cuda" and dev.index != torch.cuda.current_device():
+        # Triton and the TVM-FFI launches use the current device and its stream: make it the inputs' device
+        with torch.cuda.device(dev):
+            run(problem, tactic, out)
+    else:
+        run(problem, tactic, out)
     return out
 
 

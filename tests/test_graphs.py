@@ -1,6 +1,7 @@
 """CUDA graphs, streams and threads (GPU): replay is bit-identical to eager for every kernel path, chained
 calls captured in one graph behave like consecutive layers (also with no kernel between them, where PDL overlaps
-them), concurrent streams and host threads stay correct."""
+them), concurrent streams and host threads stay correct, and inputs on a GPU other than the current one are handled
+on their own device."""
 
 import threading
 
@@ -194,3 +195,20 @@ def test_two_host_threads(backend):
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+@pytest.mark.parametrize("backend", PATHS)
+def test_inputs_on_another_gpu(backend):
+    """Inputs on one GPU while another is current: the op runs on the inputs' device (Triton and the TVM-FFI launches
+    use the current device), meets the float64 contract there, and leaves the current device as it was."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    _need(backend)
+    for current, target in ((0, 1), (1, 0)):
+        with torch.cuda.device(current):
+            inputs = make_inputs(100, 4096, seed=40 + target, device=f"cuda:{target}", norm=True)
+            out = mhc_fused_hc(**inputs, backend=backend)
+            assert torch.cuda.current_device() == current
+            assert all(t.device == torch.device("cuda", target) for t in out)
+            torch.cuda.synchronize(target)
+            check_outputs(out, problem_of(inputs), **tolerances(backend, "fp32"))
