@@ -102,3 +102,19 @@ def test_big_fuse_shape_follows_m_on_the_two_launch_paths():
         assert tac.default_mma_tactic("all_mma", m, 7168).fuse == "bw"
     assert "two-launch" in tac.MmaTactic("all_mma", 1, 64, 2, "lat").invalid_reason(512)
     assert tac.parse_tactic("half_mma:k8:m128:s3:flat") == tac.MmaTactic("half_mma", 8, 128, 3, "lat")
+
+
+def test_partials_past_32_bit_offsets_are_refused():
+    """The CuTe kernels index the split-K partials [split_k, M, 32] with 32-bit offsets: a launch whose partials would
+    reach 2^31 floats is refused, naming the tactic; the default tactics stay below it at any M that fits in memory."""
+    from mhc_cute.kernels import partials_count
+
+    t = tac.parse_tactic("half_mma:k112:m64:s3:fbw")
+    assert partials_count(112, 599_186, t) == 599_186 * 112 * 32  # 2^31 - 1024
+    with pytest.raises(ValueError, match=r"half_mma:k112:m64:s3:fbw: .* fewer K splits"):
+        partials_count(112, 599_187, t)
+    for path in tac.FMA_PATHS + tac.MMA_PATHS:
+        for h in (512, 4096, 7168):
+            m = 40 * 2**30 // (20 * h)  # tokens of 40 GiB of operands
+            d = tac.default_tactic(path, m, h)
+            partials_count(d.split_k, m, d)

@@ -44,8 +44,8 @@ from .. import tactics as tac  # noqa: E402
 from ..tactics import HC_MULT, MMA_TILE_ROWS, N_MIXES, FmaTactic  # noqa: E402
 from ..workspace import get_workspace  # noqa: E402
 from . import (  # noqa: E402
-    CompiledKernels, compile_in_processes, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, resolve_tactic,
-    scalar_args, spec_problem,
+    CompiledKernels, compile_in_processes, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, partials_count,
+    resolve_tactic, scalar_args, spec_problem,
 )
 from . import device_utils as du  # noqa: E402
 from .big_fuse import BigFusePhase, BigFuseScalars, flat_outputs, partials_view, standalone_big_fuse  # noqa: E402,E501
@@ -455,7 +455,7 @@ def _run(path: str, problem, tactic, out) -> None:
     tactic = resolve_tactic(path, tactic, problem, FmaTactic, tac.parse_tactic, _default_tactic)
     fn = compiled_fma(tactic, problem, out)
     ws = get_workspace(problem.x.device)
-    partials = ws.partials(tactic.split_k * problem.m * tac.PARTIAL_COLS)
+    partials = ws.partials(partials_count(tactic.split_k, problem.m, tactic))
     counters = ws.counters(-(-problem.m // tactic.tokens_per_cta)) if tactic.path == "all_fma" else None
     fn(problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, problem.hc_scale,
        problem.hc_base, problem.norm_weight, *out, partials, counters, *scalar_args(problem.scalars))

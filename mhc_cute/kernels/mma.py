@@ -44,14 +44,14 @@ from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 
 from .. import tactics as tac  # noqa: E402
 from ..tactics import HC_MULT, MMA_BLOCK_H as BLOCK_H, MMA_WG_THREADS as WG_THREADS  # noqa: E402
-from ..tactics import N_MIXES, PARTIAL_COLS  # noqa: E402
+from ..tactics import N_MIXES  # noqa: E402
 from ..tactics import MmaTactic, default_mma_tactic, mma_stage_bytes as stage_bytes  # noqa: E402
 from ..weights import prepared  # noqa: E402
 from ..workspace import get_workspace  # noqa: E402
 from . import device_utils as du  # noqa: E402
 from . import (  # noqa: E402
-    CompiledKernels, compile_in_processes, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, resolve_tactic,
-    scalar_args, spec_problem,
+    CompiledKernels, compile_in_processes, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, partials_count,
+    resolve_tactic, scalar_args, spec_problem,
 )
 from .big_fuse import (  # noqa: E402
     BigFusePhase, BigFuseScalars, flat_outputs, partials_view, standalone_big_fuse,
@@ -536,7 +536,7 @@ def _run(path: str, problem, tactic, out) -> None:
     tactic = resolve_tactic(path, tactic, problem, MmaTactic, tac.parse_tactic, _default_tactic)
     fn = compiled_mma(tactic, problem, out)
     ws = get_workspace(problem.x.device)
-    partials = ws.partials(tactic.split_k * problem.m * PARTIAL_COLS)
+    partials = ws.partials(partials_count(tactic.split_k, problem.m, tactic))
     counters = ws.counters(-(-problem.m // tactic.tile_m))
     fn(problem.x, problem.residual, problem.post_mix, problem.comb_mix, cached_weight(problem.fn, problem.precision),
        problem.hc_scale, problem.hc_base, problem.norm_weight, *out, partials, counters, *scalar_args(problem.scalars))
