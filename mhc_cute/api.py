@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import autotune, backends
-from .problem import MhcFusedHcOutput, Problem, Scalars, check_out_memory, flat_out, validate
+from .problem import MhcFusedHcOutput, Problem, Scalars, check_no_grad, check_out_memory, flat_out, validate
 from .reference import HC_MULT
 
 
@@ -81,6 +81,8 @@ def mhc_fused_hc(
     ``comb_mix_cur`` ``[..., 16]``), contiguous, 16-byte aligned, sharing no memory with each other or with the
     inputs; the op writes every element and returns them.
     """
+    if torch.is_grad_enabled():
+        check_no_grad((x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight))
     scalars = Scalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
     problem, lead = validate(
         x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight, scalars, precision

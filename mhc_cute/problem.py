@@ -119,6 +119,15 @@ OUT_SHAPES = (  # per output: its dtype and the trailing shapes it may have (aft
 )
 
 
+def check_no_grad(tensors) -> None:
+    """With grad mode on: no input may require grad, since the op has no backward (its outputs would silently carry
+    no gradient). Call only when ``torch.is_grad_enabled()``; ``tensors`` in the order of ``INPUT_NAMES``."""
+    for name, t in zip(INPUT_NAMES, tensors):
+        if getattr(t, "requires_grad", False):  # a non-tensor is validate()'s to name
+            _fail(name, "a tensor that does not require grad (the op is inference-only, with no backward: call it "
+                  f"under torch.inference_mode() or torch.no_grad(), or pass {name}.detach())", "requires_grad=True")
+
+
 _OUT_VALIDATED: dict[tuple, tuple] = {}  # out= signature -> the flat shape to view each buffer as (None: as it is)
 
 

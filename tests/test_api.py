@@ -312,6 +312,21 @@ def test_bad_scalars(kw, name):
         call(make_inputs(2, 64), **kw)
 
 
+@pytest.mark.parametrize("name", ["fn", "residual_prev", "norm_weight"])
+def test_inputs_requiring_grad_are_refused_with_grad_mode_on(name):
+    """The op has no backward: with grad mode on, an input that requires grad (e.g. ``fn`` as an nn.Parameter) gets an
+    error naming it rather than outputs that silently carry no gradient; under inference_mode / no_grad it runs."""
+    inp = make_inputs(3, 64, norm=True)
+    want = call(inp)
+    inp[name] = inp[name].clone().requires_grad_()
+    with pytest.raises(ValueError, match=f"`{name}`.*inference-only"):
+        call(inp)
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            got = call(inp)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_unknown_backend_lists_available():
     with pytest.raises(ValueError, match=r"unknown backend 'nope'.*available here: \['auto', 'torch'"):
         call(make_inputs(2, 64), backend="nope")
