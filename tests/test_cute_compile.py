@@ -450,3 +450,34 @@ def test_k1_copy_probe_compiles():
     problem = spec_problem(7168, "fp32", None)
     assert callable(k1_copy.compile_variant(lambda: k1_copy.CopyOnlyKernel(7168, t, "fp32", None), problem,
                                             problem.empty_outputs()))
+
+
+class _Unloadable:
+    """A stand-in for a compiled kernel whose exported object file cannot be loaded."""
+
+    def export_to_c(self, path, function_name):
+        with open(path, "wb") as f:
+            f.write(b"not an object file")
+
+
+def test_kernel_cache_rebuilds_a_corrupt_file_once(tmp_path, monkeypatch):
+    """A corrupt object file in ``$MHC_CUTE_KERNEL_CACHE`` is removed and the kernel built again; if the fresh file
+    cannot be loaded either, the kernel built in memory is used (a warning each time), never a loop of rebuilds."""
+    from mhc_cute.kernels import KERNEL_CACHE_ENV, CompiledKernels
+
+    monkeypatch.setenv(KERNEL_CACHE_ENV, str(tmp_path))
+    kernels = CompiledKernels("test")
+    path = kernels.file_of(("k",), tmp_path)
+    path.write_bytes(b"truncated")
+    built = []
+
+    def build():
+        built.append(_Unloadable())
+        return built[-1]
+
+    with pytest.warns(UserWarning) as warned:
+        fn = kernels.get(("k",), build)
+    assert len(built) == 1 and fn is built[0]
+    assert ["recompiling" in str(w.message) for w in warned] == [True, False]
+    assert not path.exists()
+    assert kernels.get(("k",), build) is fn  # kept in memory

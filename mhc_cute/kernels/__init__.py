@@ -137,14 +137,20 @@ class CompiledKernels:
                     self._fns[key] = fn
         return fn
 
+    def file_of(self, key: tuple, folder) -> Path:
+        """The object file of ``key`` in ``folder``; its stem is also the exported function's name."""
+        digest = hashlib.sha256((repr(key) + _sources_digest()).encode()).hexdigest()[:24]
+        return Path(folder) / f"{self.prefix}_{digest}.o"
+
     def _load_or_build(self, key: tuple, build):
         folder = os.environ.get(KERNEL_CACHE_ENV)
         if not folder:
             return build()
         import cutlass.cute as cute
 
-        name = f"{self.prefix}_{hashlib.sha256((repr(key) + _sources_digest()).encode()).hexdigest()[:24]}"
-        path = Path(folder) / f"{name}.o"
+        path = self.file_of(key, folder)
+        name = path.stem
+        compiled = None
         if not path.exists():
             compiled = build()
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,9 +159,13 @@ class CompiledKernels:
             os.replace(tmp, path)  # atomic: concurrent builders of the same kernel are harmless
         try:
             return getattr(cute.runtime.load_module(str(path), enable_tvm_ffi=True), name)
-        except Exception as e:  # a stale or corrupt file is rebuilt, never fatal
-            warnings.warn(f"mhc_cute: recompiling {path.name} ({type(e).__name__}: {e})", stacklevel=2)
+        except Exception as e:  # a stale or corrupt file is rebuilt once, never fatal
             path.unlink(missing_ok=True)
+            if compiled is not None:  # the file was just written: use the kernel in memory rather than loop
+                warnings.warn(f"mhc_cute: cannot load {path.name} ({type(e).__name__}: {e}); using it uncached",
+                              stacklevel=2)
+                return compiled
+            warnings.warn(f"mhc_cute: recompiling {path.name} ({type(e).__name__}: {e})", stacklevel=2)
             return self._load_or_build(key, build)
 
 
