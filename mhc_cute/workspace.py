@@ -53,6 +53,10 @@ def _grown(n: int) -> int:
 
 _workspaces: dict[tuple[int, int], Workspace] = {}
 _lock = threading.Lock()
+# Streams an engine creates and drops (one per request, say) must not pin their scratch forever: past this many
+# (device, stream) pairs the oldest is dropped. Safe while its stream still runs: its buffers return to the caching
+# allocator in that stream's order, and a later call on it gets a new workspace.
+MAX_WORKSPACES = 64
 
 
 def get_workspace(device: torch.device) -> Workspace:
@@ -68,5 +72,9 @@ def get_workspace(device: torch.device) -> Workspace:
     ws = _workspaces.get(key)
     if ws is None:
         with _lock:
-            ws = _workspaces.setdefault(key, Workspace(device))
+            ws = _workspaces.get(key)
+            if ws is None:
+                if len(_workspaces) >= MAX_WORKSPACES:
+                    del _workspaces[next(iter(_workspaces))]  # the oldest (insertion order)
+                ws = _workspaces[key] = Workspace(device)
     return ws
