@@ -80,6 +80,9 @@ def mhc_fused_hc(
     static buffers of a CUDA graph): the output shapes and dtypes (``post_mix_cur`` may be ``[..., 4]``,
     ``comb_mix_cur`` ``[..., 16]``), contiguous, 16-byte aligned, sharing no memory with each other or with the
     inputs; the op writes every element and returns them.
+
+    Inference only (no backward): with grad mode on, an input that requires grad raises ``ValueError``. Inputs on a
+    GPU other than the current one run on their own GPU.
     """
     if torch.is_grad_enabled():
         check_no_grad((x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight))
