@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import autotune, backends
-from .problem import MhcFusedHcOutput, Problem, Scalars, check_no_grad, check_out_memory, flat_out, validate
+from .problem import MhcFusedHcOutput, Problem, Scalars, check_out_memory, flat_out, validate
 from .reference import HC_MULT
 
 
@@ -84,8 +84,6 @@ def mhc_fused_hc(
     Inference only (no backward): with grad mode on, an input that requires grad raises ``ValueError``. Inputs on a
     GPU other than the current one run on their own GPU.
     """
-    if torch.is_grad_enabled():
-        check_no_grad((x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight))
     scalars = Scalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
     problem, lead = validate(
         x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight, scalars, precision

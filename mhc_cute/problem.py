@@ -119,9 +119,10 @@ OUT_SHAPES = (  # per output: its dtype and the trailing shapes it may have (aft
 )
 
 
-def check_no_grad(tensors) -> None:
+def _check_no_grad(tensors) -> None:
     """With grad mode on: no input may require grad, since the op has no backward (its outputs would silently carry
-    no gradient). Call only when ``torch.is_grad_enabled()``; ``tensors`` in the order of ``INPUT_NAMES``."""
+    no gradient). ``tensors`` in the order of ``INPUT_NAMES``. Not part of the cached checks: it depends on the grad
+    mode, and under ``torch.inference_mode()`` (serving) it costs one ``torch.is_grad_enabled()`` call."""
     for name, t in zip(INPUT_NAMES, tensors):
         if getattr(t, "requires_grad", False):  # a non-tensor is validate()'s to name
             _fail(name, "a tensor that does not require grad (the op is inference-only, with no backward: call it "
@@ -208,6 +209,8 @@ def validate(
     the checks: they depend on nothing else, and they cost tens of µs of host time per call.
     """
     tensors = (x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight)
+    if torch.is_grad_enabled():
+        _check_no_grad(tensors)
     if torch.compiler.is_compiling():  # traced once per graph: no cache; the op's allocations are aligned
         return _validate_all(*tensors, scalars, precision, align=False)
     try:
