@@ -110,11 +110,11 @@ def test_partials_past_32_bit_offsets_are_refused():
     from mhc_cute.kernels import partials_count
 
     t = tac.parse_tactic("half_mma:k112:m64:s3:fbw")
-    assert partials_count(112, 599_186, t) == 599_186 * 112 * 32  # 2^31 - 1024
+    assert partials_count(t, 599_186) == 599_186 * 112 * 32  # 2^31 - 1024
     with pytest.raises(ValueError, match=r"half_mma:k112:m64:s3:fbw: .* fewer K splits"):
-        partials_count(112, 599_187, t)
+        partials_count(t, 599_187)
     for path in tac.FMA_PATHS + tac.MMA_PATHS:
         for h in (512, 4096, 7168):
             m = 40 * 2**30 // (20 * h)  # tokens of 40 GiB of operands
             d = tac.default_tactic(path, m, h)
-            partials_count(d.split_k, m, d)
+            partials_count(d, m)

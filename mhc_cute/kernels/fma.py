@@ -455,7 +455,7 @@ def _run(path: str, problem, tactic, out) -> None:
     tactic = resolve_tactic(path, tactic, problem, FmaTactic, tac.parse_tactic, _default_tactic)
     fn = compiled_fma(tactic, problem, out)
     ws = get_workspace(problem.x.device)
-    partials = ws.partials(partials_count(tactic.split_k, problem.m, tactic))
+    partials = ws.partials(partials_count(tactic, problem.m))
     counters = ws.counters(-(-problem.m // tactic.tokens_per_cta)) if tactic.path == "all_fma" else None
     fn(problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, problem.hc_scale,
        problem.hc_base, problem.norm_weight, *out, partials, counters, *scalar_args(problem.scalars))

@@ -536,7 +536,7 @@ def _run(path: str, problem, tactic, out) -> None:
     tactic = resolve_tactic(path, tactic, problem, MmaTactic, tac.parse_tactic, _default_tactic)
     fn = compiled_mma(tactic, problem, out)
     ws = get_workspace(problem.x.device)
-    partials = ws.partials(partials_count(tactic.split_k, problem.m, tactic))
+    partials = ws.partials(partials_count(tactic, problem.m))
     counters = ws.counters(-(-problem.m // tactic.tile_m))
     fn(problem.x, problem.residual, problem.post_mix, problem.comb_mix, cached_weight(problem.fn, problem.precision),
        problem.hc_scale, problem.hc_base, problem.norm_weight, *out, partials, counters, *scalar_args(problem.scalars))
