@@ -95,7 +95,7 @@ def main() -> int:
         us = mb.time_graph(call, sets, reps=args.reps)
         check = (failure_of(problem_of(sets[0]), tactic.path, tactic) or "ok") if args.check else ""
         if args.separated:
-            sep = mb.time_graph_separated(call, sets, mb.time_graph(mb.separator(), sets), args.reps)
+            sep = mb.time_graph_separated(call, sets, mb.time_graph(mb.separator(), sets), reps=args.reps)
             print(f"SEP {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {sep:.2f}", flush=True)
         host = mb.host_us_per_call(call, sets[0])
         print(f"AB {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {us:.2f} {check}", flush=True)

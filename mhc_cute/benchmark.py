@@ -130,15 +130,15 @@ def separator() -> Callable[[dict], None]:
 
 
 def time_graph_separated(call: Callable[[dict], object], sets: list[dict], separator_us: float,
-                         reps: int = 20) -> float:
-    """Median µs per call of a graph making one call per set, each followed by ``separator()``, minus
-    ``separator_us`` (``time_graph(separator(), sets)``, measured once per set list)."""
-    bump = separator()
+                         between: Callable[[dict], object] | None = None, reps: int = 20) -> float:
+    """Median µs per call of a graph making one call per set, each followed by ``between`` (default
+    ``separator()``), minus ``separator_us`` (``time_graph(between, sets)``, measured once per set list)."""
+    between = between or separator()
 
-    def call_then_bump(s):
+    def call_then_between(s):
         call(s)
-        bump(s)
-    return time_graph(call_then_bump, sets, reps) - separator_us
+        between(s)
+    return time_graph(call_then_between, sets, reps) - separator_us
 
 
 def launch_us(launch: Callable[[], object], reps: int = 20) -> list[float]:
