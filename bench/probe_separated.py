@@ -91,6 +91,7 @@ def main() -> int:
     ap.add_argument("--separator", choices=["bump", "gemm"], nargs="+", default=["bump"],
                     help="the kernel before each call: a one-element torch kernel, or cuBLAS's x_prev = a @ w")
     ap.add_argument("--gemm-k", type=int, default=7168, help="the GEMM separator's inner size")
+    ap.add_argument("--norm", action="store_true", help="with the fused RMSNorm (norm_weight)")
     args = ap.parse_args()
     peers = mb.peer_calls(False)
     # a name with a colon is a tactic name (backend first): that tactic at every M
@@ -99,7 +100,7 @@ def main() -> int:
     for r in range(args.rounds):
         for h in args.hidden:
             for m in args.m:
-                sets = mb.rotated_sets(m, h, "cuda")
+                sets = mb.rotated_sets(m, h, "cuda", args.norm)
                 for kind in args.separator:
                     separator = mb.separator() if kind == "bump" else gemm_separator(sets, args.gemm_k)
                     separator_us = mb.time_graph(separator, sets)
@@ -107,8 +108,9 @@ def main() -> int:
                         graph = mb.time_graph(call, sets)
                         sep = mb.time_graph_separated(call, sets, separator_us, separator)
                         after, gap, first = time_graph_after_separator(call, sets, separator)
-                        print(f"SEPV r{r} {kind} {name} {h} {m} {graph:.2f} {sep:.2f} {after:.2f} {gap:.2f} {first:.2f}",
-                              flush=True)
+                        label = kind + ("+norm" if args.norm else "")
+                        print(f"SEPV r{r} {label} {name} {h} {m} {graph:.2f} {sep:.2f} {after:.2f} {gap:.2f} "
+                              f"{first:.2f}", flush=True)
                 del sets
                 torch.cuda.empty_cache()
     return 0
