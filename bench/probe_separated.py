@@ -9,7 +9,8 @@ what a lone call adds). For a backend without PDL (Triton, the torch peers) a lo
 back-to-back time, which checks each measure.
 
     python bench/probe_separated.py --hidden 7168 --m 1 8 16 32 --names auto triton
-    python bench/probe_separated.py --m 17 32 --names auto half_fma:k224:t16:n6:w128:s1:b1:flat:mma --separator bump gemm
+    python bench/probe_separated.py --m 17 32 --separator bump gemm \
+        --names auto half_fma:k224:t16:n6:w128:s1:b1:flat:mma
 
 Lines: ``SEPV round separator name H M graph_us sep_us after_us gap_us first_kernel_us`` (gap: from the
 separator's end to the call's first kernel's start; first_kernel: that kernel's duration).

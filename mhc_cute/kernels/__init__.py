@@ -20,17 +20,17 @@ import threading
 import warnings
 from pathlib import Path
 
+from ..tactics import PARTIAL_COLS
+
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the first `import cutlass` anywhere
 
 KERNEL_CACHE_ENV = "MHC_CUTE_KERNEL_CACHE"
 
 
 def partials_count(tactic, m: int) -> int:
-    """Floats of the split-K partials ``[split_k, M, 32]`` a launch of ``tactic`` on ``m`` tokens needs. The kernels index them with
-    32-bit offsets: past 2^31 they would wrap, so such a launch is refused (only a tactic with many K splits at
-    hundreds of thousands of tokens gets there; the defaults use one or two splits at such M)."""
-    from ..tactics import PARTIAL_COLS
-
+    """Floats of the split-K partials ``[split_k, M, 32]`` a launch of ``tactic`` on ``m`` tokens needs. The kernels
+    index them with 32-bit offsets: past 2^31 they would wrap, so such a launch is refused (only a tactic with many
+    K splits at hundreds of thousands of tokens gets there; the defaults use one or two splits at such M)."""
     count = tactic.split_k * m * PARTIAL_COLS
     if count >= 2**31:
         raise ValueError(f"tactic {tactic.name}: split_k * M * {PARTIAL_COLS} = {count} partials, more than the "
