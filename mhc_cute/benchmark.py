@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -139,6 +141,76 @@ def time_graph_separated(call: Callable[[dict], object], sets: list[dict], separ
         call(s)
         between(s)
     return time_graph(call_then_between, sets, reps) - separator_us
+
+
+PREDECESSOR_GEMM_K = 16384  # the inner size of ``gemm_predecessor``: at M <= 128 cuBLAS runs it split-K with PDL
+
+
+class AfterTiming(NamedTuple):
+    after_us: float  # from the end of the predecessor's last kernel to the end of the call's last kernel
+    gap_us: float  # from that end to the start of the call's first kernel (negative: it launched early, PDL)
+    first_kernel_us: float  # the call's first kernel's duration
+
+
+def kernel_records(step: Callable[[dict], object], sets: list[dict], reps: int) -> list[list[dict]]:
+    """The CUPTI kernel records of ``reps`` replays of a CUDA graph making ``step(s)`` for each set, grouped per
+    step (each step must launch the same kernels every time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = capture(step, sets)
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace) as f:
+            kernels = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"),
+                             key=lambda e: e["ts"])
+    per_step, rest = divmod(len(kernels), reps * len(sets))
+    groups = [kernels[i:i + per_step] for i in range(0, len(kernels), per_step)]
+    if rest or not per_step or len({tuple(e["name"] for e in g) for g in groups}) != 1:
+        raise RuntimeError(f"{len(kernels)} kernels in {reps} replays of {len(sets)} steps do not split into "
+                           "identical groups")
+    return groups
+
+
+def time_after(call: Callable[[dict], object], sets: list[dict], predecessor: Callable[[dict], object],
+               reps: int = 5) -> AfterTiming:
+    """What a call adds after the kernel before it, as in a model: medians over the calls of a CUDA graph of
+    ``predecessor`` then ``call`` per set, replayed under ``torch.profiler`` (kernel timestamps from CUPTI; a lower
+    bound of a lone call's cost, steadier than a difference of graph times)."""
+    n_pre = len(kernel_records(predecessor, sets[:1], 1)[0])
+
+    def predecessor_then_call(s):
+        predecessor(s)
+        call(s)
+    groups = kernel_records(predecessor_then_call, sets, reps)
+    if len(groups[0]) <= n_pre:
+        raise RuntimeError("time_after: the call launched no kernel")
+    pre_end = [max(e["ts"] + e["dur"] for e in g[:n_pre]) for g in groups]
+    return AfterTiming(
+        statistics.median(max(e["ts"] + e["dur"] for e in g[n_pre:]) - end for g, end in zip(groups, pre_end)),
+        statistics.median(g[n_pre]["ts"] - end for g, end in zip(groups, pre_end)),
+        statistics.median(g[n_pre]["dur"] for g in groups))
+
+
+def gemm_predecessor(sets: list[dict], k: int = PREDECESSOR_GEMM_K) -> Callable[[dict], None]:
+    """The sublayer's output projection as the kernel before each call, as in a model: ``x_prev = a @ w``
+    (cuBLAS, bf16; ``a`` [M, k] per set, ``w`` [k, H] shared), so the call reads what that kernel wrote. At small M
+    cuBLAS's split-K reduce kernel triggers PDL, so a call with PDL launches before it ends."""
+    m, hidden = sets[0]["x_prev"].shape
+    device = sets[0]["x_prev"].device
+    g = torch.Generator(device=device).manual_seed(1)
+    w = (torch.randn(k, hidden, generator=g, device=device) / k ** 0.5).bfloat16()
+    a = {id(s): torch.randn(m, k, generator=g, device=device).bfloat16() for s in sets}
+
+    def gemm(s):
+        torch.matmul(a[id(s)], w, out=s["x_prev"])
+    return gemm
 
 
 def launch_us(launch: Callable[[], object], reps: int = 20) -> list[float]:

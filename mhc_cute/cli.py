@@ -11,6 +11,7 @@ import sys
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 DEEPSEEK_SHAPES = [(1, 7168), (17, 7168), (256, 4096), (1000, 5120)]
+TUNE_MEASURES = ("contexts", "back-to-back")  # autotune.MEASURES, without importing torch to parse arguments
 
 
 def _version(module: str) -> str:
@@ -132,7 +133,7 @@ def cmd_tune(args) -> int:
         return 2
     dev = torch.device("cuda")
     names = args.backends or [n for n in backends.available(dev) if n != "torch"]
-    tables = autotune.tune(dev, args.hidden, args.m, args.precision, args.norm, names)
+    tables = autotune.tune(dev, args.hidden, args.m, args.precision, args.norm, names, measure=args.measure)
     path = autotune.save_user_tables(tables, args.out)
     autotune.SELECTOR.reload()
     for key, rows in tables.items():
@@ -201,6 +202,9 @@ def main(argv=None) -> int:
     t.add_argument("--backends", nargs="*")
     t.add_argument("--precision", default="fp32", choices=["fp32", "tf32"])
     t.add_argument("--norm", action="store_true")
+    t.add_argument("--measure", default="contexts", choices=TUNE_MEASURES,
+                   help="rank by the worst of back to back and after the kernels a call follows in a model "
+                        "(contexts, the default; up to M = 128) or by back-to-back graph time alone")
     t.add_argument("--out", help="cache file (default: the user cache, see mhc_cute.autotune)")
     t.set_defaults(fn=cmd_tune)
     pc = sub.add_parser("precompile", help="compile ahead every CuTe kernel auto may run, into a kernel cache folder")

@@ -215,7 +215,7 @@ def test_tuner_keeps_the_fastest_and_skips_failures(monkeypatch):
     monkeypatch.setattr(autotune, "precompile_candidates", lambda cands, precision, norm: compiled.extend(cands))
     _contract_passes(monkeypatch)
     tables = autotune.tune(torch.device("cuda", 0), [512], [1, 3, 100], "fp32", False,
-                           ["half_fma", "all_fma", "triton"], log=lambda *a: None)
+                           ["half_fma", "all_fma", "triton"], log=lambda *a: None, measure="back-to-back")
     (key, rows), = tables.items()
     assert key.startswith("Fake GPU|132|H512|fp32|norm0|")
     assert sorted(rows) == [1, 4, 128]
@@ -223,6 +223,61 @@ def test_tuner_keeps_the_fastest_and_skips_failures(monkeypatch):
     assert rows[128].backend == "half_fma"  # all_fma failed there
     assert all(r.tactic is not None and r.us is not None for r in rows.values())
     assert compiled and all(h == 512 and t.path in ("half_fma", "all_fma") for h, t in compiled)
+
+
+def test_tuner_ranks_small_buckets_by_their_worst_context(monkeypatch):
+    """With ``measure="contexts"`` a bucket up to CONTEXT_MAX_M is won by the candidate whose slowest context (back
+    to back, after each predecessor kernel) is fastest; only the shortlist and the defaults are timed in context;
+    larger buckets keep the back-to-back ranking."""
+    import types
+
+    import torch
+
+    from mhc_cute import benchmark as bm
+
+    props = types.SimpleNamespace(name="Fake GPU", multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bm, "make_sets", lambda m, h, n, dev, norm: [m])
+    monkeypatch.setattr(autotune, "precompile_candidates", lambda *a: None)
+    _contract_passes(monkeypatch)
+    names = ["default", "fast_b2b", "robust"] + [f"filler{i}" for i in range(autotune.CONTEXT_SHORTLIST)]
+    monkeypatch.setattr(autotune, "candidate_tactics", lambda name, m, h, sms: [None])
+    monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic: name)
+    b2b = {"default": 6.0, "fast_b2b": 4.0, "robust": 4.5, **{f"filler{i}": 5.0 for i in range(8)}}
+    after = {"after-kernel": {"fast_b2b": 5.0, "robust": 5.0},
+             "after-gemm": {"fast_b2b": 7.0, "robust": 5.2, "default": 6.5}}
+    monkeypatch.setattr(bm, "time_graph", lambda name, sets: b2b[name])
+    monkeypatch.setattr(autotune, "context_predecessors", lambda sets: {p: p for p in after})
+    timed_in_context = []
+
+    def time_after(name, sets, predecessor):
+        timed_in_context.append(name)
+        return bm.AfterTiming(after[predecessor].get(name, 6.0), 0.0, 1.0)
+    monkeypatch.setattr(bm, "time_after", time_after)
+
+    def tuned(m, measure):
+        timed_in_context.clear()
+        (rows,) = autotune.tune(torch.device("cuda", 0), [512], [m], "fp32", False, names, log=lambda *a: None,
+                                measure=measure).values()
+        return rows[autotune.bucket_of(m)]
+
+    # every name is its backend's default here (one candidate each): the plain minimum decides
+    assert tuned(16, "contexts") == autotune.Choice("robust", None, 5.2)
+    assert len(set(timed_in_context)) == len(names) and "filler7" in timed_in_context
+    monkeypatch.setattr(autotune, "CONTEXT_SHORTLIST", 2)
+    assert tuned(16, "contexts").backend == "robust"
+    assert set(timed_in_context) == {"fast_b2b", "robust", *names}  # defaults always join the shortlist
+    assert tuned(16, "back-to-back") == autotune.Choice("fast_b2b", None, 4.0) and not timed_in_context
+    assert tuned(autotune.CONTEXT_MAX_M + 1, "contexts").backend == "fast_b2b" and not timed_in_context
+    with pytest.raises(ValueError, match="measure"):
+        tuned(16, "fastest")
+
+
+def test_cli_tune_measures_match_the_tuner():
+    from mhc_cute import cli
+
+    assert cli.TUNE_MEASURES == autotune.MEASURES
 
 
 def test_a_tuned_tactic_this_version_cannot_parse_falls_back_to_the_default():
@@ -267,7 +322,7 @@ def test_tuner_keeps_the_default_tactic_unless_another_is_clearly_faster(monkeyp
     default = tactics.default_fma_tactic("half_fma", 1, 512, 132)
     monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic: tactic)
     monkeypatch.setattr(bm, "time_graph", lambda tactic, sets: 5.0 if tactic == default else other_us)
-    tables = autotune.tune(torch.device("cuda", 0), [512], [1], "fp32", False, ["half_fma"], log=lambda *a: None)
+    tables = autotune.tune(torch.device("cuda", 0), [512], [1], "fp32", False, ["half_fma"], log=lambda *a: None, measure="back-to-back")
     (rows,) = tables.values()
     assert (rows[1].tactic == default.name) == want_default
 
@@ -299,7 +354,7 @@ def test_tuner_drops_a_fast_but_wrong_pick(monkeypatch):
     monkeypatch.setattr(autotune, "candidate_tactics", lambda name, m, h, sms: [None])
     with pytest.warns(UserWarning, match="is wrong"):
         tables = autotune.tune(torch.device("cuda", 0), [512], [1], "fp32", False, ["all_fma", "triton"],
-                               log=lambda *a: None)
+                               log=lambda *a: None, measure="back-to-back")
     (rows,) = tables.values()
     assert rows[1].backend == "triton"
 
@@ -398,3 +453,46 @@ def test_precompiled_folder_covers_auto_on_this_gpu(tmp_path):
     assert compiled
     subprocess.run([sys.executable, "-c", _AUTO_AT_EVERY_M, "4096", "40"], env=env, check=True, timeout=600)
     assert sorted(p.name for p in folder.glob("*.o")) == compiled
+
+
+@pytest.mark.gpu
+def test_tuner_on_the_gpu_ranks_by_context(monkeypatch):
+    """On a GPU: the contexts measure runs end to end (CUPTI timestamps after a non-PDL kernel and after a cuBLAS
+    GEMM), scores each candidate by its slowest context, and stores the best correct one."""
+    from dataclasses import replace
+
+    import torch
+
+    from mhc_cute import benchmark as bm, tactics
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    base = tactics.default_fma_tactic("half_fma", 16, 512, sms)
+    cands = [base, replace(base, tokens_per_cta=4)]
+    assert all(t.invalid_reason(512) is None for t in cands)
+    monkeypatch.setattr(autotune, "candidate_tactics", lambda name, m, h, sm_count: cands)
+    b2b, after = {}, {}
+    mhc_cute_call, time_graph, time_after = bm.mhc_cute_call, bm.time_graph, bm.time_after
+
+    def call_of(name, precision, tactic):
+        call = mhc_cute_call(name, precision, tactic)
+        call.tactic_name = tactic.name
+        return call
+
+    def graph_us(call, sets, reps=20):
+        b2b[call.tactic_name] = time_graph(call, sets, reps)
+        return b2b[call.tactic_name]
+
+    def after_us(call, sets, predecessor, reps=5):
+        timing = time_after(call, sets, predecessor, reps)
+        assert 0 < timing.first_kernel_us < timing.after_us < 1000, timing
+        after.setdefault(call.tactic_name, []).append(timing.after_us)
+        return timing
+    monkeypatch.setattr(bm, "mhc_cute_call", call_of)
+    monkeypatch.setattr(bm, "time_graph", graph_us)
+    monkeypatch.setattr(bm, "time_after", after_us)
+    (rows,) = autotune.tune(dev, [512], [16], "fp32", False, ["half_fma"], log=lambda *a: None).values()
+    choice = rows[16]
+    assert choice.backend == "half_fma" and choice.tactic in {t.name for t in cands}
+    assert sorted(after) == sorted(b2b) and all(len(v) == 2 for v in after.values())  # each candidate, context
+    assert choice.us == pytest.approx(max([b2b[choice.tactic], *after[choice.tactic]]))
