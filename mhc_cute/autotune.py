@@ -299,8 +299,8 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
     in the weight pipeline with wider post-map steps (where a CTA walks several chunks: at M = 32 on an H200,
     ``stages=2, burst=4`` took 17% less time than the default), and from M = 8 the projection on warp MMA (16 or
     32 tokens per CTA, one chunk per CTA, each big-fuse shape; 256 threads, or 128 with the default's chunk or
-    one twice as wide: the 128-thread 64-position chunk won at H = 7168, M = 16 on the H200); only valid ones. None stands
-    for a backend without tactics of its own (the reference, Triton's table)."""
+    one twice as wide: the 128-thread 64-position chunk won at H = 7168, M = 16 on the H200); only valid ones. None
+    stands for a backend without tactics of its own (the reference, Triton's table)."""
     from . import tactics
 
     if backend in tactics.FMA_PATHS:

@@ -11,6 +11,9 @@ starts, and loads its weights, while the previous call's last kernel finishes. B
 kernel runs, and one that does not trigger PDL (most torch ops) removes that overlap, so up to
 ``SEPARATED_MAX_M`` the benchmark also times "sep": one call per set with a one-element torch kernel after each,
 minus a graph of those kernels alone (approximate: a separator partly hides behind the call before it).
+``time_after`` measures instead, from CUPTI kernel timestamps, what a call adds after a given kernel (the one-element
+kernel, or ``gemm_predecessor``'s cuBLAS GEMM, which lets a call launch early through PDL); the tuner ranks small M
+buckets by those contexts (``autotune.worst_context``).
 """
 
 from __future__ import annotations

@@ -188,16 +188,11 @@ def test_shipped_tactics_are_valid_for_their_backend_and_h():
 
 def test_tuner_keeps_the_fastest_and_skips_failures(monkeypatch):
     """The tuning loop with the GPU parts stood in for: times come from a table, one candidate raises."""
-    import types
-
     import torch
 
     from mhc_cute import benchmark as bm
 
-    props = types.SimpleNamespace(name="Fake GPU", multi_processor_count=132)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bm, "make_sets", lambda m, h, n, dev, norm: [m])
+    _fake_tuning_gpu(monkeypatch)
     fake_us = {"half_fma": 5.0, "all_fma": 4.0, "triton": 7.0}
 
     def call(name, precision, tactic):
@@ -229,17 +224,11 @@ def test_tuner_ranks_small_buckets_by_their_worst_context(monkeypatch):
     """With ``measure="contexts"`` a bucket up to CONTEXT_MAX_M is won by the candidate whose slowest context (back
     to back, after each predecessor kernel) is fastest; only the shortlist and the defaults are timed in context;
     larger buckets keep the back-to-back ranking."""
-    import types
-
     import torch
 
     from mhc_cute import benchmark as bm
 
-    props = types.SimpleNamespace(name="Fake GPU", multi_processor_count=132)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bm, "make_sets", lambda m, h, n, dev, norm: [m])
-    monkeypatch.setattr(autotune, "precompile_candidates", lambda *a: None)
+    _fake_tuning_gpu(monkeypatch)
     _contract_passes(monkeypatch)
     names = ["default", "fast_b2b", "robust"] + [f"filler{i}" for i in range(autotune.CONTEXT_SHORTLIST)]
     monkeypatch.setattr(autotune, "candidate_tactics", lambda name, m, h, sms: [None])
@@ -307,24 +296,35 @@ def test_bench_table_shows_the_separated_time_where_it_was_measured():
 
 @pytest.mark.parametrize("other_us,want_default", [(4.95, True), (4.5, False)])
 def test_tuner_keeps_the_default_tactic_unless_another_is_clearly_faster(monkeypatch, other_us, want_default):
+    import torch
+
+    from mhc_cute import benchmark as bm, tactics
+
+    _fake_tuning_gpu(monkeypatch)
+    _contract_passes(monkeypatch)
+    default = tactics.default_fma_tactic("half_fma", 1, 512, 132)
+    monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic: tactic)
+    monkeypatch.setattr(bm, "time_graph", lambda tactic, sets: 5.0 if tactic == default else other_us)
+    tables = autotune.tune(torch.device("cuda", 0), [512], [1], "fp32", False, ["half_fma"], log=lambda *a: None,
+                           measure="back-to-back")
+    (rows,) = tables.values()
+    assert (rows[1].tactic == default.name) == want_default
+
+
+def _fake_tuning_gpu(monkeypatch):
+    """Stand in for the GPU parts of ``autotune.tune``: a 132-SM "Fake GPU" whose input sets are just M, and no
+    compilation ahead (tests replace the timing functions themselves)."""
     import types
 
     import torch
 
-    from mhc_cute import benchmark as bm, tactics
+    from mhc_cute import benchmark as bm
 
     props = types.SimpleNamespace(name="Fake GPU", multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(bm, "make_sets", lambda m, h, n, dev, norm: [m])
     monkeypatch.setattr(autotune, "precompile_candidates", lambda *a: None)
-    _contract_passes(monkeypatch)
-    default = tactics.default_fma_tactic("half_fma", 1, 512, 132)
-    monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic: tactic)
-    monkeypatch.setattr(bm, "time_graph", lambda tactic, sets: 5.0 if tactic == default else other_us)
-    tables = autotune.tune(torch.device("cuda", 0), [512], [1], "fp32", False, ["half_fma"], log=lambda *a: None, measure="back-to-back")
-    (rows,) = tables.values()
-    assert (rows[1].tactic == default.name) == want_default
 
 
 def _contract_passes(monkeypatch, wrong=()):
@@ -337,17 +337,11 @@ def _contract_passes(monkeypatch, wrong=()):
 
 
 def test_tuner_drops_a_fast_but_wrong_pick(monkeypatch):
-    import types
-
     import torch
 
     from mhc_cute import benchmark as bm
 
-    props = types.SimpleNamespace(name="Fake GPU", multi_processor_count=132)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bm, "make_sets", lambda m, h, n, dev, norm: [m])
-    monkeypatch.setattr(autotune, "precompile_candidates", lambda *a: None)
+    _fake_tuning_gpu(monkeypatch)
     _contract_passes(monkeypatch, wrong={("all_fma", None)})
     monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic: name)
     monkeypatch.setattr(bm, "time_graph", lambda name, sets: {"all_fma": 3.0, "triton": 4.0}[name])
