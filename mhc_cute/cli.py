@@ -136,6 +136,9 @@ def cmd_tune(args) -> int:
     tables = autotune.tune(dev, args.hidden, args.m, args.precision, args.norm, names, measure=args.measure)
     path = autotune.save_user_tables(tables, args.out)
     autotune.SELECTOR.reload()
+    if args.measure == "contexts":
+        print(f"us: up to M = {autotune.CONTEXT_MAX_M} the worst of back to back, after a non-PDL kernel and after a "
+              "cuBLAS GEMM; above it back to back (CUDA-graph replay)")
     for key, rows in tables.items():
         print(key)
         for b, c in sorted(rows.items()):

@@ -269,6 +269,30 @@ def test_cli_tune_measures_match_the_tuner():
     assert cli.TUNE_MEASURES == autotune.MEASURES
 
 
+@pytest.mark.parametrize("measure", ["contexts", "back-to-back"])
+def test_cli_tune_passes_the_measure_and_says_what_the_times_are(monkeypatch, tmp_path, capsys, measure):
+    import torch
+
+    from mhc_cute import backends, cli
+
+    seen = {}
+
+    def tune(dev, hiddens, ms, precision, norm, names, measure):
+        seen.update(hiddens=hiddens, ms=ms, names=names, measure=measure)
+        return {"Fake GPU|132|H512|fp32|norm0|v0": {16: Choice("half_fma", "half_fma:k8:t8:n6:w256:s1:b1:flat", 7.5)}}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backends, "available", lambda dev: ["torch", "half_fma"])
+    monkeypatch.setattr(autotune, "tune", tune)
+    out = tmp_path / "tuned.json"
+    argv = ["tune", "--hidden", "512", "--m", "16", "--out", str(out)] + (["--measure", measure] * (measure != "contexts"))
+    assert cli.main(argv) == 0
+    assert seen == dict(hiddens=[512], ms=[16], names=["half_fma"], measure=measure)
+    text = capsys.readouterr().out
+    assert ("worst of back to back" in text) == (measure == "contexts")
+    assert "half_fma:k8:t8:n6:w256:s1:b1:flat     7.50 us" in text
+    assert autotune.load_user_tables(str(out))["Fake GPU|132|H512|fp32|norm0|v0"][16].us == 7.5
+
+
 def test_a_tuned_tactic_this_version_cannot_parse_falls_back_to_the_default():
     with pytest.warns(UserWarning, match="not understood"):
         assert autotune._tactic_or_none(autotune.Choice("half_mma", "half_mma:k8:m128:s3")) is None
