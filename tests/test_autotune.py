@@ -284,7 +284,8 @@ def test_cli_tune_passes_the_measure_and_says_what_the_times_are(monkeypatch, tm
     monkeypatch.setattr(backends, "available", lambda dev: ["torch", "half_fma"])
     monkeypatch.setattr(autotune, "tune", tune)
     out = tmp_path / "tuned.json"
-    argv = ["tune", "--hidden", "512", "--m", "16", "--out", str(out)] + (["--measure", measure] * (measure != "contexts"))
+    argv = ["tune", "--hidden", "512", "--m", "16", "--out", str(out)]
+    argv += [] if measure == "contexts" else ["--measure", measure]  # contexts is the default
     assert cli.main(argv) == 0
     assert seen == dict(hiddens=[512], ms=[16], names=["half_fma"], measure=measure)
     text = capsys.readouterr().out

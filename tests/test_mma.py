@@ -218,7 +218,8 @@ def test_gpu_partials_against_float64(m, h, tactic, precision):
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("tactic", [
-    "half_mma:k7:m128:s3:fbw", "half_mma:k28:m64:s5:flat", "all_mma:k1:m64:s2:fbw", "all_mma:k9:m64:s4:fbw", "all_mma:k56:m64:s3:fbw",
+    "half_mma:k7:m128:s3:fbw", "half_mma:k28:m64:s5:flat", "all_mma:k1:m64:s2:fbw", "all_mma:k9:m64:s4:fbw",
+    "all_mma:k56:m64:s3:fbw",
 ])
 @pytest.mark.parametrize("m", [1, 65, 333])
 def test_gpu_explicit_tactics(m, tactic, norm):
