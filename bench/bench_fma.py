@@ -70,8 +70,9 @@ def main(argv=None):
     ap.add_argument("--norm", action="store_true", help="with the fused RMSNorm (norm_weight)")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--check", action="store_true", help="check every timed tactic against the contract once")
-    ap.add_argument("--separated", action="store_true",
-                    help="also time each tactic with a non-PDL kernel between calls (the table's sep column)")
+    ap.add_argument("--contexts", action="store_true",
+                    help="also time what each tactic adds after a non-PDL kernel and after a cuBLAS GEMM "
+                         "(benchmark.context_predecessors; the table's after-kernel and after-gemm columns)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -99,7 +100,7 @@ def main(argv=None):
     for h in args.hidden:
         for m in args.m:
             sets = mb.rotated_sets(m, h, dev, args.norm)
-            separator_us = mb.time_graph(mb.separator(), sets) if args.separated else None
+            contexts = mb.context_predecessors(sets) if args.contexts else None
             best = {}
             for p in PATHS:
                 default = tac.default_fma_tactic(p, m, h, sms)
@@ -108,7 +109,7 @@ def main(argv=None):
                     if why:
                         print(f"H={h} M={m} {t.name}: WRONG: {why}", flush=True)
                     r = mb.bench_one(t.name, mb.mhc_cute_call(p, tactic=t), m, h, dev, args.norm, bandwidth, sets,
-                                     eager=(t == default), separator_us=separator_us)
+                                     eager=(t == default), contexts=contexts)
                     r.extra["wrong"] = why
                     results.append(r)
                     if r.graph_us is not None and not why and (p not in best or r.graph_us < best[p].graph_us):

@@ -1,6 +1,7 @@
 """Merge `mhc-cute bench --json` files (a later file overrides an earlier one for the same H, M and name) into
-the README's markdown tables and a PNG plot ("auto sep": `auto`'s time with a non-PDL kernel between calls, where
-the run measured it).
+the README's markdown tables and a PNG plot. Where the run timed `auto` in context (M <= benchmark.CONTEXT_MAX_M),
+two columns give what a call adds after a one-element non-PDL kernel and after a cuBLAS GEMM ("auto after kernel",
+"auto after GEMM"); files written before stop 35 have instead "auto sep", the graph-difference measure of then.
 
     python bench/merge_measured.py bench/measured/h200_bench_stop12.json --plot bench/measured/h200.png
 """
@@ -9,7 +10,7 @@ import argparse
 import json
 import sys
 
-from mhc_cute.benchmark import Result, fastest, plot
+from mhc_cute.benchmark import CONTEXTS, Result, fastest, plot
 
 KERNELS = ("half_fma", "all_fma", "triton", "half_mma", "all_mma")
 COLUMNS = (("auto", "auto"), ("half_fma", "E half_fma"), ("all_fma", "F all_fma"), ("triton", "triton"),
@@ -30,11 +31,17 @@ def main() -> int:
             if r["graph_us"]:
                 merged[(r["hidden"], r["m"], r["name"])] = r
     graph_us = {k: r["graph_us"] for k, r in merged.items()}
+    if any(r.get("context_us") for r in merged.values()):
+        extra = {"auto after kernel": lambda r: r.get("context_us", {}).get(CONTEXTS[0]),
+                 "auto after GEMM": lambda r: r.get("context_us", {}).get(CONTEXTS[1])}
+    else:  # a file of the older bench
+        extra = {"auto sep": lambda r: r.get("sep_us")}
     for h in sorted({k[0] for k in merged}, reverse=True):
         print(f"\n**H = {h}** (µs per call, CUDA-graph replay; the fastest mhc_cute backend in bold)\n")
         print("| M | " + " | ".join(c[1] for c in COLUMNS)
-              + " | auto sep | auto % of floor | auto / fastest | auto vs TileKernels | auto eager |")
-        print("|---:|" + "---:|" * (len(COLUMNS) + 5))
+              + "".join(f" | {c}" for c in extra)
+              + " | auto % of floor | auto / fastest | auto vs TileKernels | auto eager |")
+        print("|---:|" + "---:|" * (len(COLUMNS) + len(extra) + 4))
         for m in sorted({k[1] for k in merged if k[0] == h}):
             row = {name: merged.get((h, m, name)) for name, _ in COLUMNS}
             best = fastest(graph_us, h, m, KERNELS)
@@ -45,8 +52,8 @@ def main() -> int:
             speedup = f"{tk['graph_us'] / auto['graph_us']:.2f}x" if auto and tk else "—"
             vs_best = f"{auto['graph_us'] / row[best]['graph_us']:.3f}" if auto else "—"
             eager = f"{auto['eager_us']:.0f}" if auto and auto.get("eager_us") else "—"
-            sep = f"{auto['sep_us']:.1f}" if auto and auto.get("sep_us") else "—"
-            print(f"| {m} | " + " | ".join(cells) + f" | {sep} | {floor} | {vs_best} | {speedup} | {eager} |")
+            extras = "".join(f" | {v:.1f}" if auto and (v := get(auto)) else " | —" for get in extra.values())
+            print(f"| {m} | " + " | ".join(cells) + f"{extras} | {floor} | {vs_best} | {speedup} | {eager} |")
     if args.plot:
         plot([Result(r["name"], r["m"], r["hidden"], r["graph_us"]) for r in merged.values()], args.plot, gpu)
     return 0

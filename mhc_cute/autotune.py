@@ -376,7 +376,6 @@ def precompile_candidates(candidates, precision: str, norm_dtype: str | None) ->
 
 TUNE_MARGIN = 0.02  # a non-default tactic must beat every backend's default by this much to be kept
 MEASURES = ("contexts", "back-to-back")
-CONTEXT_MAX_M = 128  # up to this bucket a call's time depends on the kernel before it (PDL), so "contexts" applies
 CONTEXT_SHORTLIST = 8  # the fastest back-to-back candidates (and every default) that the contexts re-rank
 
 
@@ -392,25 +391,16 @@ def pick(timed: list) -> tuple | None:
     return best_default
 
 
-def context_predecessors(sets: list[dict]) -> dict:
-    """The kernels a call follows in a model, by name: one that does not trigger PDL (a one-element torch kernel,
-    as most torch ops), and the sublayer's output projection writing ``x_prev`` (cuBLAS, which at small M triggers
-    PDL, so the call's first kernel starts while it still runs)."""
-    from . import benchmark as bm
-
-    return {"after-kernel": bm.separator(), "after-gemm": bm.gemm_predecessor(sets)}
-
-
 def worst_context(timed: list, sets: list[dict], precision: str) -> list:
     """``timed`` re-scored by the worst of three contexts: back to back (the graph time it has), after each of
-    ``context_predecessors`` (``benchmark.time_after``). Only the ``CONTEXT_SHORTLIST`` fastest back-to-back
+    ``benchmark.context_predecessors`` (``benchmark.time_after``). Only the ``CONTEXT_SHORTLIST`` fastest back-to-back
     candidates and each backend's default are kept: the contexts move a pick by a microsecond or two, and timing
     them takes longer than a back-to-back graph."""
     from . import benchmark as bm
 
     ranked = sorted(timed, key=lambda c: c[0])
     shortlist = ranked[:CONTEXT_SHORTLIST] + [c for c in ranked[CONTEXT_SHORTLIST:] if c[3]]
-    predecessors = context_predecessors(sets).values()
+    predecessors = bm.context_predecessors(sets).values()
     out = []
     for us, name, t, default in shortlist:
         call = bm.mhc_cute_call(name, precision, t)
@@ -426,7 +416,7 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
          measure: str = "contexts") -> dict:
     """Time every candidate (backend, tactic) per M bucket with CUDA-graph replay over rotated inputs and keep
     the fastest that is correct; tactics that fail to run are skipped. ``measure="contexts"`` ranks buckets up to
-    ``CONTEXT_MAX_M`` by the worst of back to back and after each kernel a call follows in a model
+    ``benchmark.CONTEXT_MAX_M`` by the worst of back to back and after each kernel a call follows in a model
     (``worst_context``; on the H200 the back-to-back winner lost up to 1.9 µs after a cuBLAS GEMM that let it
     launch early, see docs/performance.md); ``"back-to-back"`` by the graph time alone. A backend's own default
     tactic (the first candidate) wins over a non-default one that is less than ``TUNE_MARGIN`` faster: a timing
@@ -458,7 +448,7 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
                 timed.append((bm.time_graph(bm.mhc_cute_call(name, precision, t), sets), name, t, default))
             except Exception:  # a tactic that fails to run is not a candidate
                 continue
-        if measure == "contexts" and b <= CONTEXT_MAX_M:
+        if measure == "contexts" and b <= bm.CONTEXT_MAX_M:
             timed = worst_context(timed, sets, precision)
         problem = accuracy.problem_of(sets[0], precision)
         while (choice := pick(timed)) is not None:

@@ -7,13 +7,13 @@ loop (what an engine without graphs pays, host overhead included). Each is the m
 floor is SPEC's cost model, ``((20H + 160) M + 96H) / B``, with B the copy bandwidth measured in the same run.
 
 The CuTe paths launch with programmatic dependent launch (PDL): in back-to-back calls each call's first kernel
-starts, and loads its weights, while the previous call's last kernel finishes. Between layers of a model another
-kernel runs, and one that does not trigger PDL (most torch ops) removes that overlap, so up to
-``SEPARATED_MAX_M`` the benchmark also times "sep": one call per set with a one-element torch kernel after each,
-minus a graph of those kernels alone (approximate: a separator partly hides behind the call before it).
-``time_after`` measures instead, from CUPTI kernel timestamps, what a call adds after a given kernel (the one-element
-kernel, or ``gemm_predecessor``'s cuBLAS GEMM, which lets a call launch early through PDL); the tuner ranks small M
-buckets by those contexts (``autotune.worst_context``).
+starts, and loads its weights, while the previous call's last kernel finishes. In a model another kernel runs
+before each call: one that does not trigger PDL (most torch ops) removes that overlap, and the sublayer's output
+projection (a cuBLAS GEMM, which at small M triggers PDL) lets the call start before it ends. So up to
+``CONTEXT_MAX_M`` the benchmark also times each call in those two contexts (``context_predecessors``): what it adds
+after the kernel before it, from CUPTI kernel timestamps (``time_after``); the tuner ranks those buckets by the worst
+of the three (``autotune.worst_context``). ``time_graph_separated`` is the older, noisier graph-difference measure
+(a graph of call + separator minus a graph of separators), kept for the probes.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from .problem import MhcFusedHcOutput
 BENCH_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # the default grid of M
 L2_FLUSH_BYTES = 256 << 20  # rotate through at least this much data (several times a Hopper L2)
 MAX_SETS = 64
-SEPARATED_MAX_M = 512  # up to here calls are short enough that the overlap of back-to-back calls matters
+CONTEXT_MAX_M = 128  # up to here a call's time depends on the kernel before it (PDL): timed in context too
+CONTEXTS = ("after-kernel", "after-gemm")  # the keys of ``context_predecessors``, in table order
 NORM_DTYPE = "bfloat16"  # the fused-norm weight of the timed input sets (the dtype name the kernels compile for)
 
 
@@ -44,7 +45,7 @@ class Result:
     m: int
     hidden: int
     graph_us: float | None = None
-    sep_us: float | None = None  # graph time with a non-PDL kernel between calls, that kernel's own time removed
+    context_us: dict = field(default_factory=dict)  # {context name: time_after µs} (``context_predecessors``)
     eager_us: float | None = None
     floor_frac: float | None = None  # floor time / graph time
     error: str | None = None
@@ -216,6 +217,13 @@ def gemm_predecessor(sets: list[dict], k: int = PREDECESSOR_GEMM_K) -> Callable[
     return gemm
 
 
+def context_predecessors(sets: list[dict]) -> dict[str, Callable[[dict], None]]:
+    """The kernels a call follows in a model, by context name: one that does not trigger PDL (a one-element torch
+    kernel, as most torch ops), and the sublayer's output projection writing ``x_prev`` (cuBLAS, which at small M
+    triggers PDL, so the call's first kernel starts while it still runs)."""
+    return dict(zip(CONTEXTS, (separator(), gemm_predecessor(sets))))
+
+
 def launch_us(launch: Callable[[], object], reps: int = 20) -> list[float]:
     """µs of each of ``reps`` timed calls of ``launch`` (CUDA events around each; one untimed call first), sorted."""
     launch()
@@ -323,14 +331,15 @@ def peer_calls(norm: bool) -> dict[str, Callable[[dict], object]]:
     return peers
 
 
-def bench_one(name, call, m, hidden, device, norm, bandwidth, sets=None, eager=True, separator_us=None) -> Result:
-    """One (backend or peer, M, H) cell; with ``separator_us`` also the separated time (``time_graph_separated``)."""
+def bench_one(name, call, m, hidden, device, norm, bandwidth, sets=None, eager=True, contexts=None) -> Result:
+    """One (backend or peer, M, H) cell; with ``contexts`` ({name: predecessor}, ``context_predecessors``) also what
+    the call adds after each predecessor (``time_after``)."""
     r = Result(name, m, hidden)
     try:
         sets = sets or rotated_sets(m, hidden, device, norm)
         r.graph_us = time_graph(call, sets)
-        if separator_us is not None:
-            r.sep_us = time_graph_separated(call, sets, separator_us)
+        for context, predecessor in (contexts or {}).items():
+            r.context_us[context] = time_after(call, sets, predecessor).after_us
         if eager:
             r.eager_us = time_eager(call, sets)
         r.floor_frac = floor_bytes(m, hidden) / bandwidth * 1e6 / r.graph_us
@@ -341,10 +350,11 @@ def bench_one(name, call, m, hidden, device, norm, bandwidth, sets=None, eager=T
 
 def format_table(results: list[Result], bandwidth: float, gpu: str) -> str:
     lines = [f"GPU: {gpu}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); "
-             "graph = CUDA-graph replay µs/call (back to back), sep = the same with a non-PDL kernel between calls, "
-             "eager = wall µs/call, floor = SPEC floor / graph time"]
+             "graph = CUDA-graph replay µs/call (back to back); after-kernel, after-gemm = µs a call adds after a "
+             "one-element non-PDL kernel / a cuBLAS GEMM (CUPTI); eager = wall µs/call; "
+             "floor = SPEC floor / graph time"]
     names = list(dict.fromkeys(r.name for r in results))
-    head = f"{'H':>5} {'M':>6} | " + " | ".join(f"{n[:30]:>30}" for n in names)
+    head = f"{'H':>5} {'M':>6} | " + " | ".join(f"{n[:38]:>38}" for n in names)
     lines += [head, "-" * len(head)]
     by = {(r.hidden, r.m, r.name): r for r in results}
     for h, m in dict.fromkeys((r.hidden, r.m) for r in results):
@@ -352,13 +362,13 @@ def format_table(results: list[Result], bandwidth: float, gpu: str) -> str:
         for n in names:
             r = by.get((h, m, n))
             if r is None or r.graph_us is None:
-                cells.append(f"{'-' if r is None else 'error':>30}")
+                cells.append(f"{'-' if r is None else 'error':>38}")
             else:
-                sep = f"{r.sep_us:7.2f}" if r.sep_us is not None else "      -"
+                after = " ".join(f"{r.context_us[c]:7.2f}" if c in r.context_us else "      -" for c in CONTEXTS)
                 eager = f"{r.eager_us:7.1f}" if r.eager_us is not None else "    n/a"
-                cells.append(f"{r.graph_us:7.2f} {sep} {eager} {100 * r.floor_frac:4.0f}%")
+                cells.append(f"{r.graph_us:7.2f} {after} {eager} {100 * r.floor_frac:4.0f}%")
         lines.append(f"{h:>5} {m:>6} | " + " | ".join(cells))
-    lines.append("cells: graph µs, sep µs, eager µs, % of floor")
+    lines.append(f"cells: graph µs, {' µs, '.join(CONTEXTS)} µs, eager µs, % of floor")
     errors = [r for r in results if r.error]
     for r in errors:
         lines.append(f"error H={r.hidden} M={r.m} {r.name}: {r.error}")

@@ -104,11 +104,11 @@ def cmd_bench(args) -> int:
     for h in args.hidden:
         for m in ms:
             sets = bm.rotated_sets(m, h, dev, args.norm)
-            separator_us = bm.time_graph(bm.separator(), sets) if m <= bm.SEPARATED_MAX_M else None
+            contexts = bm.context_predecessors(sets) if m <= bm.CONTEXT_MAX_M else None
             for name, call in calls.items():
                 eager = not (name == "torch-compile" and m > 4096)
                 results.append(bm.bench_one(name, call, m, h, dev, args.norm, bandwidth, sets=sets, eager=eager,
-                                            separator_us=separator_us))
+                                            contexts=contexts))
                 r = results[-1]
                 print(f"  H={h} M={m} {name}: {r.graph_us if r.error is None else r.error}", file=sys.stderr,
                       flush=True)
@@ -126,7 +126,7 @@ def cmd_bench(args) -> int:
 def cmd_tune(args) -> int:
     import torch
 
-    from . import autotune, backends
+    from . import autotune, backends, benchmark as bm
 
     if not torch.cuda.is_available():
         print("mhc-cute tune needs a CUDA GPU", file=sys.stderr)
@@ -137,7 +137,7 @@ def cmd_tune(args) -> int:
     path = autotune.save_user_tables(tables, args.out)
     autotune.SELECTOR.reload()
     if args.measure == "contexts":
-        print(f"us: up to M = {autotune.CONTEXT_MAX_M} the worst of back to back, after a non-PDL kernel and after a "
+        print(f"us: up to M = {bm.CONTEXT_MAX_M} the worst of back to back, after a non-PDL kernel and after a "
               "cuBLAS GEMM; above it back to back (CUDA-graph replay)")
     for key, rows in tables.items():
         print(key)

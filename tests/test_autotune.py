@@ -221,9 +221,9 @@ def test_tuner_keeps_the_fastest_and_skips_failures(monkeypatch):
 
 
 def test_tuner_ranks_small_buckets_by_their_worst_context(monkeypatch):
-    """With ``measure="contexts"`` a bucket up to CONTEXT_MAX_M is won by the candidate whose slowest context (back
-    to back, after each predecessor kernel) is fastest; only the shortlist and the defaults are timed in context;
-    larger buckets keep the back-to-back ranking."""
+    """With ``measure="contexts"`` a bucket up to benchmark.CONTEXT_MAX_M is won by the candidate whose slowest
+    context (back to back, after each predecessor kernel) is fastest; only the shortlist and the defaults are timed
+    in context; larger buckets keep the back-to-back ranking."""
     import torch
 
     from mhc_cute import benchmark as bm
@@ -237,7 +237,7 @@ def test_tuner_ranks_small_buckets_by_their_worst_context(monkeypatch):
     after = {"after-kernel": {"fast_b2b": 5.0, "robust": 5.0},
              "after-gemm": {"fast_b2b": 7.0, "robust": 5.2, "default": 6.5}}
     monkeypatch.setattr(bm, "time_graph", lambda name, sets: b2b[name])
-    monkeypatch.setattr(autotune, "context_predecessors", lambda sets: {p: p for p in after})
+    monkeypatch.setattr(bm, "context_predecessors", lambda sets: {p: p for p in after})
     timed_in_context = []
 
     def time_after(name, sets, predecessor):
@@ -258,7 +258,7 @@ def test_tuner_ranks_small_buckets_by_their_worst_context(monkeypatch):
     assert tuned(16, "contexts").backend == "robust"
     assert set(timed_in_context) == {"fast_b2b", "robust", *names}  # defaults always join the shortlist
     assert tuned(16, "back-to-back") == autotune.Choice("fast_b2b", None, 4.0) and not timed_in_context
-    assert tuned(autotune.CONTEXT_MAX_M + 1, "contexts").backend == "fast_b2b" and not timed_in_context
+    assert tuned(bm.CONTEXT_MAX_M + 1, "contexts").backend == "fast_b2b" and not timed_in_context
     with pytest.raises(ValueError, match="measure"):
         tuned(16, "fastest")
 
@@ -309,14 +309,29 @@ def test_bench_summary_compares_auto_with_the_fastest_backend_of_the_same_run():
     assert "H=512 M=1: 1.050 (fastest: half_fma)" in bm.auto_summary(rows, ["half_fma", "half_mma"])
 
 
-def test_bench_table_shows_the_separated_time_where_it_was_measured():
+def test_bench_table_shows_the_context_times_where_they_were_measured():
     from mhc_cute import benchmark as bm
 
-    rows = [bm.Result("auto", 1, 512, graph_us=4.4, sep_us=6.1, eager_us=30.0, floor_frac=0.1),
+    rows = [bm.Result("auto", 1, 512, graph_us=4.4, context_us={"after-kernel": 6.1, "after-gemm": 5.9}, eager_us=30.0,
+                      floor_frac=0.1),
             bm.Result("auto", 2048, 512, graph_us=40.0, eager_us=60.0, floor_frac=0.5)]
     lines = bm.format_table(rows, 4e12, "Fake GPU").splitlines()
-    assert lines[3].split("|")[1].split() == ["4.40", "6.10", "30.0", "10%"]
-    assert lines[4].split("|")[1].split() == ["40.00", "-", "60.0", "50%"]
+    assert lines[3].split("|")[1].split() == ["4.40", "6.10", "5.90", "30.0", "10%"]
+    assert lines[4].split("|")[1].split() == ["40.00", "-", "-", "60.0", "50%"]
+    assert lines[-1] == "cells: graph µs, after-kernel µs, after-gemm µs, eager µs, % of floor"
+
+
+def test_bench_cell_times_each_context_after_its_predecessor(monkeypatch):
+    """``bench_one`` with contexts: the back-to-back graph time and, per context, ``time_after`` with that
+    context's predecessor; without contexts none are timed."""
+    from mhc_cute import benchmark as bm
+
+    monkeypatch.setattr(bm, "time_graph", lambda call, sets: 4.0)
+    monkeypatch.setattr(bm, "time_after", lambda call, sets, pre: bm.AfterTiming({"k": 6.0, "g": 5.5}[pre], 0.0, 1.0))
+    r = bm.bench_one("auto", None, 1, 512, "cpu", False, 4e12, sets=[{}], eager=False,
+                     contexts={"after-kernel": "k", "after-gemm": "g"})
+    assert (r.error, r.graph_us, r.context_us) == (None, 4.0, {"after-kernel": 6.0, "after-gemm": 5.5})
+    assert bm.bench_one("auto", None, 1, 512, "cpu", False, 4e12, sets=[{}], eager=False).context_us == {}
 
 
 @pytest.mark.parametrize("other_us,want_default", [(4.95, True), (4.5, False)])
@@ -515,3 +530,31 @@ def test_tuner_on_the_gpu_ranks_by_context(monkeypatch):
     assert choice.backend == "half_fma" and choice.tactic in {t.name for t in cands}
     assert sorted(after) == sorted(b2b) and all(len(v) == 2 for v in after.values())  # each candidate, context
     assert choice.us == pytest.approx(max([b2b[choice.tactic], *after[choice.tactic]]))
+
+
+def test_readme_tables_show_the_context_columns_or_an_older_files_sep(tmp_path):
+    """``bench/merge_measured.py`` renders a file of this bench with `auto`'s two context columns, and a file written
+    before them (``sep_us``) with its one "auto sep" column."""
+    import subprocess
+    import sys
+
+    from mhc_cute import benchmark as bm
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    new = [bm.Result("auto", 1, 512, graph_us=4.4, context_us={"after-kernel": 6.1, "after-gemm": 5.9}, eager_us=30.0,
+                     floor_frac=0.1), bm.Result("half_fma", 1, 512, graph_us=4.5, floor_frac=0.1)]
+    bm.write_json(new, str(tmp_path / "new.json"), 4e12, "Fake GPU", {})
+    old = json.load(open(tmp_path / "new.json"))
+    for r in old["results"]:
+        r["sep_us"] = r.pop("context_us").get("after-kernel")
+    json.dump(old, open(tmp_path / "old.json", "w"))
+    env = dict(os.environ, PYTHONPATH=root)
+
+    def rows(name):
+        out = subprocess.run([sys.executable, os.path.join(root, "bench", "merge_measured.py"), str(tmp_path / name)],
+                             env=env, capture_output=True, text=True, check=True).stdout
+        return [line.strip("|").split(" | ") for line in out.splitlines() if line.startswith("|")]
+    head, _, row = rows("new.json")
+    assert dict(zip(head, row))["auto after kernel"] == "6.1" and dict(zip(head, row))["auto after GEMM"] == "5.9"
+    head, _, row = rows("old.json")
+    assert dict(zip(head, row))["auto sep"] == "6.1" and "auto after GEMM" not in head
