@@ -32,8 +32,8 @@ def main() -> int:
                 merged[(r["hidden"], r["m"], r["name"])] = r
     graph_us = {k: r["graph_us"] for k, r in merged.items()}
     if any(r.get("context_us") for r in merged.values()):
-        extra = {"auto after kernel": lambda r: r.get("context_us", {}).get(CONTEXTS[0]),
-                 "auto after GEMM": lambda r: r.get("context_us", {}).get(CONTEXTS[1])}
+        extra = {label: lambda r, c=c: r.get("context_us", {}).get(c)
+                 for label, c in zip(("auto after kernel", "auto after GEMM"), CONTEXTS)}
     else:  # a file of the older bench
         extra = {"auto sep": lambda r: r.get("sep_us")}
     for h in sorted({k[0] for k in merged}, reverse=True):

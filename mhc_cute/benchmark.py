@@ -24,6 +24,7 @@ import os
 import statistics
 import tempfile
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Callable, NamedTuple
 
@@ -182,12 +183,17 @@ def kernel_records(step: Callable[[dict], object], sets: list[dict], reps: int) 
     return groups
 
 
+_PREDECESSOR_KERNELS = weakref.WeakKeyDictionary()  # predecessor -> kernels per step: profiled once, not per call
+
+
 def time_after(call: Callable[[dict], object], sets: list[dict], predecessor: Callable[[dict], object],
                reps: int = 5) -> AfterTiming:
     """What a call adds after the kernel before it, as in a model: medians over the calls of a CUDA graph of
     ``predecessor`` then ``call`` per set, replayed under ``torch.profiler`` (kernel timestamps from CUPTI; a lower
     bound of a lone call's cost, steadier than a difference of graph times)."""
-    n_pre = len(kernel_records(predecessor, sets[:1], 1)[0])
+    n_pre = _PREDECESSOR_KERNELS.get(predecessor)
+    if n_pre is None:
+        n_pre = _PREDECESSOR_KERNELS[predecessor] = len(kernel_records(predecessor, sets[:1], 1)[0])
 
     def predecessor_then_call(s):
         predecessor(s)

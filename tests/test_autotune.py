@@ -558,3 +558,22 @@ def test_readme_tables_show_the_context_columns_or_an_older_files_sep(tmp_path):
     assert dict(zip(head, row))["auto after kernel"] == "6.1" and dict(zip(head, row))["auto after GEMM"] == "5.9"
     head, _, row = rows("old.json")
     assert dict(zip(head, row))["auto sep"] == "6.1" and "auto after GEMM" not in head
+
+
+def test_time_after_profiles_each_predecessor_alone_once(monkeypatch):
+    """The predecessor's own kernel count comes from one profile of it alone, reused for every call timed after it;
+    the call's time runs from the predecessor's last kernel end to the call's last kernel end."""
+    from mhc_cute import benchmark as bm
+
+    def predecessor(s):
+        pass
+    profiled = []
+
+    def kernel_records(step, sets, reps):
+        profiled.append(step is predecessor)
+        pre = {"ts": 0.0, "dur": 2.0}
+        return [[pre]] if step is predecessor else [[pre, {"ts": 1.5, "dur": 3.0}, {"ts": 5.0, "dur": 1.0}]] * reps
+    monkeypatch.setattr(bm, "kernel_records", kernel_records)
+    timings = [bm.time_after(lambda s: None, [{}], predecessor) for _ in range(3)]
+    assert timings[0] == bm.AfterTiming(after_us=4.0, gap_us=-0.5, first_kernel_us=3.0)
+    assert profiled == [True, False, False, False]
