@@ -150,7 +150,7 @@ def test_a_gpu_of_the_shipped_architecture_and_sm_count_takes_its_table(monkeypa
 
 
 @pytest.mark.parametrize("sm_count,capability,hidden", [(114, (9, 0), 7168), (132, (8, 0), 7168),
-                                                       (132, (10, 0), 7168), (132, (9, 0), 5120)])
+                                                       (132, (10, 0), 7168), (132, (9, 0), 6144)])
 def test_no_stand_in_for_another_architecture_sm_count_or_h(monkeypatch, tmp_path, sm_count, capability, hidden):
     device = _fake_gpu(monkeypatch, tmp_path, "Some GPU", sm_count, capability)
     assert autotune.Selector().choose(device, 32, hidden, "fp32", False) is None
