@@ -294,23 +294,27 @@ def progress(i: int, n: int, label: str) -> None:
 
 
 def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
-    """What the tuner times for ``backend`` at M = ``m``: its default tactic and its neighbours in split_k
-    (half and double), in the big-fuse shape (two-launch paths) and, for the FMA paths, in tokens per CTA and
-    in the weight pipeline with wider post-map steps (where a CTA walks several chunks: at M = 32 on an H200,
-    ``stages=2, burst=4`` took 17% less time than the default), and from M = 8 the projection on warp MMA (16 or
-    32 tokens per CTA, one chunk per CTA, each big-fuse shape; 256 threads, or 128 with the default's chunk or
-    one twice as wide: the 128-thread 64-position chunk won at H = 7168, M = 16 on the H200); only valid ones. None
-    stands for a backend without tactics of its own (the reference, Triton's table)."""
+    """What the tuner times for ``backend`` at M = ``m``: its default tactic (the first) and its neighbours in the
+    big-fuse shape (two-launch paths); for the tensor-core paths in split_k (half and double) and M tile; for the
+    FMA paths the FFMA-projection tactic (``tactics.ffma_tactic``, the default itself outside 9 <= M <= 128) and its
+    neighbours in split_k, tokens per CTA, big-fuse shape and the weight pipeline with wider post-map steps (where a
+    CTA walks several chunks: at M = 32 on an H200, ``stages=2, burst=4`` took 17% less time than the FFMA
+    tactic), and from M = 8 the projection on warp MMA (16 or 32 tokens per CTA, one chunk per CTA, each big-fuse
+    shape; 256 threads, or 128 with the FFMA tactic's chunk or one twice as wide: the 128-thread 64-position chunk
+    won at H = 7168, M = 16 on the H200); only valid ones. None stands for a backend without tactics of its own
+    (the reference, Triton's table)."""
     from . import tactics
 
     if backend in tactics.FMA_PATHS:
         base = tactics.default_fma_tactic(backend, m, hidden, sm_count)
-        variants = [base] + [replace(base, split_k=k) for k in (base.split_k // 2, base.split_k * 2) if k >= 1]
-        variants += [replace(base, tokens_per_cta=t) for t in (1, 2, 4, 8) if t != base.tokens_per_cta]
-        variants += [replace(base, stages=2, burst=b) for b in (1, 2, 4)]
+        ffma = tactics.ffma_tactic(backend, m, hidden, sm_count)  # the base itself, except where that is warp MMA
+        variants = [base, ffma] + [replace(ffma, split_k=k) for k in (ffma.split_k // 2, ffma.split_k * 2) if k >= 1]
+        variants += [replace(ffma, tokens_per_cta=t) for t in (1, 2, 4, 8) if t != ffma.tokens_per_cta]
+        variants += [replace(ffma, stages=2, burst=b) for b in (1, 2, 4)]
+        variants += [replace(ffma, fuse=f) for f in tactics.FUSE_SHAPES if f != ffma.fuse]
         if m >= 8:
-            for threads, tile_n in ((256, base.tile_n), (128, base.tile_n), (128, 2 * base.tile_n)):
-                mma = replace(base, threads=threads, tile_n=tile_n, stages=1, burst=1, warp_mma=True)
+            for threads, tile_n in ((256, ffma.tile_n), (128, ffma.tile_n), (128, 2 * ffma.tile_n)):
+                mma = replace(ffma, threads=threads, tile_n=tile_n, stages=1, burst=1, warp_mma=True)
                 mma = replace(mma, split_k=hidden // mma.chunk_h)
                 variants += [replace(mma, tokens_per_cta=t, fuse=f) for t in (16, 32) for f in tactics.FUSE_SHAPES]
     elif backend in tactics.MMA_PATHS:

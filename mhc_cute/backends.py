@@ -107,18 +107,22 @@ def _is_rocm() -> bool:
     return torch.version.hip is not None
 
 
+HEURISTIC_FMA_MAX_M = 128  # the heuristic's path E up to here, path B above
+
+
 def pick_auto(device: torch.device, m: int, hidden: int) -> str:
     """The backend that ``backend="auto"`` uses when no tuned table applies (another GPU, another H): a
     heuristic by M.
 
-    The ranking that ``mhc-cute tune`` measured on an H200 at H = 4096 and 7168 (``mhc_cute/tuned``): the FMA
-    path E at decode sizes (M <= 16), the tensor-core path B from M = 32; Triton where the CuTe paths cannot
-    run (ROCm, or no sm_90). ``MHC_CUTE_BACKEND`` overrides it, in ``autotune.Selector.resolve``.
+    The ranking that ``mhc-cute tune`` measured on an H200 at H = 4096, 5120 and 7168 (``mhc_cute/tuned``): the
+    FMA path E up to M = 128 (its default tactic projects on warp MMA from M = 9), the tensor-core path B above;
+    Triton where the CuTe paths cannot run (ROCm, or no sm_90). ``MHC_CUTE_BACKEND`` overrides it, in
+    ``autotune.Selector.resolve``.
     """
     if device.type == "cuda" and hidden % 64 == 0:
         if _is_rocm():
             order = ("triton",)
-        elif m <= 16:
+        elif m <= HEURISTIC_FMA_MAX_M:
             order = ("half_fma", "half_mma", "triton")
         else:
             order = ("half_mma", "half_fma", "triton")

@@ -184,20 +184,20 @@ def largest_split(hidden: int, chunk_h: int, target: int) -> int:
 
 
 FMA_THREADS, FMA_TILE_N = 256, 6  # chunk_h = 64: every H % 64 == 0 works
-# M buckets of the default FMA tactic: (largest M of the bucket, tokens per CTA); the split is a function of the
-# bucket too (see default_fma_tactic), so there is one compiled variant per bucket. From an H200 sweep at
-# H = 7168 (bench/bench_fma.py).
-FMA_BUCKETS = ((2, 1), (4, 4), (16, 8), (32, 8), (128, 8), (256, 8), (1 << 30, 8))
+# M buckets of the FMA tactics: (largest M of the bucket, tokens per CTA of the FFMA projection, tokens per CTA of
+# path E's default where it is the warp-MMA projection, else 0); the split is a function of the bucket too (see
+# ffma_tactic), so there is one compiled variant per bucket. The FFMA tokens come from an H200 sweep at H = 7168
+# (bench/bench_fma.py); the warp-MMA shape (9 <= M <= 128) is what `mhc-cute tune` picked at most of those buckets
+# at H = 4096, 5120 and 7168 (mhc_cute/tuned/nvidia_h200.json).
+FMA_BUCKETS = ((2, 1, 0), (4, 4, 0), (8, 8, 0), (16, 8, 16), (32, 8, 16), (128, 8, 32), (256, 8, 0), (1 << 30, 8, 0))
 FMA_SPLIT_M = 512  # the largest bucket sizes its split for this many tokens
 
 
-def default_fma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> FmaTactic:
-    """A sensible FMA tactic for M tokens at hidden size H (before any tuning).
-
-    Up to 16 tokens the op is latency bound: one chunk per CTA, so that the weight read is spread over as many
-    CTAs as possible. Beyond, each token block gets about one wave's share of splits.
-    """
-    bucket_m, tokens = next(b for b in FMA_BUCKETS if m <= b[0])
+def ffma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> FmaTactic:
+    """The FFMA-projection tactic for M tokens at hidden size H: up to 16 tokens the op is latency bound, so one
+    chunk per CTA spreads the weight read over as many CTAs as possible; beyond, each token block of 8 gets about
+    one wave's share of splits."""
+    bucket_m, tokens, _ = next(b for b in FMA_BUCKETS if m <= b[0])
     chunk_h = FMA_THREADS * FMA_TILE_N // N_MIXES
     if bucket_m <= 16:
         target = hidden // chunk_h
@@ -205,6 +205,21 @@ def default_fma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> F
         target = max(1, sm_count // -(-min(bucket_m, FMA_SPLIT_M) // tokens))
     split_k = largest_split(hidden, chunk_h, target)
     return FmaTactic(path, split_k, tokens, FMA_TILE_N, FMA_THREADS, 1, fuse=default_fuse(path, m)).check(hidden)
+
+
+def default_fma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> FmaTactic:
+    """A sensible FMA tactic for M tokens at hidden size H (before any tuning): ``ffma_tactic``, except on path E
+    from 9 to 128 tokens, where the projection runs on warp MMA in 16- or 32-token CTAs of one 64-position chunk
+    each (H / 64 splits) with the latency shape of the big fuse, as the tuned picks there have: on the H200 those
+    were 22-40% faster than path B's default at M = 32-128 at H = 4096, 5120 and 7168. Path F keeps the FFMA
+    tactic: its last CTA of a token block runs the big fuse for all of the block's tokens, and with 16 or 32 of them
+    it took 19-40% longer than with 8 (H = 6144 and 7168, M = 16-128; bench/measured/h200_fma_defaults_stop37.txt)."""
+    _, _, mma_tokens = next(b for b in FMA_BUCKETS if m <= b[0])
+    if not mma_tokens or path in ONE_LAUNCH_PATHS:
+        return ffma_tactic(path, m, hidden, sm_count)
+    chunk_h = FMA_THREADS * FMA_TILE_N // N_MIXES
+    return FmaTactic(path, hidden // chunk_h, mma_tokens, FMA_TILE_N, FMA_THREADS, 1, fuse="lat",
+                     warp_mma=True).check(hidden)
 
 
 # --- tensor-core paths (B, D) -------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ NORMS = (None, "torch.bfloat16", "torch.float32")
 def variants() -> list:
     specs = []
     for path in tac.FMA_PATHS:
-        for i, (bucket_m, _) in enumerate(tac.FMA_BUCKETS):  # every bucket, H and norm flag in turn
+        for i, (bucket_m, *_) in enumerate(tac.FMA_BUCKETS):  # every bucket, H and norm flag in turn
             h = (7168, 512)[i % 2]
             specs.append((tac.default_fma_tactic(path, min(bucket_m, 1 << 20), h).name, h, NORMS[i % 3]))
         extra = [

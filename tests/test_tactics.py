@@ -96,8 +96,25 @@ def test_resolve_tactic_default_name_object_and_wrong_path(monkeypatch):
 
 def test_big_fuse_shape_follows_m_on_the_two_launch_paths():
     for m, want in ((1, "lat"), (32, "lat"), (33, "bw"), (8192, "bw")):
-        assert tac.default_fma_tactic("half_fma", m, 7168).fuse == want
+        assert tac.ffma_tactic("half_fma", m, 7168).fuse == want
         assert tac.default_mma_tactic("half_mma", m, 7168).fuse == want
+    # the warp-MMA default (9 <= M <= 128) keeps the latency shape, as every tuned pick of that kind has
+    assert [tac.default_fma_tactic("half_fma", m, 7168).fuse for m in (8, 9, 33, 128, 129)] == \
+        ["lat", "lat", "lat", "lat", "bw"]
+
+
+@pytest.mark.parametrize("h", [512, 4096, 6144, 7168])
+def test_path_e_default_projects_on_warp_mma_from_9_to_128_tokens(h):
+    """Path E: the FFMA projection up to 8 tokens and from 129; between, the warp-MMA shape of the tuned tables: one
+    64-position chunk per CTA (H / 64 splits), 16 tokens per CTA up to M = 32 and 32 up to 128. Path F: FFMA."""
+    for m in (1, 8, 129, 1000):
+        assert tac.default_fma_tactic("half_fma", m, h) == tac.ffma_tactic("half_fma", m, h)
+        assert not tac.default_fma_tactic("half_fma", m, h).warp_mma
+    for m, tokens in ((9, 16), (16, 16), (32, 16), (33, 32), (128, 32)):
+        t = tac.default_fma_tactic("half_fma", m, h)
+        assert t.warp_mma and t.tokens_per_cta == tokens and t.split_k == h // 64 and t.chunk_h == 64
+        assert t.fuse == "lat"
+        assert tac.default_fma_tactic("all_fma", m, h) == tac.ffma_tactic("all_fma", m, h)
         assert tac.default_fma_tactic("all_fma", m, 7168).fuse == "bw"
         assert tac.default_mma_tactic("all_mma", m, 7168).fuse == "bw"
     assert "two-launch" in tac.MmaTactic("all_mma", 1, 64, 2, "lat").invalid_reason(512)

@@ -141,9 +141,9 @@ def test_nvidia_auto_prefers_cute_but_triton_is_selectable(monkeypatch):
     dev = torch.device("cuda", 0)
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, d: None)
     assert backends.pick_auto(dev, 16, 7168) != "triton"
-    # without a table: the ranking tuned on the H200 (E at decode sizes, B from M = 32)
-    assert [backends.pick_auto(dev, m, 5120) for m in (1, 16, 17, 512, 8192)] == \
-        ["half_fma", "half_fma", "half_mma", "half_mma", "half_mma"]
+    # without a table: the ranking tuned on the H200 (E up to M = 128, B above)
+    assert [backends.pick_auto(dev, m, 6144) for m in (1, 16, 17, 128, 129, 512, 8192)] == \
+        ["half_fma", "half_fma", "half_fma", "half_fma", "half_mma", "half_mma", "half_mma"]
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, d: None if name == "triton" else "no")
     assert backends.pick_auto(dev, 16, 7168) == "triton"
 
