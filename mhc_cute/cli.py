@@ -10,6 +10,7 @@ import sys
 # CuTe DSL must target Hopper even when it cannot see a GPU; read at `import cutlass`.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
+DEEPSEEK_HIDDEN = (4096, 5120, 7168)  # V4-Flash, V4.1, V4-Pro (SPEC)
 DEEPSEEK_SHAPES = [(1, 7168), (17, 7168), (256, 4096), (1000, 5120)]
 TUNE_MEASURES = ("contexts", "back-to-back")  # autotune.MEASURES, without importing torch to parse arguments
 
@@ -46,7 +47,7 @@ def cmd_info(args) -> int:
         from . import autotune
 
         print(f"auto's tuned tables (user cache: {autotune.cache_path()}):")
-        for hidden in (4096, 7168):
+        for hidden in DEEPSEEK_HIDDEN:
             for norm in (False, True):
                 key = autotune.SELECTOR.table_key(dev, hidden, "fp32", norm)
                 how = ("none: the heuristic" if key is None else key if autotune.TuneKey.parse(key).gpu == p.name

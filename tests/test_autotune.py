@@ -411,6 +411,7 @@ def test_info_names_the_table_auto_uses(monkeypatch, tmp_path, capsys):
     assert cli.cmd_info(None) == 0
     out = capsys.readouterr().out
     assert "H=7168 fp32 norm=0: NVIDIA H200|132|H7168|fp32|norm0" in out and "a stand-in" in out
+    assert "H=5120 fp32 norm=1: NVIDIA H200|132|H5120|fp32|norm1" in out
 
 
 # --- mhc-cute precompile: every kernel auto may run, compiled ahead -------------------------------------------
