@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     b.add_argument("--plot", help="write a PNG plot (time vs M) here")
     b.set_defaults(fn=cmd_bench)
     t = sub.add_parser("tune", help="time every valid tactic per M bucket and cache the winners")
-    t.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
+    t.add_argument("--hidden", type=int, nargs="+", default=list(DEEPSEEK_HIDDEN))
     t.add_argument("--m", type=int, nargs="+", default=None, help="default: one M per bucket up to 16384")
     t.add_argument("--backends", nargs="*")
     t.add_argument("--precision", default="fp32", choices=["fp32", "tf32"])
