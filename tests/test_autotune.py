@@ -292,6 +292,8 @@ def test_cli_tune_passes_the_measure_and_says_what_the_times_are(monkeypatch, tm
     assert ("worst of back to back" in text) == (measure == "contexts")
     assert "half_fma:k8:t8:n6:w256:s1:b1:flat     7.50 us" in text
     assert autotune.load_user_tables(str(out))["Fake GPU|132|H512|fp32|norm0|v0"][16].us == 7.5
+    assert cli.main(["tune", "--m", "16", "--out", str(out)]) == 0
+    assert seen["hiddens"] == [4096, 5120, 7168]  # DeepSeek-V4-Flash, V4.1, V4-Pro by default
 
 
 def test_a_tuned_tactic_this_version_cannot_parse_falls_back_to_the_default():
