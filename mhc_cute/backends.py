@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .tactics import FMA_BUCKETS
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -107,7 +109,8 @@ def _is_rocm() -> bool:
     return torch.version.hip is not None
 
 
-HEURISTIC_FMA_MAX_M = 128  # the heuristic's path E up to here, path B above
+# the heuristic's path E as far as its default tactic projects on warp MMA (M = 128), path B above
+HEURISTIC_FMA_MAX_M = max(m for m, _, mma_tokens in FMA_BUCKETS if mma_tokens)
 
 
 def pick_auto(device: torch.device, m: int, hidden: int) -> str:
