@@ -301,7 +301,8 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
     CTA walks several chunks: at M = 32 on an H200, ``stages=2, burst=4`` took 17% less time than the FFMA
     tactic), and from M = 8 the projection on warp MMA (16 or 32 tokens per CTA, one chunk per CTA, each big-fuse
     shape; 256 threads, or 128 with the FFMA tactic's chunk or one twice as wide: the 128-thread 64-position chunk
-    won at H = 7168, M = 16 on the H200); only valid ones. None stands for a backend without tactics of its own
+    won at H = 7168, M = 16 on the H200), each of them whose grid is one wave also with ``one_per_sm`` toggled; only
+    valid ones. None stands for a backend without tactics of its own
     (the reference, Triton's table)."""
     from . import tactics
 
@@ -324,6 +325,9 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
     else:
         return [None]
     variants += [replace(base, fuse=f) for f in tactics.FUSE_SHAPES if f != base.fuse]
+    if backend in tactics.FMA_PATHS:  # each one-wave grid also with its CTAs one to an SM
+        variants += [replace(v, one_per_sm=not v.one_per_sm) for v in variants
+                     if tactics.fits_one_wave(v, m, sm_count)]
     return list(dict.fromkeys(v for v in variants if v.invalid_reason(hidden) is None))
 
 

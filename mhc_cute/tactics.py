@@ -18,6 +18,9 @@ PARTIAL_COLS = 32  # a split-K partial row: 24 dots, the sum of squares, 7 unuse
 MAX_SMEM_BYTES = 48 * 1024  # static smem budget per CTA (no opt-in carve-out needed)
 MAX_ACCUMULATORS = 64  # fp32 accumulators per thread (tokens_per_cta * tile_n) before register spills
 MMA_TILE_ROWS = 16  # tokens per warp-level MMA tile (m16n8k8)
+# shared memory a CTA asks for to run alone on its SM (``FmaTactic.one_per_sm``): more than half of the 228 KB an
+# sm_90 SM has, so the CTA scheduler cannot place a second one beside it
+ONE_PER_SM_SMEM_BYTES = 120 * 1024
 
 FMA_PATHS = ("half_fma", "all_fma")
 MMA_PATHS = ("half_mma", "all_mma")
@@ -66,6 +69,11 @@ class FmaTactic:
     TF32 ``mma.sync`` m16n8k8, the weight split into hi + lo in registers, so it stays fp32-accurate): each warp
     owns a K range of the chunk for all 24 columns and up to 32 tokens (16-row tiles), so the register tile is
     small and the CTA reduces over its warps only. ``tile_n`` then only sets ``chunk_h``.
+
+    ``one_per_sm`` (a trailing ``:o1``): the projection CTA reserves ``ONE_PER_SM_SMEM_BYTES`` of shared memory,
+    so that no two of its CTAs share an SM. For a grid of at most one wave: when the kernel launches early
+    (programmatic dependent launch) beside a previous kernel's CTAs, the scheduler could otherwise stack its CTAs
+    two to an SM while other SMs stay idle.
     """
 
     path: str  # "half_fma" (projection + big-fuse kernel) | "all_fma" (one launch, last CTA runs the big fuse)
@@ -77,6 +85,7 @@ class FmaTactic:
     burst: int = 1
     fuse: str = "bw"
     warp_mma: bool = False
+    one_per_sm: bool = False
 
     @property
     def chunk_h(self) -> int:
@@ -85,7 +94,8 @@ class FmaTactic:
     @property
     def name(self) -> str:
         return (f"{self.path}:k{self.split_k}:t{self.tokens_per_cta}:n{self.tile_n}:"
-                f"w{self.threads}:s{self.stages}:b{self.burst}:f{self.fuse}" + (":mma" if self.warp_mma else ""))
+                f"w{self.threads}:s{self.stages}:b{self.burst}:f{self.fuse}" + (":mma" if self.warp_mma else "")
+                + (":o1" if self.one_per_sm else ""))
 
     @property
     def mma_rows(self) -> int:
@@ -142,6 +152,8 @@ class FmaTactic:
             return "burst must divide the chunks of a CTA"
         if self.smem_bytes() > MAX_SMEM_BYTES:
             return f"shared memory {self.smem_bytes()} B > {MAX_SMEM_BYTES} B"
+        if self.one_per_sm and self.path != "half_fma":
+            return "one_per_sm applies to half_fma (path F's CTAs also hold the big fuse's shared memory)"
         return None
 
     def check(self, hidden: int) -> "FmaTactic":
@@ -151,8 +163,13 @@ class FmaTactic:
         return self
 
 
+def fits_one_wave(tactic: FmaTactic, m: int, sm_count: int) -> bool:
+    """Whether the projection grid of ``tactic`` at M = ``m`` has at most one CTA per SM."""
+    return -(-m // tactic.tokens_per_cta) * tactic.split_k <= sm_count
+
+
 _FMA_NAME = re.compile(
-    rf"^(half_fma|all_fma):k(\d+):t(\d+):n(\d+):w(\d+):s(\d+):b(\d+):f({'|'.join(FUSE_SHAPES)})(:mma)?$")
+    rf"^(half_fma|all_fma):k(\d+):t(\d+):n(\d+):w(\d+):s(\d+):b(\d+):f({'|'.join(FUSE_SHAPES)})(:mma)?(:o1)?$")
 
 
 def default_tactic(path: str, m: int, hidden: int, sm_count: int = 132):
@@ -165,8 +182,8 @@ def parse_tactic(name: str):
     """The tactic object whose ``name`` is ``name``."""
     match = _FMA_NAME.match(name)
     if match:
-        path, *nums, fuse, mma = match.groups()
-        return FmaTactic(path, *map(int, nums), fuse, mma is not None)
+        path, *nums, fuse, mma, one_per_sm = match.groups()
+        return FmaTactic(path, *map(int, nums), fuse, mma is not None, one_per_sm is not None)
     match = _MMA_NAME.match(name)
     if match:
         path, *nums, fuse = match.groups()

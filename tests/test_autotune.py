@@ -2,6 +2,7 @@
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -105,6 +106,21 @@ def test_fma_candidates_include_the_warp_mma_shapes():
     assert {"half_fma:k112:t16:n6:w256:s1:b1:flatp:mma", "half_fma:k224:t16:n6:w128:s1:b1:flatp:mma",
             "half_fma:k112:t16:n12:w128:s1:b1:flatp:mma"} <= names
     assert not any(c.warp_mma for c in autotune.candidate_tactics("half_fma", 4, 7168, 132))
+
+
+def test_fma_candidates_put_one_wave_grids_one_to_an_sm():
+    """Each candidate whose grid is one wave comes with its CTAs one to an SM too (``one_per_sm``); others do not."""
+    from mhc_cute import tactics
+
+    for m in (1, 16, 32, 128):
+        cands = autotune.candidate_tactics("half_fma", m, 7168, 132)
+        for c in cands:
+            twin = replace(c, one_per_sm=not c.one_per_sm)
+            assert (twin in cands) == tactics.fits_one_wave(c, m, 132), (m, c.name)
+    names = {c.name for c in autotune.candidate_tactics("half_fma", 32, 7168, 132)}
+    assert "half_fma:k112:t32:n6:w256:s1:b1:flat:mma:o1" in names
+    assert "half_fma:k112:t16:n6:w256:s1:b1:flat:mma:o1" not in names  # 224 CTAs at M = 32
+    assert not any(c.one_per_sm for c in autotune.candidate_tactics("all_fma", 16, 7168, 132))
 
 
 def test_candidates_of_a_backend_without_tactics():

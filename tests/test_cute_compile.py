@@ -43,6 +43,9 @@ def variants() -> list:
             (FmaTactic(path, 112, 16, 6, 256, warp_mma=True), 7168),  # tensor-core projection, one MMA tile
             (FmaTactic(path, 4, 24, 6, 128, 2, 2, warp_mma=True), 512),  # two MMA tiles (one partial), pipelined
         ]
+        if path == "half_fma":  # CTAs one to an SM (a launch with reserved shared memory)
+            extra += [(FmaTactic(path, 112, 32, 6, 256, fuse="lat", warp_mma=True, one_per_sm=True), 7168),
+                      (FmaTactic(path, 64, 8, 6, 256, one_per_sm=True), 4096)]
         specs += [(t.name, h, NORMS[i % 2]) for i, (t, h) in enumerate(extra)]
     return specs
 

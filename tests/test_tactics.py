@@ -31,7 +31,8 @@ def test_small_m_spreads_the_weight_read():
 
 
 @pytest.mark.parametrize("t", [FmaTactic("all_fma", 112, 4, 6, 256), FmaTactic("half_fma", 7, 8, 3, 128, 2, 4, "lat"),
-                               FmaTactic("half_fma", 112, 16, 12, 128, fuse="latp", warp_mma=True)])
+                               FmaTactic("half_fma", 112, 16, 12, 128, fuse="latp", warp_mma=True),
+                               FmaTactic("half_fma", 112, 32, 6, 256, fuse="lat", warp_mma=True, one_per_sm=True)])
 def test_name_round_trip(t):
     assert tac.parse_tactic(t.name) == t
     assert hash(t) == hash(tac.parse_tactic(t.name))
@@ -62,6 +63,7 @@ def test_parse_rejects_garbage():
         (FmaTactic("half_fma", 8, 64, 24, 64, warp_mma=True), 512, "tokens_per_cta"),
         (FmaTactic("half_fma", 16, 16, 4, 192, warp_mma=True), 512, "multiple of 16"),
         (FmaTactic("half_fma", 8, 32, 6, 256, 1, 4, warp_mma=True), 4096, "shared memory"),
+        (FmaTactic("all_fma", 112, 8, 6, 256, one_per_sm=True), 7168, "one_per_sm"),
     ],
 )
 def test_invalid(t, h, why):
@@ -135,3 +137,9 @@ def test_partials_past_32_bit_offsets_are_refused():
             m = 40 * 2**30 // (20 * h)  # tokens of 40 GiB of operands
             d = tac.default_tactic(path, m, h)
             partials_count(d, m)
+
+
+def test_one_wave():
+    t = FmaTactic("half_fma", 112, 16, 6, 256, fuse="lat", warp_mma=True)
+    assert tac.fits_one_wave(t, 16, 132) and not tac.fits_one_wave(t, 17, 132)
+    assert tac.fits_one_wave(t, 17, 224)

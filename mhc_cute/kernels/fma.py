@@ -131,7 +131,8 @@ class FmaFusedHc:
         scalars = BigFuseScalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
         self.kernel(mX, mRes, mPost, mComb, fn, hc_scale, hc_base, norm_weight, *outs, mPartials, counters,
                     scalars).launch(grid=[cute.ceil_div(m, self.tokens), self.split_k, 1],
-                                    block=[self.threads, 1, 1], stream=stream, use_pdl=True)
+                                    block=[self.threads, 1, 1], stream=stream, use_pdl=True,
+                                    smem=tac.ONE_PER_SM_SMEM_BYTES if self.tactic.one_per_sm else None)
         if cutlass.const_expr(not self.fused):
             self.big_fuse.launch(mPartials, hc_scale, hc_base, norm_weight, *outs, scalars, stream)
 
