@@ -150,8 +150,9 @@ class FmaTactic:
             return "stages = 2 needs at least two chunks per CTA"
         if self.burst < 1 or (hidden // self.split_k) % (self.chunk_h * self.burst):
             return "burst must divide the chunks of a CTA"
-        if self.smem_bytes() > MAX_SMEM_BYTES:
-            return f"shared memory {self.smem_bytes()} B > {MAX_SMEM_BYTES} B"
+        budget = ONE_PER_SM_SMEM_BYTES if self.one_per_sm else MAX_SMEM_BYTES  # what the launch reserves
+        if self.smem_bytes() > budget:
+            return f"shared memory {self.smem_bytes()} B > {budget} B"
         if self.one_per_sm and self.path != "half_fma":
             return "one_per_sm applies to half_fma (path F's CTAs also hold the big fuse's shared memory)"
         return None
