@@ -10,7 +10,7 @@ tensor-core paths B and D ``MmaTactic``, and
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 N_MIXES = 24  # pre(4) + post(4) + comb(16) projection columns
 HC_MULT = 4
@@ -231,13 +231,26 @@ def default_fma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> F
     each (H / 64 splits) with the latency shape of the big fuse, as the tuned picks there have: on the H200 those
     were 22-40% faster than path B's default at M = 32-128 at H = 4096, 5120 and 7168. Path F keeps the FFMA
     tactic: its last CTA of a token block runs the big fuse for all of the block's tokens, and with 16 or 32 of them
-    it took 19-40% longer than with 8 (H = 6144 and 7168, M = 16-128; bench/measured/h200_fma_defaults_stop37.txt)."""
-    _, _, mma_tokens = next(b for b in FMA_BUCKETS if m <= b[0])
-    if not mma_tokens or path in ONE_LAUNCH_PATHS:
+    it took 19-40% longer than with 8 (H = 6144 and 7168, M = 16-128; bench/measured/h200_fma_defaults_stop37.txt).
+
+    On path E a grid of at most one wave (at the bucket's largest M) runs one CTA per SM (``one_per_sm``), and at
+    17-32 tokens 32-token CTAs are taken where 16-token ones would need more than a wave: launched early through
+    PDL (after a cuBLAS GEMM) its CTAs otherwise stacked two to an SM, which took 0.4-1.0 us more at M = 8-64 on
+    the H200, where one per SM was as fast or faster in the other measures (bench/measured/h200_ab_one_per_sm_stop38.txt,
+    H = 4096-7168)."""
+    bucket_m, _, mma_tokens = next(b for b in FMA_BUCKETS if m <= b[0])
+    if path in ONE_LAUNCH_PATHS:
         return ffma_tactic(path, m, hidden, sm_count)
-    chunk_h = FMA_THREADS * FMA_TILE_N // N_MIXES
-    return FmaTactic(path, hidden // chunk_h, mma_tokens, FMA_TILE_N, FMA_THREADS, 1, fuse="lat",
-                     warp_mma=True).check(hidden)
+    if mma_tokens:
+        chunk_h = FMA_THREADS * FMA_TILE_N // N_MIXES
+        tactic = FmaTactic(path, hidden // chunk_h, mma_tokens, FMA_TILE_N, FMA_THREADS, 1, fuse="lat",
+                           warp_mma=True)
+        wide = replace(tactic, tokens_per_cta=2 * MMA_TILE_ROWS)
+        if bucket_m <= wide.tokens_per_cta and not fits_one_wave(tactic, bucket_m, sm_count):
+            tactic = wide
+    else:
+        tactic = ffma_tactic(path, m, hidden, sm_count)
+    return replace(tactic, one_per_sm=fits_one_wave(tactic, bucket_m, sm_count)).check(hidden)
 
 
 # --- tensor-core paths (B, D) -------------------------------------------------------------------------------

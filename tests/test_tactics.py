@@ -1,5 +1,7 @@
 """Tactics as data: validity rules, names, defaults (CPU only)."""
 
+from dataclasses import replace
+
 import pytest
 
 from mhc_cute import tactics as tac
@@ -108,17 +110,35 @@ def test_big_fuse_shape_follows_m_on_the_two_launch_paths():
 @pytest.mark.parametrize("h", [512, 4096, 6144, 7168])
 def test_path_e_default_projects_on_warp_mma_from_9_to_128_tokens(h):
     """Path E: the FFMA projection up to 8 tokens and from 129; between, the warp-MMA shape of the tuned tables: one
-    64-position chunk per CTA (H / 64 splits), 16 tokens per CTA up to M = 32 and 32 up to 128. Path F: FFMA."""
+    64-position chunk per CTA (H / 64 splits), 16 tokens per CTA up to M = 32 (32 at M = 17-32 where 16 would
+    take more than a wave) and 32 up to 128. Path F: FFMA."""
     for m in (1, 8, 129, 1000):
-        assert tac.default_fma_tactic("half_fma", m, h) == tac.ffma_tactic("half_fma", m, h)
+        assert replace(tac.default_fma_tactic("half_fma", m, h), one_per_sm=False) == tac.ffma_tactic("half_fma", m, h)
         assert not tac.default_fma_tactic("half_fma", m, h).warp_mma
-    for m, tokens in ((9, 16), (16, 16), (32, 16), (33, 32), (128, 32)):
+    for m, tokens in ((9, 16), (16, 16), (32, 16 if 2 * h // 64 <= 132 else 32), (33, 32), (128, 32)):
         t = tac.default_fma_tactic("half_fma", m, h)
         assert t.warp_mma and t.tokens_per_cta == tokens and t.split_k == h // 64 and t.chunk_h == 64
         assert t.fuse == "lat"
         assert tac.default_fma_tactic("all_fma", m, h) == tac.ffma_tactic("all_fma", m, h)
         assert tac.default_fma_tactic("all_fma", m, 7168).fuse == "bw"
         assert tac.default_mma_tactic("all_mma", m, 7168).fuse == "bw"
+
+
+@pytest.mark.parametrize("h", [512, 4096, 6144, 7168])
+def test_path_e_default_puts_one_wave_grids_one_to_an_sm(h):
+    """Path E's default runs one CTA per SM exactly where its grid at the bucket's largest M is one wave; path F
+    never does."""
+    for m in (1, 2, 4, 8, 16, 32, 128, 256, 512, 8192):
+        t = tac.default_fma_tactic("half_fma", m, h, 132)
+        bucket_m = next(b[0] for b in tac.FMA_BUCKETS if m <= b[0])
+        assert t.one_per_sm == tac.fits_one_wave(t, bucket_m, 132), (m, t.name)
+        assert not tac.default_fma_tactic("all_fma", m, h, 132).one_per_sm
+    assert tac.default_fma_tactic("half_fma", 8, 7168, 132).one_per_sm
+    assert not tac.default_fma_tactic("half_fma", 2, 7168, 132).one_per_sm  # 224 CTAs at M = 2
+    assert tac.default_fma_tactic("half_fma", 32, 7168, 132).name == "half_fma:k112:t32:n6:w256:s1:b1:flat:mma:o1"
+
+
+def test_one_launch_mma_fuse_rules():
     assert "two-launch" in tac.MmaTactic("all_mma", 1, 64, 2, "lat").invalid_reason(512)
     assert tac.parse_tactic("half_mma:k8:m128:s3:flat") == tac.MmaTactic("half_mma", 8, 128, 3, "lat")
 
