@@ -235,7 +235,7 @@ def default_fma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> F
 
     On path E a grid of at most one wave (at the bucket's largest M) runs one CTA per SM (``one_per_sm``), and at
     17-32 tokens 32-token CTAs are taken where 16-token ones would need more than a wave: launched early through
-    PDL (after a cuBLAS GEMM) its CTAs otherwise stacked two to an SM, which took 0.4-1.0 us more at M = 8-64 on
+    PDL (after a cuBLAS GEMM) its CTAs otherwise stacked two to an SM, which took 0.4-1.1 us more at M = 8-64 on
     the H200, where one per SM was as fast or faster in the other measures (bench/measured/h200_ab_one_per_sm_stop38.txt,
     H = 4096-7168)."""
     bucket_m, _, mma_tokens = next(b for b in FMA_BUCKETS if m <= b[0])
@@ -246,7 +246,7 @@ def default_fma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> F
         tactic = FmaTactic(path, hidden // chunk_h, mma_tokens, FMA_TILE_N, FMA_THREADS, 1, fuse="lat",
                            warp_mma=True)
         wide = replace(tactic, tokens_per_cta=2 * MMA_TILE_ROWS)
-        if bucket_m <= wide.tokens_per_cta and not fits_one_wave(tactic, bucket_m, sm_count):
+        if not fits_one_wave(tactic, bucket_m, sm_count) and fits_one_wave(wide, bucket_m, sm_count):
             tactic = wide
     else:
         tactic = ffma_tactic(path, m, hidden, sm_count)
