@@ -484,3 +484,22 @@ def test_kernel_cache_rebuilds_a_corrupt_file_once(tmp_path, monkeypatch):
     assert ["recompiling" in str(w.message) for w in warned] == [True, False]
     assert not path.exists()
     assert kernels.get(("k",), build) is fn  # kept in memory
+
+
+def test_kernel_file_names_follow_the_modules_that_shape_a_kernel(monkeypatch):
+    """Persisted kernels are named by a digest of the kernel sources and of the modules outside the kernels package
+    whose code shapes a compiled kernel (a stale object file must never be loaded after one of them changes)."""
+    from pathlib import Path
+
+    from mhc_cute import kernels
+
+    read = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self.name) or real(self))
+    kernels._sources_digest.cache_clear()
+    try:
+        kernels._sources_digest()
+    finally:
+        kernels._sources_digest.cache_clear()
+    assert {"fma.py", "mma.py", "big_fuse.py", "device_utils.py"} <= set(read)
+    assert set(kernels.KERNEL_INPUT_MODULES) <= set(read)

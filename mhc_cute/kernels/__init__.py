@@ -8,7 +8,8 @@ without it.
 
 Compiling a variant takes seconds. With ``MHC_CUTE_KERNEL_CACHE=<dir>`` compiled kernels are also kept as
 object files in that directory and loaded from there (about a millisecond) by later processes; the file
-names include a hash of this package's kernel sources and the CuTe DSL version.
+names include a hash of this package's kernel sources (and of the modules whose code shapes a kernel: tactics,
+prepared weights, scratch) and the CuTe DSL version.
 """
 
 from __future__ import annotations
@@ -102,14 +103,20 @@ def compile_kernel(kernel, *fake_args):
     return cute.compile(kernel, *fake_args, *scalars, stream, options="--enable-tvm-ffi")
 
 
+# modules outside this package whose code shapes a compiled kernel: the tactics' derived shapes and constants (the
+# partial rows' layout), the prepared weight's layout the tensor-core kernels read, the scratch they are handed
+KERNEL_INPUT_MODULES = ("tactics.py", "weights.py", "workspace.py")
+
+
 @functools.lru_cache(maxsize=None)
 def _sources_digest() -> str:
-    """A digest of every kernel source file and the CuTe DSL version: persisted kernels are only reused by
-    the code that built them."""
+    """A digest of every kernel source file, of ``KERNEL_INPUT_MODULES`` and of the CuTe DSL version: persisted
+    kernels are only reused by the code that built them."""
     import cutlass
 
+    here = Path(__file__).parent
     h = hashlib.sha256(getattr(cutlass, "__version__", "?").encode())
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    for path in sorted(here.glob("*.py")) + [here.parent / name for name in KERNEL_INPUT_MODULES]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
