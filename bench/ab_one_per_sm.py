@@ -2,8 +2,9 @@
 on the tuner's measures and rule, and the table with the rows that move.
 
 Per row (H, norm, bucket M <= ``--max-m``) whose pick is a ``half_fma`` tactic, the candidates are the pick, its
-``:o1`` form and from M = 16 the ``:o1`` forms of the warp-MMA shapes the tuner tries (16 or 32 tokens per CTA;
-256 threads with 64-position chunks or 128 with 32 or 64), each where its grid is one wave. Each candidate is timed back to
+``:o1`` form and from M = 16 the ``:o1`` forms of the warp-MMA shapes the tuner tries
+(``autotune.candidate_tactics``: 16 or 32 tokens per CTA; 256 threads with 64-position chunks or 128 with 32 or 64),
+each where its grid is one wave. Each candidate is timed back to
 back and after the two kernels of ``benchmark.context_predecessors`` in ``--rounds`` rounds; its score is the
 worst of the three medians (``autotune.worst_context``'s measure). The pick stays unless another candidate scores
 ``autotune.TUNE_MARGIN`` lower (``autotune.pick`` with the pick as the default); a new pick is checked against the
@@ -25,12 +26,11 @@ from mhc_cute import accuracy, autotune, benchmark as mb, tactics as tac
 
 
 def candidates(pick: tac.FmaTactic, m: int, hidden: int, sm_count: int) -> list:
+    """The pick, its ``:o1`` form and from M = 16 the tuner's ``:o1`` warp-MMA candidates with the pick's big fuse,
+    each where its grid is one wave (``autotune.candidate_tactics`` gives ``:o1`` forms only there)."""
+    tuned = autotune.candidate_tactics("half_fma", m, hidden, sm_count) if m >= 16 else []
     shapes = [pick, replace(pick, one_per_sm=True)]
-    for threads, tile_n in ((256, 6), (128, 6), (128, 12)) if m >= 16 else ():  # warp MMA: 16-token tiles
-        for tokens in (16, 32):
-            shape = tac.FmaTactic("half_fma", 1, tokens, tile_n, threads, fuse=pick.fuse, warp_mma=True,
-                                  one_per_sm=True)
-            shapes.append(replace(shape, split_k=hidden // shape.chunk_h))
+    shapes += [t for t in tuned if t.warp_mma and t.one_per_sm and t.fuse == pick.fuse]
     ok = [t for t in shapes if t.invalid_reason(hidden) is None and (t == pick or tac.fits_one_wave(t, m, sm_count))]
     return list(dict.fromkeys(ok))
 
