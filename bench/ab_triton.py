@@ -1,8 +1,9 @@
 """Timing of the Triton backend for whichever ``mhc_cute`` is first on the Python path: the default tactics over
 a grid of (H, M), optionally followed by explicit candidate tactics. Run it alternately for two trees in one
 device call to compare versions (see bench/ab_versions.py for the set-up), or once with ``--sweep`` to compare
-tactics. CUDA-graph replay over rotated input sets (mhc_cute.benchmark), median µs per call; points with
-M <= ``--check-max-m`` are also checked once against the float64 contract.
+tactics. CUDA-graph replay over rotated input sets (mhc_cute.benchmark), median µs per call over
+``--rounds`` rounds; points with M <= ``--check-max-m`` are also checked once against the float64 contract,
+after the timing.
 
     PYTHONPATH=/tmp/old:$PYTHONPATH python bench/ab_triton.py --tag old1
     python bench/ab_triton.py --tag new1 --sweep reduce main
@@ -10,6 +11,7 @@ M <= ``--check-max-m`` are also checked once against the float64 contract.
 """
 
 import argparse
+import statistics
 import sys
 
 import torch
@@ -38,6 +40,16 @@ SWEEPS = {
                   T(64, 16, 8, 4, num_stages=4, reduce_block_t=2, reduce_block_h=1024),
                   T(64, 16, 8, 4, num_stages=3, reduce_block_t=2, reduce_block_h=1024),
                   T(64, 16, 4, 4, num_stages=4, reduce_block_t=2, reduce_block_h=1024)],
+    # wider H steps (128- and 256-byte pieces of each row, which bench/probe_triton_ceiling.py found to stream at
+    # 80-92% of copy without the projection, against 61% for 64-byte ones) on fewer tokens per program
+    "wide": [T(bm, bh, k, w, num_stages=st, reduce_block_t=2, reduce_block_h=1024)
+             for bm, bh, k, w, st in ((32, 64, 8, 8, 3), (32, 64, 8, 8, 2), (32, 64, 8, 4, 3), (32, 64, 8, 4, 4),
+                                      (32, 64, 16, 8, 3), (32, 64, 4, 8, 3), (16, 64, 8, 4, 4), (16, 64, 8, 4, 3),
+                                      (16, 128, 8, 8, 2), (16, 128, 8, 4, 2), (64, 64, 8, 8, 2))],
+    # 64-wide steps on 64 or more tokens with 16 warps, so that each thread's share of a step stays that of the
+    # 32-wide table shape
+    "warps16": [T(bm, bh, k, 16, num_stages=st, reduce_block_t=2, reduce_block_h=1024)
+                for bm, bh, k, st in ((64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 16, 2), (128, 32, 8, 3))],
 }
 
 
@@ -49,6 +61,7 @@ def main() -> int:
     ap.add_argument("--sweep", nargs="*", default=[], choices=sorted(SWEEPS), help="candidate sets, at M >= 1024")
     ap.add_argument("--check-max-m", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2, help="timings of each candidate (median reported)")
     ap.add_argument("--once", type=int, nargs=2, metavar=("M", "H"), help="only a few eager calls (profiling)")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -62,16 +75,30 @@ def main() -> int:
         for m in args.m:
             sets = mb.rotated_sets(m, h, dev)
             cands = [None] + [t for name in args.sweep for t in SWEEPS[name] if m >= 1024]
-            for t in cands:
-                shown = fused_hc._default_tactic(dev, m, h) if t is None else t
-                try:
-                    us = mb.time_graph(mb.mhc_cute_call("triton", tactic=t), sets, reps=args.reps)
-                except Exception as e:  # a candidate that does not compile or launch: reported, not fatal
-                    print(f"TAB {args.tag} H={h} M={m} ERROR {type(e).__name__} {str(e)[:200]} {shown}", flush=True)
+            # Every candidate is timed in each of --rounds rounds (the order reversed every other round), and the
+            # float64 checks run only after all the timing: a check between timings heats the GPU, and the
+            # candidates timed after it ran up to 8% slower than the same tactic timed before it (stop 39).
+            times = {i: [] for i in range(len(cands))}
+            for r in range(args.rounds):
+                order = range(len(cands)) if r % 2 == 0 else reversed(range(len(cands)))
+                for i in order:
+                    if times[i] is None:
+                        continue
+                    try:
+                        times[i].append(mb.time_graph(mb.mhc_cute_call("triton", tactic=cands[i]), sets,
+                                                      reps=args.reps))
+                    except Exception as e:  # a candidate that does not compile or launch: reported, not fatal
+                        print(f"TAB {args.tag} H={h} M={m} ERROR {type(e).__name__} {str(e)[:200]} {cands[i]}",
+                              flush=True)
+                        times[i] = None
+            for i, t in enumerate(cands):
+                if times[i] is None:
                     continue
+                shown = fused_hc._default_tactic(dev, m, h) if t is None else t
                 check = (failure_of(problem_of(sets[0]), "triton", t) or "ok") if m <= args.check_max_m else "-"
-                print(f"TAB {args.tag} H={h} M={m} {us:8.2f} {check} {'default' if t is None else 'cand'} {shown}",
-                      flush=True)
+                rounds = " ".join(f"{us:.2f}" for us in times[i])
+                print(f"TAB {args.tag} H={h} M={m} {statistics.median(times[i]):8.2f} {check} "
+                      f"{'default' if t is None else 'cand'} {shown} rounds {rounds}", flush=True)
             del sets
             torch.cuda.empty_cache()
     return 0
