@@ -138,9 +138,10 @@ def main() -> int:
             row = [bm.bench_one("triton", bm.mhc_cute_call("triton"), m, h, dev, args.norm, bandwidth, sets=sets)]
             row += [bm.bench_one(n, c, m, h, dev, args.norm, bandwidth, sets=sets, eager=False)
                     for n, c in peers.items()]
-            for t in candidates(m, h):
-                r = bm.bench_one("sweep", bm.mhc_cute_call("triton", tactic=t), m, h, dev, args.norm, bandwidth,
-                                 sets=sets, eager=False)
+            timed = [(t, bm.bench_one("sweep", bm.mhc_cute_call("triton", tactic=t), m, h, dev, args.norm,
+                                      bandwidth, sets=sets, eager=False)) for t in candidates(m, h)]
+            # checked after all of the point's timing: a check slows the timings right after it (ab_triton.py)
+            for t, r in timed:
                 check = (failure_of(problem_of(sets[0]), "triton", t) or "ok") if m <= CHECK_MAX_M else "unchecked"
                 sweep.append(dict(m=m, h=h, tactic=repr(t), graph_us=r.graph_us, error=r.error, check=check))
                 print(f"  sweep H={h} M={m} {r.graph_us} {r.error or ''} {check} {t}", file=sys.stderr, flush=True)

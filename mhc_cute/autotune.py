@@ -428,9 +428,10 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
     (``worst_context``; on the H200 the back-to-back winner lost up to 1.9 µs after a cuBLAS GEMM that let it
     launch early, see docs/performance.md); ``"back-to-back"`` by the graph time alone. A backend's own default
     tactic (the first candidate) wins over a non-default one that is less than ``TUNE_MARGIN`` faster: a timing
-    differs by a few percent from run to run at a few µs, and the defaults are what the tests cover most. The pick
-    is checked against the float64 contract (``accuracy.failure_of``) on the bucket's first input set; a wrong one
-    is dropped and the next pick checked. Returns {TuneKey string: {bucket: Choice}} (``Choice.us``: the score)."""
+    differs by a few percent from run to run at a few µs, and the defaults are what the tests cover most. Once every
+    bucket is timed, each pick is checked against the float64 contract (``accuracy.failure_of``) on the bucket's
+    first input set; a wrong one is dropped and the next pick checked. Returns {TuneKey string: {bucket: Choice}}
+    (``Choice.us``: the score)."""
     from . import accuracy, benchmark as bm
 
     if measure not in MEASURES:
@@ -444,7 +445,7 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
                           bm.NORM_DTYPE if norm else None)
     total = sum(len(cands) for _, _, cands in groups)
     done = 0
-    tables: dict[str, dict[int, Choice]] = {}
+    scored = []
     for h, b, cands in groups:
         torch.cuda.empty_cache()
         sets = bm.rotated_sets(b, h, device, norm)
@@ -458,7 +459,14 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
                 continue
         if measure == "contexts" and b <= bm.CONTEXT_MAX_M:
             timed = worst_context(timed, sets, precision)
-        problem = accuracy.problem_of(sets[0], precision)
+        scored.append((h, b, timed))
+        del sets
+    # The float64 checks come after all the timing: the candidates timed right after a check ran up to 8% slower
+    # than the same tactic timed before it (H200, bench/measured/h200_triton_sweep_wide_stop39.txt).
+    tables: dict[str, dict[int, Choice]] = {}
+    for h, b, timed in scored:
+        torch.cuda.empty_cache()
+        problem = accuracy.problem_of(bm.make_sets(b, h, 1, device, norm)[0], precision)
         while (choice := pick(timed)) is not None:
             us, name, t, _ = choice
             why = accuracy.failure_of(problem, name, t)
@@ -468,6 +476,5 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
                 break
             warnings.warn(f"mhc_cute tune: H={h} M={b} {name} {getattr(t, 'name', '')} is wrong ({why})")
             timed.remove(choice)
-        del sets
     log(total, total, "done")
     return tables

@@ -411,6 +411,29 @@ def test_tuner_drops_a_fast_but_wrong_pick(monkeypatch):
     assert rows[1].backend == "triton"
 
 
+def test_tuner_checks_after_all_timing(monkeypatch):
+    """A float64 check slows the timings right after it (up to 8% on the H200), so no bucket is timed after one."""
+    import torch
+
+    from mhc_cute import accuracy, benchmark as bm
+
+    _fake_tuning_gpu(monkeypatch)
+    events = []
+    monkeypatch.setattr(accuracy, "problem_of", lambda inputs, precision: inputs)
+    monkeypatch.setattr(accuracy, "failure_of", lambda problem, name, tactic: events.append(("check", problem)))
+    monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic: name)
+    monkeypatch.setattr(bm, "time_graph", lambda name, sets: events.append(("time", sets[0])) or 1.0)
+    monkeypatch.setattr(autotune, "candidate_tactics", lambda name, m, h, sms: [None])
+    tables = autotune.tune(torch.device("cuda", 0), [512], [1, 100, 3000], "fp32", False, ["triton"],
+                           log=lambda *a: None, measure="back-to-back")
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["time"] * 3 + ["check"] * 3
+    # each bucket's pick is checked on that bucket's own first input set
+    assert [m for kind, m in events if kind == "check"] == [m for kind, m in events if kind == "time"]
+    (rows,) = tables.values()
+    assert sorted(rows) == sorted(m for kind, m in events if kind == "check")
+
+
 def test_info_names_the_table_auto_uses(monkeypatch, tmp_path, capsys):
     import types
 
