@@ -5,7 +5,8 @@ kernel and the whole op in the same process.
 
 Modes of the probe kernel: ``copy`` stores ``bf16(x + r_j)`` (the loads and stores, next to no arithmetic);
 ``postmap`` is SPEC step 1 as the main kernel computes it plus the sum of squares (one partial column per
-split), i.e. the main kernel with its tensor-core projection left out. Each is timed (CUDA-graph replay, rotated
+split), i.e. the main kernel with its tensor-core projection left out; their ``-interleaved`` forms give split k
+the blocks k, k + split_k, ... of H instead of a contiguous range. Each is timed (CUDA-graph replay, rotated
 inputs, median) for several block shapes and reported as a fraction of the copy bandwidth for the main kernel's
 18 H bytes per token, and as the whole op's fraction of the floor (20 H) that it would reach with the measured
 reduce kernel after it. If even ``postmap`` with the reduce stays below a target, no projection can reach it in
@@ -29,7 +30,7 @@ from mhc_cute.api import mhc_fused_hc  # noqa: E402
 from mhc_cute.triton import fused_hc  # noqa: E402
 from mhc_cute.triton.fused_hc import _post_stream, _token_col as col  # noqa: E402
 
-MODES = {"copy": 0, "postmap": 1}
+MODES = {"copy": 0, "postmap": 1, "copy-interleaved": 2, "postmap-interleaved": 3}
 # (block_m, block_h, split_k, num_warps, num_stages); the first is the shipped large-M shape
 SHAPES = [(64, 32, 8, 4, 4), (64, 32, 8, 4, 2), (32, 64, 8, 4, 4), (64, 64, 8, 4, 3), (32, 128, 8, 4, 3),
           (16, 128, 8, 4, 4), (64, 64, 8, 8, 3), (128, 32, 8, 8, 3)]
@@ -37,7 +38,7 @@ SHAPES = [(64, 32, 8, 4, 4), (64, 32, 8, 4, 2), (32, 64, 8, 4, 4), (64, 64, 8, 4
 
 @triton.jit(do_not_specialize=["M", "blocks_per_split"])
 def _probe_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, res_out_ptr, sq_ptr, M, H, blocks_per_split,
-                  BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, MODE: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, MODE: tl.constexpr, INTERLEAVE: tl.constexpr):
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
     tok = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -58,9 +59,13 @@ def _probe_kernel(x_ptr, res_ptr, post_ptr, comb_ptr, res_out_ptr, sq_ptr, M, H,
     c30, c31 = col(comb_ptr, rows, tok_mask, 16, 12), col(comb_ptr, rows, tok_mask, 16, 13)
     c32, c33 = col(comb_ptr, rows, tok_mask, 16, 14), col(comb_ptr, rows, tok_mask, 16, 15)
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    n_splits = tl.num_programs(0)
     block_begin = pid_k * blocks_per_split
     block_end = tl.minimum(block_begin + blocks_per_split, H // BLOCK_H)
-    for hb in range(block_begin, block_end):
+    for i in range(block_begin, block_end):
+        # INTERLEAVE: split k takes blocks k, k + n_splits, ..., so that the splits of a token block, which run at
+        # the same time, read neighbouring pieces of each row
+        hb = (i - block_begin) * n_splits + pid_k if INTERLEAVE else i
         h = hb * BLOCK_H + offs_h[None, :]
         xf = tl.load(x_ptr + x_row + h, mask=mask, other=0.0).to(tl.float32)
         r0 = tl.load(res_ptr + res_row + h, mask=mask, other=0.0).to(tl.float32)
@@ -102,7 +107,8 @@ def probe_call(mode: str, shape, m: int, h: int, dev):
 
     def call(s):
         _probe_kernel[grid](s["x_prev"], s["residual_prev"], s["post_mix_prev"], s["comb_mix_prev"], out, sq,
-                            m, h, blocks_per_split, BLOCK_M=block_m, BLOCK_H=block_h, MODE=MODES[mode],
+                            m, h, blocks_per_split, BLOCK_M=block_m, BLOCK_H=block_h, MODE=MODES[mode] % 2,
+                            INTERLEAVE=MODES[mode] >= 2,
                             num_warps=warps, num_stages=stages)
     return call
 
@@ -112,6 +118,7 @@ def main(argv=None):
     ap.add_argument("--m", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168])
     ap.add_argument("--modes", nargs="+", default=sorted(MODES), choices=sorted(MODES))
+    ap.add_argument("--shapes", type=int, nargs="+", help="indices into SHAPES (default: all)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     bw = mb.measure_copy_bandwidth(dev)
@@ -142,8 +149,8 @@ def main(argv=None):
                   f"reduce {reduce:.1f} us", flush=True)
             row("main kernel (default tactic)", main_only)
             for mode in args.modes:
-                for shape in SHAPES:
-                    if h % shape[1]:
+                for shape in [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES:
+                    if h % shape[1] or (MODES[mode] >= 2 and (h // shape[1]) % shape[2]):
                         continue
                     try:
                         us = mb.time_graph(probe_call(mode, shape, m, h, dev), sets)
