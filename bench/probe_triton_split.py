@@ -26,6 +26,21 @@ class _Skip:
         return lambda *args, **kwargs: None
 
 
+def op_and_main_us(sets) -> tuple[float, float]:
+    """CUDA-graph µs per call of the Triton backend's whole op and of its main kernel alone (default tactics)."""
+
+    def call(s):
+        return mhc_fused_hc(**s, backend="triton")
+
+    reduce_kernel = fused_hc._reduce_kernel
+    whole = mb.time_graph(call, sets)
+    fused_hc._reduce_kernel = _Skip()
+    try:
+        return whole, mb.time_graph(call, sets)
+    finally:
+        fused_hc._reduce_kernel = reduce_kernel
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[2048, 8192])
@@ -36,19 +51,10 @@ def main(argv=None):
     print(f"GPU: {torch.cuda.get_device_name(dev)}, copy bandwidth {bw / 1e12:.2f} TB/s")
     print(f"{'H':>5} {'M':>6} | {'op us':>8} {'main us':>8} {'reduce us':>9} | main % of its floor, reduce %")
 
-    def call(s):
-        return mhc_fused_hc(**s, backend="triton")
-
-    reduce_kernel = fused_hc._reduce_kernel
     for h in args.hidden:
         for m in args.m:
             sets = mb.rotated_sets(m, h, dev)
-            whole = mb.time_graph(call, sets)
-            fused_hc._reduce_kernel = _Skip()
-            try:
-                main_only = mb.time_graph(call, sets)
-            finally:
-                fused_hc._reduce_kernel = reduce_kernel
+            whole, main_only = op_and_main_us(sets)
             reduce = whole - main_only
             main_floor = 18 * h * m / bw * 1e6
             reduce_floor = 10 * h * m / bw * 1e6

@@ -55,6 +55,17 @@ def _token_col(ptr, rows, mask, stride: tl.constexpr, idx: tl.constexpr):
 
 
 @triton.jit
+def _load_inputs(x_ptr, res_ptr, x_row, res_row, h, mask, H):
+    """One step's ``x_prev`` tile and the four ``residual_prev`` stream tiles at H positions ``h``, as fp32."""
+    xf = tl.load(x_ptr + x_row + h, mask=mask, other=0.0).to(tl.float32)
+    r0 = tl.load(res_ptr + res_row + h, mask=mask, other=0.0).to(tl.float32)
+    r1 = tl.load(res_ptr + res_row + H + h, mask=mask, other=0.0).to(tl.float32)
+    r2 = tl.load(res_ptr + res_row + 2 * H + h, mask=mask, other=0.0).to(tl.float32)
+    r3 = tl.load(res_ptr + res_row + 3 * H + h, mask=mask, other=0.0).to(tl.float32)
+    return xf, r0, r1, r2, r3
+
+
+@triton.jit
 def _post_stream(xf, r0, r1, r2, r3, p, c0, c1, c2, c3):
     """SPEC step 1 for one output stream: ``post * x``, then one FMA per source stream k = 0..3, in order."""
     acc = p * xf
@@ -185,11 +196,7 @@ def _main_kernel(
     block_end = tl.minimum(block_begin + blocks_per_split, H // BLOCK_H)
     for hb in range(block_begin, block_end):
         h = hb * BLOCK_H + offs_h[None, :]
-        xf = tl.load(x_ptr + x_row + h, mask=mask, other=0.0).to(tl.float32)
-        r0 = tl.load(res_ptr + res_row + h, mask=mask, other=0.0).to(tl.float32)
-        r1 = tl.load(res_ptr + res_row + H + h, mask=mask, other=0.0).to(tl.float32)
-        r2 = tl.load(res_ptr + res_row + 2 * H + h, mask=mask, other=0.0).to(tl.float32)
-        r3 = tl.load(res_ptr + res_row + 3 * H + h, mask=mask, other=0.0).to(tl.float32)
+        xf, r0, r1, r2, r3 = _load_inputs(x_ptr, res_ptr, x_row, res_row, h, mask, H)
         step_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         fn_h = w_base + hb * BLOCK_H  # read by the FMA projection only
 
