@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from probe_triton_split import op_and_main_us  # noqa: E402
+from probe_triton_split import split_points  # noqa: E402
 
 from mhc_cute import benchmark as mb  # noqa: E402
 from mhc_cute.triton.fused_hc import _load_inputs, _post_stream, _token_col as col  # noqa: E402
@@ -112,33 +112,27 @@ def main(argv=None):
     bw = mb.measure_copy_bandwidth(dev)
     print(f"GPU: {torch.cuda.get_device_name(dev)}, copy bandwidth {bw / 1e12:.2f} TB/s")
     print("main: % of copy for 18 H bytes per token; op: % of the floor (20 H) with the measured reduce after it")
+    for h, m, sets, whole, main_only in split_points(args.hidden, args.m, dev):
+        reduce = whole - main_only
+        main_floor = 18 * h * m / bw * 1e6
+        op_floor = 20 * h * m / bw * 1e6
 
-    for h in args.hidden:
-        for m in args.m:
-            sets = mb.rotated_sets(m, h, dev)
-            whole, main_only = op_and_main_us(sets)
-            reduce = whole - main_only
-            main_floor = 18 * h * m / bw * 1e6
-            op_floor = 20 * h * m / bw * 1e6
-
-            def row(name, us):
-                print(f"H={h} M={m} {name:<34} {us:8.1f} us  main {100 * main_floor / us:5.1f}%  "
-                      f"op {100 * op_floor / (us + reduce):5.1f}%", flush=True)
-            print(f"H={h} M={m} whole op {whole:.1f} us ({100 * op_floor / whole:.1f}% of the floor), "
-                  f"reduce {reduce:.1f} us", flush=True)
-            row("main kernel (default tactic)", main_only)
-            for mode in args.modes:
-                for shape in [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES:
-                    if h % shape[1] or (MODES[mode] >= 2 and (h // shape[1]) % shape[2]):
-                        continue
-                    try:
-                        us = mb.time_graph(probe_call(mode, shape, m, h, dev), sets)
-                    except Exception as e:  # a shape that does not compile or launch: reported, not fatal
-                        print(f"H={h} M={m} {mode} {shape} ERROR {type(e).__name__} {str(e)[:160]}", flush=True)
-                        continue
-                    row(f"{mode} {shape}", us)
-            del sets
-            torch.cuda.empty_cache()
+        def row(name, us):
+            print(f"H={h} M={m} {name:<34} {us:8.1f} us  main {100 * main_floor / us:5.1f}%  "
+                  f"op {100 * op_floor / (us + reduce):5.1f}%", flush=True)
+        print(f"H={h} M={m} whole op {whole:.1f} us ({100 * op_floor / whole:.1f}% of the floor), "
+              f"reduce {reduce:.1f} us", flush=True)
+        row("main kernel (default tactic)", main_only)
+        for mode in args.modes:
+            for shape in [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES:
+                if h % shape[1] or (MODES[mode] >= 2 and (h // shape[1]) % shape[2]):
+                    continue
+                try:
+                    us = mb.time_graph(probe_call(mode, shape, m, h, dev), sets)
+                except Exception as e:  # a shape that does not compile or launch: reported, not fatal
+                    print(f"H={h} M={m} {mode} {shape} ERROR {type(e).__name__} {str(e)[:160]}", flush=True)
+                    continue
+                row(f"{mode} {shape}", us)
 
 
 if __name__ == "__main__":

@@ -26,19 +26,26 @@ class _Skip:
         return lambda *args, **kwargs: None
 
 
-def op_and_main_us(sets) -> tuple[float, float]:
-    """CUDA-graph µs per call of the Triton backend's whole op and of its main kernel alone (default tactics)."""
+def split_points(hiddens, ms, dev):
+    """For each (H, M): ``(h, m, sets, whole, main_only)``, the CUDA-graph µs per call of the Triton backend's
+    whole op and of its main kernel alone (default tactics) on rotated input sets, freed after the caller's turn."""
 
     def call(s):
         return mhc_fused_hc(**s, backend="triton")
 
     reduce_kernel = fused_hc._reduce_kernel
-    whole = mb.time_graph(call, sets)
-    fused_hc._reduce_kernel = _Skip()
-    try:
-        return whole, mb.time_graph(call, sets)
-    finally:
-        fused_hc._reduce_kernel = reduce_kernel
+    for h in hiddens:
+        for m in ms:
+            sets = mb.rotated_sets(m, h, dev)
+            whole = mb.time_graph(call, sets)
+            fused_hc._reduce_kernel = _Skip()
+            try:
+                main_only = mb.time_graph(call, sets)
+            finally:
+                fused_hc._reduce_kernel = reduce_kernel
+            yield h, m, sets, whole, main_only
+            del sets
+            torch.cuda.empty_cache()
 
 
 def main(argv=None):
@@ -51,17 +58,12 @@ def main(argv=None):
     print(f"GPU: {torch.cuda.get_device_name(dev)}, copy bandwidth {bw / 1e12:.2f} TB/s")
     print(f"{'H':>5} {'M':>6} | {'op us':>8} {'main us':>8} {'reduce us':>9} | main % of its floor, reduce %")
 
-    for h in args.hidden:
-        for m in args.m:
-            sets = mb.rotated_sets(m, h, dev)
-            whole, main_only = op_and_main_us(sets)
-            reduce = whole - main_only
-            main_floor = 18 * h * m / bw * 1e6
-            reduce_floor = 10 * h * m / bw * 1e6
-            print(f"{h:>5} {m:>6} | {whole:8.1f} {main_only:8.1f} {reduce:9.1f} | "
-                  f"{100 * main_floor / main_only:5.1f}% {100 * reduce_floor / reduce:5.1f}%", flush=True)
-            del sets
-            torch.cuda.empty_cache()
+    for h, m, _, whole, main_only in split_points(args.hidden, args.m, dev):
+        reduce = whole - main_only
+        main_floor = 18 * h * m / bw * 1e6
+        reduce_floor = 10 * h * m / bw * 1e6
+        print(f"{h:>5} {m:>6} | {whole:8.1f} {main_only:8.1f} {reduce:9.1f} | "
+              f"{100 * main_floor / main_only:5.1f}% {100 * reduce_floor / reduce:5.1f}%", flush=True)
 
 
 if __name__ == "__main__":
