@@ -89,7 +89,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
-    ap.add_argument("--chunks", type=int, nargs="*", default=[256, 1024])
+    ap.add_argument("--chunks", type=int, nargs="*", default=[128, 256, 512, 1024])
     ap.add_argument("--backends", nargs="*", default=["auto", "half_mma"])
     ap.add_argument("--rounds", type=int, default=2, help="rounds over every row (median reported)")
     args = ap.parse_args(argv)
