@@ -97,7 +97,7 @@ def main(argv=None):
     bw = mb.measure_copy_bandwidth(dev)
     print(f"GPU: {torch.cuda.get_device_name(dev)}, copy bandwidth {bw / 1e12:.2f} TB/s")
     peers = {k: v for k, v in mb.peer_calls(norm=False).items() if k == "tilekernels"}
-    with torch.inference_mode():
+    with torch.no_grad():
         for h in args.hidden:
             for m in args.m:
                 sets = mb.rotated_sets(m, h, dev)
