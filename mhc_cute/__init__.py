@@ -3,6 +3,7 @@
 from .api import mhc_fused_hc
 from .problem import MhcFusedHcOutput
 from .backends import BACKENDS, available
+from .weights import clear as clear_prepared_weights
 
 __version__ = "0.2.0"
-__all__ = ["mhc_fused_hc", "MhcFusedHcOutput", "BACKENDS", "available", "__version__"]
+__all__ = ["mhc_fused_hc", "MhcFusedHcOutput", "BACKENDS", "available", "clear_prepared_weights", "__version__"]

@@ -32,9 +32,11 @@ def prepared(fn: torch.Tensor, kind: str, prepare: Callable[[torch.Tensor], torc
 
     Keyed on (address, version counter, shape, device, kind); an entry is only reused while the tensor that
     owns the memory (``fn``, or the base ``fn`` is a view of) is alive: once it is freed, a new weight may be
-    allocated at the same address with the same version, and must not get the old one's tiles.
+    allocated at the same address with the same version, and must not get the old one's tiles. Inference tensors
+    (made under ``torch.inference_mode``) have no version counter, so an in-place update of one is not seen:
+    ``clear()`` after updating such a weight in place.
     """
-    key = (fn.data_ptr(), fn._version, tuple(fn.shape), fn.device, kind)
+    key = (fn.data_ptr(), None if fn.is_inference() else fn._version, tuple(fn.shape), fn.device, kind)
     hit = _cache.get(key)
     if hit is not None and hit[0]() is not None:
         return hit[1]
@@ -49,3 +51,9 @@ def prepared(fn: torch.Tensor, kind: str, prepare: Callable[[torch.Tensor], torc
         del _cache[next(iter(_cache))]
     _cache[key] = (weakref.ref(fn if fn._base is None else fn._base), w)
     return w
+
+
+def clear() -> None:
+    """Forget every prepared weight (``mhc_cute.clear_prepared_weights``): the next call prepares its weight again.
+    Needed after an in-place update of a weight that is an inference tensor, whose version counter does not exist."""
+    _cache.clear()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mhc_cute.accuracy import check_backend, make_inputs, problem_of
-from mhc_cute import backends
+from mhc_cute import backends, mhc_fused_hc
 
 KERNEL_BACKENDS = ["triton", "half_fma", "all_fma", "half_mma", "all_mma"]
 GPU_MS = [1, 2, 3, 16, 17, 64, 100, 256, 1000, 4096, 8192]
@@ -39,6 +39,36 @@ def test_triton_interpreter_cpu(m, h, norm):
 @pytest.mark.parametrize("backend", ["torch"] + KERNEL_BACKENDS)
 def test_gpu_backend(backend, m, h, norm):
     _run_and_check(backend, m, h, norm, "cuda")
+
+
+def _check_inference_tensors(backend, h, device):
+    """Inputs made under ``torch.inference_mode`` (as a serving engine may load its weights), called in and out of
+    it: the float64 contract, and the same bits as the same values in ordinary tensors."""
+    why = backends.unavailable_reason(backend, torch.device(device))
+    if why is not None:
+        pytest.skip(f"{backend} unavailable: {why}")
+    inputs = make_inputs(17, h, seed=5, device=device, norm=True)
+    with torch.inference_mode():
+        frozen = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    assert frozen["fn"].is_inference()
+    expected = mhc_fused_hc(**inputs, backend=backend)
+    for mode in (torch.inference_mode, torch.no_grad):
+        with mode():
+            got = mhc_fused_hc(**frozen, backend=backend)
+        for name, a, b in zip(got._fields, got, expected):
+            assert torch.equal(a, b), name
+    check_backend(problem_of(frozen, "fp32"), backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_inference_tensors_cpu(backend):
+    _check_inference_tensors(backend, 256, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch"] + KERNEL_BACKENDS)
+def test_gpu_inference_tensors(backend):
+    _check_inference_tensors(backend, 4096, "cuda")
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ import weakref
 
 import torch
 
+import mhc_cute
 from mhc_cute import weights
 
 
@@ -39,3 +40,16 @@ def test_prepared_cache_is_bounded():
     for w in keep:
         weights.prepared(w, "double", _double)
     assert len(weights._cache) <= weights.CACHE_ENTRIES
+
+
+def test_prepared_serves_inference_tensors_until_cleared():
+    # inference tensors have no version counter: cached on their address, an in-place update is seen after clear()
+    with torch.inference_mode():
+        fn = torch.randn(24, 4 * 64)
+        a = weights.prepared(fn, "double", _double)
+        assert weights.prepared(fn, "double", _double) is a and torch.equal(a, fn * 2)
+        fn.mul_(2)
+    assert weights.prepared(fn, "double", _double) is a
+    mhc_cute.clear_prepared_weights()
+    b = weights.prepared(fn, "double", _double)
+    assert b is not a and torch.equal(b, fn * 2)
