@@ -106,8 +106,8 @@ def main(argv=None):
                 calls = {f"op {b}": mb.mhc_cute_call(b) for b in args.backends}
                 calls.update({f"op {k}": v for k, v in peers.items()})
                 times = {name: [] for name in [*rows, *calls]}
-                for _ in range(args.rounds):  # alternate the rows' order between rounds
-                    names = list(times) if _ % 2 == 0 else list(reversed(times))
+                for rnd in range(args.rounds):  # alternate the rows' order between rounds
+                    names = list(times) if rnd % 2 == 0 else list(reversed(times))
                     for name in names:
                         if name in rows:
                             us = best_us(*rows[name], m, h, sets, dev)
