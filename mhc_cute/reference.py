@@ -60,7 +60,8 @@ def mixes(residual_cur, fn, hc_scale, hc_base, rms_eps, cd):
     """SPEC steps 2-3: the 24 mixes ``[M, 24]`` in ``cd`` from the bf16 ``residual_cur``."""
     m, n, h = residual_cur.shape
     xf = residual_cur.reshape(m, n * h).to(cd)
-    dots = xf @ fn.to(cd).t()
+    with torch.autocast(xf.device.type, enabled=False):  # a caller's autocast would run the projection in 16 bits
+        dots = xf @ fn.to(cd).t()
     scale = torch.cat([hc_scale[0:1].expand(4), hc_scale[1:2].expand(4), hc_scale[2:3].expand(16)]).to(cd)
     return dots * rstd(residual_cur, rms_eps, cd)[:, None] * scale + hc_base.to(cd)
 

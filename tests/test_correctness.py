@@ -41,9 +41,10 @@ def test_gpu_backend(backend, m, h, norm):
     _run_and_check(backend, m, h, norm, "cuda")
 
 
-def _check_inference_tensors(backend, h, device):
-    """Inputs made under ``torch.inference_mode`` (as a serving engine may load its weights), called in and out of
-    it: the float64 contract, and the same bits as the same values in ordinary tensors."""
+def _check_caller_contexts(backend, h, device):
+    """The same bits whatever the caller's context: inputs made under ``torch.inference_mode`` (as a serving engine
+    may load its weights) called in and out of it, and a call under bf16 autocast (which must not lower the
+    projection's precision); and the float64 contract for the inference tensors."""
     why = backends.unavailable_reason(backend, torch.device(device))
     if why is not None:
         pytest.skip(f"{backend} unavailable: {why}")
@@ -52,23 +53,25 @@ def _check_inference_tensors(backend, h, device):
         frozen = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
     assert frozen["fn"].is_inference()
     expected = mhc_fused_hc(**inputs, backend=backend)
-    for mode in (torch.inference_mode, torch.no_grad):
-        with mode():
-            got = mhc_fused_hc(**frozen, backend=backend)
+    contexts = {"inference_mode": (frozen, torch.inference_mode), "no_grad": (frozen, torch.no_grad),
+                "autocast": (inputs, lambda: torch.autocast(device, dtype=torch.bfloat16))}
+    for context, (args, enter) in contexts.items():
+        with enter():
+            got = mhc_fused_hc(**args, backend=backend)
         for name, a, b in zip(got._fields, got, expected):
-            assert torch.equal(a, b), name
+            assert torch.equal(a, b), (context, name)
     check_backend(problem_of(frozen, "fp32"), backend)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_inference_tensors_cpu(backend):
-    _check_inference_tensors(backend, 256, "cpu")
+def test_caller_contexts_cpu(backend):
+    _check_caller_contexts(backend, 256, "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch"] + KERNEL_BACKENDS)
-def test_gpu_inference_tensors(backend):
-    _check_inference_tensors(backend, 4096, "cuda")
+def test_gpu_caller_contexts(backend):
+    _check_caller_contexts(backend, 4096, "cuda")
 
 
 @pytest.mark.gpu
