@@ -5,7 +5,8 @@ Every backend is tested against these functions. They run on any device and comp
 
 * step 1 (post) is always evaluated as the SPEC's fp32 FMA chain, bit-exactly, whatever ``compute_dtype`` is,
   because ``residual_cur`` is an output that every backend must reproduce bit-for-bit;
-* steps 2-7 run in ``compute_dtype`` on the bf16-rounded ``residual_cur``;
+* steps 2-7 run in ``compute_dtype`` on the bf16-rounded ``residual_cur`` (the projection's dot products in float64,
+  rounded to ``compute_dtype``, so that no matmul setting of the caller's lowers them);
 * ``layer_input`` is rounded to bf16 after the collapse (step 6) and, with a norm weight, again after step 7.
 
 Shapes here are the flattened ones: ``x [M, H]``, ``residual [M, 4, H]``, ``post_mix [M, 4]``,
@@ -60,8 +61,8 @@ def mixes(residual_cur, fn, hc_scale, hc_base, rms_eps, cd):
     """SPEC steps 2-3: the 24 mixes ``[M, 24]`` in ``cd`` from the bf16 ``residual_cur``."""
     m, n, h = residual_cur.shape
     xf = residual_cur.reshape(m, n * h).to(cd)
-    with torch.autocast(xf.device.type, enabled=False):  # a caller's autocast would run the projection in 16 bits
-        dots = xf @ fn.to(cd).t()
+    # the dots in float64 whatever cd: a caller's autocast or TF32 matmul setting would lower an fp32 matmul
+    dots = (xf.double() @ fn.double().t()).to(cd)
     scale = torch.cat([hc_scale[0:1].expand(4), hc_scale[1:2].expand(4), hc_scale[2:3].expand(16)]).to(cd)
     return dots * rstd(residual_cur, rms_eps, cd)[:, None] * scale + hc_base.to(cd)
 

@@ -1,5 +1,7 @@
 """The correctness suite every backend runs: float64 reference, poisoned outputs, determinism."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -41,10 +43,21 @@ def test_gpu_backend(backend, m, h, norm):
     _run_and_check(backend, m, h, norm, "cuda")
 
 
+@contextlib.contextmanager
+def _tf32_matmuls():
+    """``torch.set_float32_matmul_precision("high")``, common in serving code: fp32 matmuls may run in TF32."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def _check_caller_contexts(backend, h, device):
     """The same bits whatever the caller's context: inputs made under ``torch.inference_mode`` (as a serving engine
-    may load its weights) called in and out of it, and a call under bf16 autocast (which must not lower the
-    projection's precision); and the float64 contract for the inference tensors."""
+    may load its weights) called in and out of it, and calls under bf16 autocast or with TF32 matmuls allowed (neither
+    may lower the projection's precision); and the float64 contract for the inference tensors."""
     why = backends.unavailable_reason(backend, torch.device(device))
     if why is not None:
         pytest.skip(f"{backend} unavailable: {why}")
@@ -54,7 +67,8 @@ def _check_caller_contexts(backend, h, device):
     assert frozen["fn"].is_inference()
     expected = mhc_fused_hc(**inputs, backend=backend)
     contexts = {"inference_mode": (frozen, torch.inference_mode), "no_grad": (frozen, torch.no_grad),
-                "autocast": (inputs, lambda: torch.autocast(device, dtype=torch.bfloat16))}
+                "autocast": (inputs, lambda: torch.autocast(device, dtype=torch.bfloat16)),
+                "tf32 matmuls": (inputs, _tf32_matmuls)}
     for context, (args, enter) in contexts.items():
         with enter():
             got = mhc_fused_hc(**args, backend=backend)
