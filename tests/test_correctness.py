@@ -54,10 +54,21 @@ def _tf32_matmuls():
         torch.set_float32_matmul_precision(before)
 
 
+@contextlib.contextmanager
+def _float64_default():
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def _check_caller_contexts(backend, h, device):
     """The same bits whatever the caller's context: inputs made under ``torch.inference_mode`` (as a serving engine
-    may load its weights) called in and out of it, and calls under bf16 autocast or with TF32 matmuls allowed (neither
-    may lower the projection's precision); and the float64 contract for the inference tensors."""
+    may load its weights) called in and out of it; calls under bf16 autocast or with TF32 matmuls allowed (neither may
+    lower the projection's precision), and with another default dtype or device (nothing internal may follow them);
+    and the float64 contract for the inference tensors."""
     why = backends.unavailable_reason(backend, torch.device(device))
     if why is not None:
         pytest.skip(f"{backend} unavailable: {why}")
@@ -68,7 +79,8 @@ def _check_caller_contexts(backend, h, device):
     expected = mhc_fused_hc(**inputs, backend=backend)
     contexts = {"inference_mode": (frozen, torch.inference_mode), "no_grad": (frozen, torch.no_grad),
                 "autocast": (inputs, lambda: torch.autocast(device, dtype=torch.bfloat16)),
-                "tf32 matmuls": (inputs, _tf32_matmuls)}
+                "tf32 matmuls": (inputs, _tf32_matmuls), "float64 default dtype": (inputs, _float64_default),
+                "meta default device": (inputs, lambda: torch.device("meta"))}
     for context, (args, enter) in contexts.items():
         with enter():
             got = mhc_fused_hc(**args, backend=backend)
