@@ -44,24 +44,14 @@ def test_gpu_backend(backend, m, h, norm):
 
 
 @contextlib.contextmanager
-def _tf32_matmuls():
-    """``torch.set_float32_matmul_precision("high")``, common in serving code: fp32 matmuls may run in TF32."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
+def _global_setting(get, set_, value):
+    """A torch-wide setting set to ``value`` for the block, restored after."""
+    before = get()
+    set_(value)
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(before)
-
-
-@contextlib.contextmanager
-def _float64_default():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
+        set_(before)
 
 
 def _check_caller_contexts(backend, h, device):
@@ -79,7 +69,11 @@ def _check_caller_contexts(backend, h, device):
     expected = mhc_fused_hc(**inputs, backend=backend)
     contexts = {"inference_mode": (frozen, torch.inference_mode), "no_grad": (frozen, torch.no_grad),
                 "autocast": (inputs, lambda: torch.autocast(device, dtype=torch.bfloat16)),
-                "tf32 matmuls": (inputs, _tf32_matmuls), "float64 default dtype": (inputs, _float64_default),
+                # "high", common in serving code, lets fp32 matmuls run in TF32
+                "tf32 matmuls": (inputs, lambda: _global_setting(torch.get_float32_matmul_precision,
+                                                                 torch.set_float32_matmul_precision, "high")),
+                "float64 default dtype": (inputs, lambda: _global_setting(torch.get_default_dtype,
+                                                                          torch.set_default_dtype, torch.float64)),
                 "meta default device": (inputs, lambda: torch.device("meta"))}
     for context, (args, enter) in contexts.items():
         with enter():
