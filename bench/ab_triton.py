@@ -78,21 +78,13 @@ def main() -> int:
             # Every candidate is timed in each of --rounds rounds (the order reversed every other round), and the
             # float64 checks run only after all the timing: a check between timings heats the GPU, and the
             # candidates timed after it ran up to 8% slower than the same tactic timed before it (stop 39).
-            times = {i: [] for i in range(len(cands))}
-            for r in range(args.rounds):
-                order = range(len(cands)) if r % 2 == 0 else reversed(range(len(cands)))
-                for i in order:
-                    if times[i] is None:
-                        continue
-                    try:
-                        times[i].append(mb.time_graph(mb.mhc_cute_call("triton", tactic=cands[i]), sets,
-                                                      reps=args.reps))
-                    except Exception as e:  # a candidate that does not compile or launch: reported, not fatal
-                        print(f"TAB {args.tag} H={h} M={m} ERROR {type(e).__name__} {str(e)[:200]} {cands[i]}",
-                              flush=True)
-                        times[i] = None
+            times = mb.alternating_rounds(
+                {i: (lambda t=t, sets=sets: mb.time_graph(mb.mhc_cute_call("triton", tactic=t), sets, reps=args.reps))
+                 for i, t in enumerate(cands)}, args.rounds)
             for i, t in enumerate(cands):
-                if times[i] is None:
+                if isinstance(times[i], Exception):  # a candidate that does not compile or launch: not fatal
+                    e = times[i]
+                    print(f"TAB {args.tag} H={h} M={m} ERROR {type(e).__name__} {str(e)[:200]} {t}", flush=True)
                     continue
                 shown = fused_hc._default_tactic(dev, m, h) if t is None else t
                 check = (failure_of(problem_of(sets[0]), "triton", t) or "ok") if m <= args.check_max_m else "-"

@@ -105,17 +105,14 @@ def main(argv=None):
                 rows.update({f"stream two-pass/chunk {c}": ("two-pass", c) for c in args.chunks if c < m})
                 calls = {f"op {b}": mb.mhc_cute_call(b) for b in args.backends}
                 calls.update({f"op {k}": v for k, v in peers.items()})
-                times = {name: [] for name in [*rows, *calls]}
-                for rnd in range(args.rounds):  # alternate the rows' order between rounds
-                    names = list(times) if rnd % 2 == 0 else list(reversed(times))
-                    for name in names:
-                        if name in rows:
-                            us = best_us(*rows[name], m, h, sets, dev)
-                        else:
-                            us = mb.time_graph(calls[name], sets)
-                        times[name].append(us)
+                timers = {name: (lambda r=r, sets=sets: best_us(*r, m, h, sets, dev)) for name, r in rows.items()}
+                timers.update({name: (lambda c=c, sets=sets: mb.time_graph(c, sets)) for name, c in calls.items()})
+                times = mb.alternating_rounds(timers, args.rounds)
                 floor_us = mb.floor_bytes(m, h) / bw * 1e6
                 for name, ts in times.items():
+                    if isinstance(ts, Exception):
+                        print(f"RB H={h} M={m} {name:<28} ERROR {type(ts).__name__} {str(ts)[:160]}", flush=True)
+                        continue
                     us = statistics.median(ts)
                     print(f"RB H={h} M={m} {name:<28} {us:9.1f} us  {100 * floor_us / us:5.1f}% of the floor"
                           f"  (rounds {' '.join(f'{t:.1f}' for t in ts)})", flush=True)

@@ -136,6 +136,22 @@ def separator() -> Callable[[dict], None]:
     return bump
 
 
+def alternating_rounds(timers: dict, rounds: int) -> dict:
+    """``{key: [µs per round]}`` for ``timers`` (``{key: () -> µs}``), each timed once per round, in reversed order
+    every other round so that no timer always runs right after the same one; a timer that raises gets its exception
+    in place of the list and is not timed again."""
+    times = {key: [] for key in timers}
+    for r in range(rounds):
+        for key in list(timers) if r % 2 == 0 else reversed(list(timers)):
+            if isinstance(times[key], Exception):
+                continue
+            try:
+                times[key].append(timers[key]())
+            except Exception as e:  # a timer that does not compile or launch: the caller reports it
+                times[key] = e
+    return times
+
+
 def time_graph_separated(call: Callable[[dict], object], sets: list[dict], separator_us: float,
                          between: Callable[[dict], object] | None = None, reps: int = 20) -> float:
     """Median µs per call of a graph making one call per set, each followed by ``between`` (default

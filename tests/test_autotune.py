@@ -327,6 +327,23 @@ def test_bench_summary_compares_auto_with_the_fastest_backend_of_the_same_run():
     assert "H=512 M=1: 1.050 (fastest: half_fma)" in bm.auto_summary(rows, ["half_fma", "half_mma"])
 
 
+def test_alternating_rounds_reverse_the_order_and_keep_a_failing_timer_out():
+    from mhc_cute import benchmark as bm
+
+    order = []
+
+    def timer(key, us):
+        def run():
+            order.append(key)
+            if us is None:
+                raise RuntimeError("does not launch")
+            return us
+        return run
+    times = bm.alternating_rounds({"a": timer("a", 1.0), "bad": timer("bad", None), "b": timer("b", 2.0)}, 3)
+    assert order == ["a", "bad", "b", "b", "a", "a", "b"]
+    assert times["a"] == [1.0] * 3 and times["b"] == [2.0] * 3 and isinstance(times["bad"], RuntimeError)
+
+
 def test_bench_table_shows_the_context_times_where_they_were_measured():
     from mhc_cute import benchmark as bm
 

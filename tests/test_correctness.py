@@ -13,10 +13,14 @@ GPU_MS = [1, 2, 3, 16, 17, 64, 100, 256, 1000, 4096, 8192]
 GPU_HS = [512, 4096, 5120, 7168]
 
 
-def _run_and_check(backend, m, h, norm, device, precision="fp32", seed=0):
+def _skip_if_unavailable(backend, device):
     why = backends.unavailable_reason(backend, torch.device(device))
     if why is not None:
         pytest.skip(f"{backend} unavailable: {why}")
+
+
+def _run_and_check(backend, m, h, norm, device, precision="fp32", seed=0):
+    _skip_if_unavailable(backend, device)
     check_backend(problem_of(make_inputs(m, h, seed=seed + m + h, device=device, norm=norm), precision), backend)
 
 
@@ -59,9 +63,7 @@ def _check_caller_contexts(backend, h, device):
     may load its weights) called in and out of it; calls under bf16 autocast or with TF32 matmuls allowed (neither may
     lower the projection's precision), and with another default dtype or device (nothing internal may follow them);
     and the float64 contract for the inference tensors."""
-    why = backends.unavailable_reason(backend, torch.device(device))
-    if why is not None:
-        pytest.skip(f"{backend} unavailable: {why}")
+    _skip_if_unavailable(backend, device)
     inputs = make_inputs(17, h, seed=5, device=device, norm=True)
     with torch.inference_mode():
         frozen = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
@@ -178,9 +180,7 @@ def test_gpu_saturated_gates(backend, norm):
     inputs = make_inputs(17, 4096, seed=11, device="cuda", norm=norm)
     signs = torch.tensor([1.0, -1.0] * 12, device="cuda")
     inputs["hc_base"] = signs * torch.linspace(100.0, 300.0, 24, device="cuda")
-    why = backends.unavailable_reason(backend, torch.device("cuda"))
-    if why is not None:
-        pytest.skip(f"{backend} unavailable: {why}")
+    _skip_if_unavailable(backend, "cuda")
     check_backend(problem_of(inputs, "fp32"), backend)
 
 
@@ -220,9 +220,7 @@ def test_gpu_offsets_past_int32(backend, first_past, norm):
     contract. A 32-bit offset wraps there (negative addresses: a fault, or another row's data)."""
     from mhc_cute.accuracy import check_outputs, run_backend, tolerances
 
-    why = backends.unavailable_reason(backend, torch.device("cuda"))
-    if why is not None:
-        pytest.skip(f"{backend} unavailable: {why}")
+    _skip_if_unavailable(backend, "cuda")
     # bytes: inputs and outputs (20 per token and H position) and the checks' temporaries
     need = (first_past + LARGE_ROWS_PAST) * LARGE_H * 25
     torch.cuda.empty_cache()  # what earlier tests left in torch's caching allocator counts as used
