@@ -93,21 +93,26 @@ _COMPILE_E = """
 import sys
 from mhc_cute import tactics
 from mhc_cute.kernels import fma, spec_problem
-problem = spec_problem(int(sys.argv[2]), "fp32", None)
+problem = spec_problem(int(sys.argv[2]), "fp32", sys.argv[3] if len(sys.argv) > 3 else None)
 fma.compile_fma(tactics.parse_tactic(sys.argv[1]), problem, problem.empty_outputs())
 """
 
 
 def sass_functions(sass: str) -> dict:
     """``cuobjdump -sass`` text -> {kernel name: [opcode of each instruction, predicates dropped]}."""
+    return {name: [[t for t in line.split() if not t.startswith("@")][0].rstrip(";") for line in lines]
+            for name, lines in sass_lines(sass).items()}
+
+
+def sass_lines(sass: str) -> dict:
+    """``cuobjdump -sass`` text -> {kernel name: [instruction text]}."""
     out, name = {}, None
     for line in sass.splitlines():
         if "Function : " in line:
             name = line.split("Function : ")[1].strip()
             out[name] = []
         elif name and re.match(r"\s+/\*[0-9a-f]{4}\*/", line):
-            tokens = [t for t in line.split("*/", 1)[1].split() if not t.startswith("@")]
-            out[name].append(tokens[0].rstrip(";"))
+            out[name].append(line.split("*/", 1)[1].split("/*")[0].strip())
     return out
 
 
@@ -503,3 +508,24 @@ def test_kernel_file_names_follow_the_modules_that_shape_a_kernel(monkeypatch):
         kernels._sources_digest.cache_clear()
     assert {"fma.py", "mma.py", "big_fuse.py", "device_utils.py"} <= set(read)
     assert set(kernels.KERNEL_INPUT_MODULES) <= set(read)
+
+
+@pytest.mark.parametrize("fuse", ["lat", "latp"])
+def test_big_fuse_barriers_reached_by_every_thread(tmp_path, cuobjdump, dump_env, fuse):
+    """The standalone big fuse with a Sinkhorn warp: every CTA-wide barrier (barrier 0) is an instruction that all
+    the CTA's threads reach, before any warp parts from the others. Two, the partial sums' (the collapse's barriers
+    are the named barrier 1, counting the collapse warps only). A barrier 0 in the Sinkhorn warp's own branch
+    (which exits) beside its twin in the collapse's is reached by part of the block: synccheck reports it, and it
+    is undefined behaviour."""
+    tactic = f"half_fma:k64:t1:n6:w256:s1:b1:f{fuse}"
+    subprocess.run([sys.executable, "-c", _COMPILE_E, tactic, "4096", "float32"], env=dump_env(tmp_path, "cubin"),
+                   check=True, timeout=1800, capture_output=True)
+    (cubin,) = tmp_path.glob("*.cubin")
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    lines = next(body for name, body in sass_lines(sass).items() if "BigFuseKernel" in name)
+    cta_barriers = [i for i, line in enumerate(lines) if re.search(r"BAR\.SYNC\S* 0x0 ;", line)]
+    first_exit = next(i for i, line in enumerate(lines) if re.search(r"\bEXIT\b", line))
+    assert len(cta_barriers) == 2 and max(cta_barriers) < first_exit, [lines[i] for i in cta_barriers]
+    named = [line for line in lines if re.search(r"BAR\.SYNC\S* 0x1, ", line)]
+    assert named, "the collapse's norm reduction syncs on the named barrier 1"
+

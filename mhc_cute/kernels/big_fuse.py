@@ -167,34 +167,40 @@ class BigFusePhase:
         norm_w=None,
     ):
         """The phase after ``prefetch`` (its first barrier publishes the constants); ``norm_w``: what ``prefetch``
-        returned."""
-        if cutlass.const_expr(self.sinkhorn_warp):
-            # the last warp sums its share of the partials, runs only the Sinkhorn, and exits: on the H200 that
-            # chain ends the call's tail (`bench/probe_big_fuse_tail.py`); the collapse's barriers do not wait for
-            # it, and it issues none of the collapse's loads (its code would wait for them to free their registers)
-            if cute.arch.warp_idx() == self.warps - 1:
-                self.sum_partials(storage, m0, mPartials)
-                self.sinkhorn(storage, m0, mCombOut, scalars)
-            else:
-                self.sum_and_collapse(storage, m0, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars,
-                                      norm_w)
-        else:
-            self.sum_and_collapse(storage, m0, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars,
-                                  norm_w)
+        returned.
 
-    @cute.jit
-    def sum_and_collapse(self, storage: BigFuseStorage, m0: Int32, mPartials: cute.Tensor, mNormW,
-                         mResCur: cute.Tensor, mPostOut: cute.Tensor, mCombOut: cute.Tensor, mLayerIn: cute.Tensor,
-                         scalars: BigFuseScalars, norm_w):
-        """``sum_partials`` then ``collapse``, by the threads that collapse."""
+        Every CTA barrier of the phase sits in code that all its threads run (``sum_partials``), so each barrier
+        instruction is reached by exactly the threads it counts; only then do the warps part: with
+        ``sinkhorn_warp`` the last warp runs the Sinkhorn alone while the others collapse (whose barriers are the
+        named ``collapse_barrier``, which counts them only)."""
         first = None
         if cutlass.const_expr(self.batches <= 2):
             # residual_cur does not depend on the partials: the first batch of the collapse loads while the
             # partials are summed (two memory round trips overlap)
-            gtid, _, row = self.round_token(0, m0, mLayerIn.shape[0])
-            first = self.load_batch(0, gtid, du.token_row(mResCur, m0 + row))
+            first = self.load_first_batch(m0, mResCur, mLayerIn.shape[0])
         self.sum_partials(storage, m0, mPartials)
-        self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
+        if cutlass.const_expr(self.sinkhorn_warp):
+            # the last warp runs only the Sinkhorn and exits: on the H200 that chain ends the call's tail
+            # (`bench/probe_big_fuse_tail.py`); the collapse's barriers do not wait for it
+            if cute.arch.warp_idx() == self.warps - 1:
+                self.sinkhorn(storage, m0, mCombOut, scalars)
+            else:
+                self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
+        else:
+            self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
+
+    @cute.jit
+    def load_first_batch(self, m0: Int32, mResCur: cute.Tensor, m_total):
+        """The collapse's first batch of round 0, loaded by the collapse threads. The ``sinkhorn_warp`` issues none of
+        these loads: its Sinkhorn would reuse their registers and so wait for them to land (a warp-uniform branch)."""
+        gtid, _, row = self.round_token(0, m0, m_total)
+        res = cute.make_rmem_tensor(du.row_major(self.batch, HC_MULT, du.VEC_BF16), BFloat16)
+        if cutlass.const_expr(self.sinkhorn_warp):
+            if cute.arch.warp_idx() < self.warps - 1:
+                self.load_batch(0, gtid, du.token_row(mResCur, m0 + row), res)
+        else:
+            self.load_batch(0, gtid, du.token_row(mResCur, m0 + row), res)
+        return res
 
     @cute.jit
     def round_token(self, r, m0: Int32, m_total):
@@ -315,13 +321,15 @@ class BigFusePhase:
             self.sinkhorn(storage, m0, mCombOut, scalars)
 
     @cute.jit
-    def load_batch(self, b, gtid, row_res):
-        """The 4 stream vectors of this thread's 8-vectors ``batch * b ...`` of a token, all loads in flight.
+    def load_batch(self, b, gtid, row_res, res=None):
+        """The 4 stream vectors of this thread's 8-vectors ``batch * b ...`` of a token, all loads in flight (into
+        ``res`` when given, else a fresh register tensor).
 
         The loads are unconditional (the vector index clamped; ``row_res`` is always a valid row, see
         ``round_token``): a guarded load sits in a branch of its own, where the compiler also puts its bf16
         widening, which then waits for it, so that each guarded vector cost one memory round trip in turn."""
-        res = cute.make_rmem_tensor(du.row_major(self.batch, HC_MULT, du.VEC_BF16), BFloat16)
+        if cutlass.const_expr(res is None):
+            res = cute.make_rmem_tensor(du.row_major(self.batch, HC_MULT, du.VEC_BF16), BFloat16)
         for i in cutlass.range_constexpr(self.batch):
             o = cutlass.min(gtid + (b * self.batch + i) * self.group_threads, self.octets - 1)
             for j in cutlass.range_constexpr(HC_MULT):
