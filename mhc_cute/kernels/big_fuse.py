@@ -176,8 +176,11 @@ class BigFusePhase:
         first = None
         if cutlass.const_expr(self.batches <= 2):
             # residual_cur does not depend on the partials: the first batch of the collapse loads while the
-            # partials are summed (two memory round trips overlap)
-            first = self.load_first_batch(m0, mResCur, mLayerIn.shape[0])
+            # partials are summed (two memory round trips overlap). The Sinkhorn warp issues these loads too (its
+            # lanes repeat the first warp's addresses): in a branch around them ptxas widened the values inside it,
+            # waiting for them before the partials' loads (docs/experiments.md, 2026-12-04)
+            gtid, _, row = self.round_token(0, m0, mLayerIn.shape[0])
+            first = self.load_batch(0, gtid, du.token_row(mResCur, m0 + row))
         self.sum_partials(storage, m0, mPartials)
         if cutlass.const_expr(self.sinkhorn_warp):
             # the last warp runs only the Sinkhorn and exits: on the H200 that chain ends the call's tail
@@ -188,19 +191,6 @@ class BigFusePhase:
                 self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
         else:
             self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
-
-    @cute.jit
-    def load_first_batch(self, m0: Int32, mResCur: cute.Tensor, m_total):
-        """The collapse's first batch of round 0, loaded by the collapse threads. The ``sinkhorn_warp`` issues none of
-        these loads: its Sinkhorn would reuse their registers and so wait for them to land (a warp-uniform branch)."""
-        gtid, _, row = self.round_token(0, m0, m_total)
-        res = cute.make_rmem_tensor(du.row_major(self.batch, HC_MULT, du.VEC_BF16), BFloat16)
-        if cutlass.const_expr(self.sinkhorn_warp):
-            if cute.arch.warp_idx() < self.warps - 1:
-                self.load_batch(0, gtid, du.token_row(mResCur, m0 + row), res)
-        else:
-            self.load_batch(0, gtid, du.token_row(mResCur, m0 + row), res)
-        return res
 
     @cute.jit
     def round_token(self, r, m0: Int32, m_total):
@@ -321,15 +311,13 @@ class BigFusePhase:
             self.sinkhorn(storage, m0, mCombOut, scalars)
 
     @cute.jit
-    def load_batch(self, b, gtid, row_res, res=None):
-        """The 4 stream vectors of this thread's 8-vectors ``batch * b ...`` of a token, all loads in flight (into
-        ``res`` when given, else a fresh register tensor).
+    def load_batch(self, b, gtid, row_res):
+        """The 4 stream vectors of this thread's 8-vectors ``batch * b ...`` of a token, all loads in flight.
 
         The loads are unconditional (the vector index clamped; ``row_res`` is always a valid row, see
         ``round_token``): a guarded load sits in a branch of its own, where the compiler also puts its bf16
         widening, which then waits for it, so that each guarded vector cost one memory round trip in turn."""
-        if cutlass.const_expr(res is None):
-            res = cute.make_rmem_tensor(du.row_major(self.batch, HC_MULT, du.VEC_BF16), BFloat16)
+        res = cute.make_rmem_tensor(du.row_major(self.batch, HC_MULT, du.VEC_BF16), BFloat16)
         for i in cutlass.range_constexpr(self.batch):
             o = cutlass.min(gtid + (b * self.batch + i) * self.group_threads, self.octets - 1)
             for j in cutlass.range_constexpr(HC_MULT):
