@@ -77,7 +77,8 @@ def main() -> int:
             cands = [None] + [t for name in args.sweep for t in SWEEPS[name] if m >= 1024]
             # Every candidate is timed in each of --rounds rounds (the order reversed every other round), and the
             # float64 checks run only after all the timing: a check between timings heats the GPU, and the
-            # candidates timed after it ran up to 8% slower than the same tactic timed before it (stop 39).
+            # candidates timed after it ran up to 8% slower than the same tactic timed before it (H200,
+            # bench/measured/h200_triton_sweep_wide_2026-12-03.txt).
             times = mb.alternating_rounds(
                 {i: (lambda t=t, sets=sets: mb.time_graph(mb.mhc_cute_call("triton", tactic=t), sets, reps=args.reps))
                  for i, t in enumerate(cands)}, args.rounds)

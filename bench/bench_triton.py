@@ -28,7 +28,7 @@ from mhc_cute.accuracy import failure_of, problem_of
 from mhc_cute.triton.configs import TritonTactic as T
 
 # candidates per M (H = 7168 sizes; select/fit clamps them for other H): around the sm90 table's entries, from
-# the sweeps that chose them (bench/measured/h200_triton_sweep_k64.txt)
+# the sweeps that chose them (bench/measured/h200_triton_sweep_k64_2026-12-01.txt)
 _W = dict(reduce_block_h=8192, reduce_warps=8)
 _R = dict(reduce_block_t=2, reduce_block_h=1024)
 SWEEP = {

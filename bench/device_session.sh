@@ -7,8 +7,8 @@
 # stage) so that one slow stage cannot eat the rest.
 #
 # One device call is limited to 10 minutes. With the kernels precompiled and carried, warm + the whole GPU suite
-# took 6.5 minutes and the bench 2 (H200, stop 11); with an empty kernel cache the warm stage alone took 6 minutes
-# (stop 10). Tests and bench fit separate calls while the machine stays warm (the peers are staged in between):
+# took 6.5 minutes and the bench 2 (H200, 2026-12-01); with an empty kernel cache the warm stage alone took 6
+# minutes. Tests and bench fit separate calls while the machine stays warm (the peers are staged in between):
 #   BENCH_S=0 ...   then (stage the peers)   WARM_S=0 TEST_S=0 BENCH_S=570 ...
 set -u
 OUT=${OUT:-/tmp/mhc-out}

@@ -1,10 +1,10 @@
 """Where path E's tail goes at small M: the time from the end of kernel 1 to the end of the big fuse (3.4-3.6 us at
-every M from 1 to 64 on the H200, stop 23's CUPTI timeline), split by timestamps that a copy of `auto`'s kernels
-writes into the workspace past the partials: each kernel-1 CTA's end (``%globaltimer``), and per big-fuse CTA its
-start and its release from ``griddepcontrol_wait`` (``%globaltimer``), then ``clock64`` cycles (same SM) to the partials
-summed, the Sinkhorn warp's start and end, and the first collapse warp's end. Run as `auto` would (the shipped
-tactic, CUDA-graph replay over rotated inputs); the stamps of the last call of each replay are read. The outputs are
-not checked: for timing only.
+every M from 1 to 64 on the H200, bench/measured/h200_small_m_timeline_66d0a25_2026-12-02.txt), split by timestamps that
+a copy of `auto`'s kernels writes into the workspace past the partials: each kernel-1 CTA's end (``%globaltimer``), and
+per big-fuse CTA its start and its release from ``griddepcontrol_wait`` (``%globaltimer``), then ``clock64`` cycles
+(same SM) to the partials summed, the Sinkhorn warp's start and end, and the first collapse warp's end. Run as `auto`
+would (the shipped tactic, CUDA-graph replay over rotated inputs); the stamps of the last call of each replay are read.
+The outputs are not checked: for timing only.
 
     python bench/probe_big_fuse_tail.py --m 1 16 32 --hidden 7168 --repeat 1 20     # on a GPU machine
 """

@@ -1,6 +1,6 @@
 """Path B's kernel 1 with wider TMA boxes for the activations: does the copy probe's gain for 128-wide stages
 (`bench/probe_box_copy.py`: 93-95% of the copy bandwidth against 79-82% for kernel 1's 32-wide ones,
-`bench/measured/h200_k1_bound_stop14.txt`) carry over to the kernel?
+`bench/measured/h200_k1_bound_2026-12-01.txt`) carry over to the kernel?
 
 ``WideBoxKernel`` is kernel 1 (``mma.MmaFusedHcKernel``) with its pipeline split in two: ``residual_prev`` and
 ``x_prev`` arrive ``box`` 32-wide blocks of H at a time (one TMA box of ``[tile_m, 4, 32 box]`` and one of

@@ -1,7 +1,7 @@
 """The data movement of the on-chip-collapse design (docs/performance.md, *Where the time goes at large M*) without
 its projection: how close to the copy bandwidth do clusters of S CTAs stream the op's 20 H bytes per token when each
 tile of T tokens waits for a cluster tail before its collapse? An upper bound for that design, as the MMA warpgroup
-alone was for the persistent design of stop 17.
+alone was for the grid-persistent design (docs/experiments.md, 2026-12-01).
 
 Persistent clusters (``--clusters`` of them, all resident) walk the tiles c, c + clusters, ... CTA r of a cluster
 owns H / S positions of the tile's T tokens, a thread P octets (token, 8 positions). Per tile: the octets' 16-byte

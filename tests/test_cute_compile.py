@@ -142,9 +142,9 @@ def loads_issued_together(functions: dict) -> list:
 
 @pytest.mark.slow
 def test_small_m_loads_in_flight_together(tmp_path, cuobjdump, dump_env):
-    """Stop 15's latency fix, kept by the compiled code: path E at M = 1, H = 7168 (the shipped pick) issues its
-    loads so that each kernel waits for one memory round trip before computing (the compiler had put up to five
-    in series; on the H200 the fix took 0.7-1.1 µs off a call at M <= 16)."""
+    """The small-M load-order fix (commit 2dfa9bd), kept by the compiled code: path E at M = 1, H = 7168 (the shipped
+    pick) issues its loads so that each kernel waits for one memory round trip before computing (the compiler had put up
+    to five in series; on the H200 the fix took 0.7-1.1 µs off a call at M <= 16)."""
     tactic = "half_fma:k112:t1:n6:w256:s1:b1:flat"
     subprocess.run([sys.executable, "-c", _COMPILE_E, tactic, "7168"], env=dump_env(tmp_path, "cubin"), check=True,
                    timeout=1800, capture_output=True)
