@@ -170,8 +170,8 @@ class BigFusePhase:
         returned."""
         if cutlass.const_expr(self.sinkhorn_warp):
             # the last warp sums its share of the partials, runs only the Sinkhorn, and exits: on the H200 that
-            # chain ends the call's tail (`bench/probe_big_fuse_tail.py`); the collapse's barriers do not wait for
-            # it, and it issues none of the collapse's loads (its code would wait for them to free their registers)
+            # chain ends the call's tail (`bench/probes/probe_big_fuse_tail.py`); the collapse's barriers do not wait
+            # for it, and it issues none of the collapse's loads (its code would wait for them to free their registers)
             if cute.arch.warp_idx() == self.warps - 1:
                 self.sum_partials(storage, m0, mPartials)
                 self.sinkhorn(storage, m0, mCombOut, scalars)

@@ -435,7 +435,7 @@ def compiled_fma(tactic: FmaTactic, problem, out):
 
 def compile_fma(tactic: FmaTactic, problem, out, kernel_class=None):
     """Compile paths E/F for ``tactic`` against fake tensors shaped like ``problem`` and ``out``; ``kernel_class``:
-    ``FmaFusedHc`` or a subclass (``bench/probe_fma_phases.py``'s variants)."""
+    ``FmaFusedHc`` or a subclass (``bench/probes/probe_fma_phases.py``'s variants)."""
     kernel = (kernel_class or FmaFusedHc)(tactic, problem.hidden, norm_dtype_of(problem.norm_weight))
     m = cute.sym_int()
     token_tensors = fake_tensors(problem.x, problem.residual, problem.post_mix, problem.comb_mix, tokens=m)

@@ -12,8 +12,8 @@ resident to hide memory latency. The Hopper entries from M = 9 up come from H200
 projection per step over the four streams; bench/measured/h200_triton_sweep_k64_2026-12-01.txt): from M = 1024 up,
 32-wide H steps with a 4-deep pipeline (one program of 4 warps per SM; the weight's bf16 terms take most of the shared
 memory), and the largest bucket's reduce kernel takes two tokens per program. No entry spills (ptxas report,
-bench/triton_registers.py). The AMD entries follow the same rules with the CU counts of MI355X (gfx950, 256 CUs) and
-MI300X (gfx942, 304 CUs), compile for those targets, and have not been run on AMD hardware.
+bench/probes/triton_registers.py). The AMD entries follow the same rules with the CU counts of MI355X (gfx950, 256 CUs)
+and MI300X (gfx942, 304 CUs), compile for those targets, and have not been run on AMD hardware.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Does a CTA's release arrival make the global stores of *all* its warps visible to another CTA that acquires it?
-The question behind the persistent kernel's wrong results (docs/performance.md, *Where the time goes at large
-M*): its MMA warpgroup stores partial rows from four warps, then one thread (after a barrier of the four), or a
-separate warp, announces them on a counter that other CTAs poll.
+The question behind the persistent kernel's wrong results (docs/experiments.md): its MMA warpgroup stores partial rows
+from four warps, then one thread (after a barrier of the four), or a separate warp, announces them on a counter that
+other CTAs poll.
 
 A cooperative launch of ``--ctas`` CTAs runs ``--rounds`` rounds. In each, the 128 writer threads of a CTA copy
 ``--bulk`` 16-byte vectors each (loads and stores: the memory traffic a streaming kernel has in flight), then store
@@ -16,7 +16,7 @@ A reader warp per CTA waits (acquire polls) until every CTA has published the ro
 CTA and counts the words that are not this round's; then it announces that it has read the slot (writers reuse a
 slot three rounds later only after every reader is done with it, the persistent kernel's ring discipline).
 
-    python bench/probe_publish.py --ctas 128 --rounds 512 --bulk 0 8 --modes one fenced signal warps
+    python bench/probes/probe_publish.py --ctas 128 --rounds 512 --bulk 0 8 --modes one fenced signal warps
 """
 
 import argparse
@@ -24,7 +24,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -8,7 +8,7 @@ Differences between the columns place the time: ``r20 - r1`` is 19 Sinkhorn iter
 ``cold - hot`` the HBM latency and bandwidth, ``hot - floor`` the rest of the chain (reductions, fences,
 the election, the big fuse).
 
-    python bench/probe_latency.py --m 1 8 32 --hidden 7168
+    python bench/probes/probe_latency.py --m 1 8 32 --hidden 7168
 
 ``--ncu-once`` instead makes one call per backend and M (for ``ncu --clock-control none``, which times each
 kernel on its own with the caches flushed).
@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

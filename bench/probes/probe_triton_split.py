@@ -3,14 +3,14 @@ op and of its main kernel alone (the reduce kernel's launch replaced by nothing)
 tactics, against the copy-bandwidth time of each kernel's own bytes (main: read x and residual_prev, write
 residual_cur, 18 H bytes per token; reduce: read residual_cur, write layer_input, 10 H).
 
-    python bench/probe_triton_split.py --m 2048 8192 --hidden 7168
+    python bench/probes/probe_triton_split.py --m 2048 8192 --hidden 7168
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

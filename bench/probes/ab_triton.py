@@ -1,13 +1,13 @@
 """Timing of the Triton backend for whichever ``mhc_cute`` is first on the Python path: the default tactics over
 a grid of (H, M), optionally followed by explicit candidate tactics. Run it alternately for two trees in one
-device call to compare versions (see bench/ab_versions.py for the set-up), or once with ``--sweep`` to compare
+device call to compare versions (see bench/probes/ab_versions.py for the set-up), or once with ``--sweep`` to compare
 tactics. CUDA-graph replay over rotated input sets (mhc_cute.benchmark), median µs per call over
 ``--rounds`` rounds; points with M <= ``--check-max-m`` are also checked once against the float64 contract,
 after the timing.
 
-    PYTHONPATH=/tmp/old:$PYTHONPATH python bench/ab_triton.py --tag old1
-    python bench/ab_triton.py --tag new1 --sweep reduce main
-    python bench/ab_triton.py --once 8192 7168      # a few eager calls, nothing timed (for ncu)
+    PYTHONPATH=/tmp/old:$PYTHONPATH python bench/probes/ab_triton.py --tag old1
+    python bench/probes/ab_triton.py --tag new1 --sweep reduce main
+    python bench/probes/ab_triton.py --once 8192 7168      # a few eager calls, nothing timed (for ncu)
 """
 
 import argparse
@@ -40,7 +40,7 @@ SWEEPS = {
                   T(64, 16, 8, 4, num_stages=4, reduce_block_t=2, reduce_block_h=1024),
                   T(64, 16, 8, 4, num_stages=3, reduce_block_t=2, reduce_block_h=1024),
                   T(64, 16, 4, 4, num_stages=4, reduce_block_t=2, reduce_block_h=1024)],
-    # wider H steps (128- and 256-byte pieces of each row, which bench/probe_triton_ceiling.py found to stream at
+    # wider H steps (128- and 256-byte pieces of each row, which bench/probes/probe_triton_ceiling.py found to stream at
     # 80-92% of copy without the projection, against 61% for 64-byte ones) on fewer tokens per program
     "wide": [T(bm, bh, k, w, num_stages=st, reduce_block_t=2, reduce_block_h=1024)
              for bm, bh, k, w, st in ((32, 64, 8, 8, 3), (32, 64, 8, 8, 2), (32, 64, 8, 4, 3), (32, 64, 8, 4, 4),

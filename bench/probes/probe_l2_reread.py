@@ -1,12 +1,11 @@
-"""Does re-reading an L2-resident weight slow a kernel that streams HBM at full speed? A copy kernel whose programs
-also read a small array (the size of fp32 `fn` at H = 7168, 2.75 MB, so it stays in L2) in proportion to what they
-copy: `--ratios` of extra L2 bytes per HBM byte (read + write). A design that collapses `residual_cur` from on-chip
-memory (no re-read from HBM, the only way to the 80% of issue #5) must split each token's H over many CTAs, and
-each CTA then reads its slice of `fn` again for every tile of tokens: 0.6-1.2 L2 bytes per HBM byte at 16-32
-tokens per tile (docs/performance.md, *Where the time goes at large M*). Prints the HBM rate of each ratio against
-the plain copy (ratio 0) in the same run.
+"""Does re-reading an L2-resident weight slow a kernel that streams HBM at full speed? A copy kernel whose programs also
+read a small array (the size of fp32 `fn` at H = 7168, 2.75 MB, so it stays in L2) in proportion to what they copy:
+`--ratios` of extra L2 bytes per HBM byte (read + write). A design that collapses `residual_cur` from on-chip memory (no
+re-read from HBM, the only way to the 80% of issue #5) must split each token's H over many CTAs, and each CTA then reads
+its slice of `fn` again for every tile of tokens: 0.6-1.2 L2 bytes per HBM byte at 16-32 tokens per tile
+(docs/experiments.md). Prints the HBM rate of each ratio against the plain copy (ratio 0) in the same run.
 
-    python bench/probe_l2_reread.py --ratios 0 0.125 0.25 0.5 1 2
+    python bench/probes/probe_l2_reread.py --ratios 0 0.125 0.25 0.5 1 2
 """
 
 import argparse
@@ -15,7 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402

@@ -1,33 +1,33 @@
-"""The data movement of the on-chip-collapse design (docs/performance.md, *Where the time goes at large M*) without
-its projection: how close to the copy bandwidth do clusters of S CTAs stream the op's 20 H bytes per token when each
-tile of T tokens waits for a cluster tail before its collapse? An upper bound for that design, as the MMA warpgroup
-alone was for the grid-persistent design (docs/experiments.md, 2026-12-01).
+"""The data movement of the on-chip-collapse design (docs/experiments.md) without its projection: how close to the copy
+bandwidth do clusters of S CTAs stream the op's 20 H bytes per token when each tile of T tokens waits for a cluster tail
+before its collapse? An upper bound for that design, as the MMA warpgroup alone was for the grid-persistent design
+(docs/experiments.md, 2026-12-01).
 
-Persistent clusters (``--clusters`` of them, all resident) walk the tiles c, c + clusters, ... CTA r of a cluster
-owns H / S positions of the tile's T tokens, a thread P octets (token, 8 positions). Per tile: the octets' 16-byte
-loads (4 `residual_prev` streams and `x_prev`) were issued during the previous tile; post-map (per stream j
-``x post_j + sum_k comb_kj rp_k`` with fixed coefficients, SPEC's chain), `residual_cur` rounded to bf16, stored to
-global and to shared memory; the next tile's loads are issued; the cluster tail of `bench/probe_cluster.py` (partial
-rows to shared memory, cluster barrier, DSMEM sums of the CTA's T / S tokens over the cluster, four sigmoids per token
-broadcast to every CTA, cluster barrier); the collapse, ``layer_input = sum_j gate_j residual_cur_j`` from shared
-memory, stored. Outputs are checked against float64. Three ways to sync (``SYNCS``): "none" (no tail, constant
-gates: the copy alone); "all" (every thread runs the tail's steps and arrives at the cluster barriers with release
-semantics: in the SASS a `MEMBAR.ALL.GPU` per arrival, which waits for the thread's memory operations in flight,
-the next tile's loads included); "warp" (a warp of its own runs the tail and arrives with release; the loading
-threads arrive relaxed, so their loads stay in flight); "async" (no cluster barrier per tile: the loading threads
-push the tile's partial rows into the owning CTAs' shared memory with ``st.async``, counted by the owner's
-mbarrier; a tail warp per CTA waits for its tokens' rows, sums them and pushes the gates back the same way; the
-collapse of tile r runs after the post-map of tile r + 1, from the second of two `residual_cur` buffers, so the
-gates have a whole tile's time to arrive); "project" (the "async" handoffs with the design's projection instead of
-synthetic partials: the loading warps multiply the tile's `residual_cur` in shared memory by the CTA's K slice of an
-fp32 weight ``fn [24, 4 H]`` read from L2 every tile, on the tensor cores (m16n8k8 TF32, the weight split into hi +
-lo in registers as path E's warp MMA does; T = 16 tokens fill the 16 rows), sum their warps' partial rows in
-shared memory in a fixed order and push them with the sums of squares; the tail warp takes the pre gates as
-``sigmoid(dot_j * rsqrt(sumsq / 4H + eps))``, a stand-in for SPEC's steps 2-4 without the Sinkhorn). ``--collapse-from global`` has the collapse read
-`residual_cur` back from global memory (what the post-map stored, from L2 if it is still there) instead of from the
-tile's copy in shared memory, by the loaders a tile behind or (``--collapse-warps``, "async") by warps of their own.
+Persistent clusters (``--clusters`` of them, all resident) walk the tiles c, c + clusters, ... CTA r of a cluster owns H
+/ S positions of the tile's T tokens, a thread P octets (token, 8 positions). Per tile: the octets' 16-byte loads (4
+`residual_prev` streams and `x_prev`) were issued during the previous tile; post-map (per stream j ``x post_j + sum_k
+comb_kj rp_k`` with fixed coefficients, SPEC's chain), `residual_cur` rounded to bf16, stored to global and to shared
+memory; the next tile's loads are issued; the cluster tail of `bench/probes/probe_cluster.py` (partial rows to shared
+memory, cluster barrier, DSMEM sums of the CTA's T / S tokens over the cluster, four sigmoids per token broadcast to
+every CTA, cluster barrier); the collapse, ``layer_input = sum_j gate_j residual_cur_j`` from shared memory, stored.
+Outputs are checked against float64. Three ways to sync (``SYNCS``): "none" (no tail, constant gates: the copy alone);
+"all" (every thread runs the tail's steps and arrives at the cluster barriers with release semantics: in the SASS a
+`MEMBAR.ALL.GPU` per arrival, which waits for the thread's memory operations in flight, the next tile's loads included);
+"warp" (a warp of its own runs the tail and arrives with release; the loading threads arrive relaxed, so their loads
+stay in flight); "async" (no cluster barrier per tile: the loading threads push the tile's partial rows into the owning
+CTAs' shared memory with ``st.async``, counted by the owner's mbarrier; a tail warp per CTA waits for its tokens' rows,
+sums them and pushes the gates back the same way; the collapse of tile r runs after the post-map of tile r + 1, from the
+second of two `residual_cur` buffers, so the gates have a whole tile's time to arrive); "project" (the "async" handoffs
+with the design's projection instead of synthetic partials: the loading warps multiply the tile's `residual_cur` in
+shared memory by the CTA's K slice of an fp32 weight ``fn [24, 4 H]`` read from L2 every tile, on the tensor cores
+(m16n8k8 TF32, the weight split into hi + lo in registers as path E's warp MMA does; T = 16 tokens fill the 16 rows),
+sum their warps' partial rows in shared memory in a fixed order and push them with the sums of squares; the tail warp
+takes the pre gates as ``sigmoid(dot_j * rsqrt(sumsq / 4H + eps))``, a stand-in for SPEC's steps 2-4 without the
+Sinkhorn). ``--collapse-from global`` has the collapse read `residual_cur` back from global memory (what the post-map
+stored, from L2 if it is still there) instead of from the tile's copy in shared memory, by the loaders a tile behind or
+(``--collapse-warps``, "async") by warps of their own.
 
-    python bench/probe_onchip_skeleton.py --cluster 8 16 --tokens 8 16 --hidden 7168 --m 8192
+    python bench/probes/probe_onchip_skeleton.py --cluster 8 16 --tokens 8 16 --hidden 7168 --m 8192
 """
 
 import argparse
@@ -36,7 +36,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

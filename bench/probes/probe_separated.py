@@ -8,8 +8,8 @@ call per set, from kernel timestamps: the separator's end to the end of the call
 what a lone call adds). For a backend without PDL (Triton, the torch peers) a lone call should take its
 back-to-back time, which checks each measure.
 
-    python bench/probe_separated.py --hidden 7168 --m 1 8 16 32 --names auto triton
-    python bench/probe_separated.py --m 17 32 --separator bump gemm \
+    python bench/probes/probe_separated.py --hidden 7168 --m 1 8 16 32 --names auto triton
+    python bench/probes/probe_separated.py --m 17 32 --separator bump gemm \
         --names auto half_fma:k224:t16:n6:w128:s1:b1:flat:mma
 
 Lines: ``SEPV round separator name H M graph_us sep_us after_us gap_us first_kernel_us`` (gap: from the

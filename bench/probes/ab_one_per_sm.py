@@ -10,7 +10,7 @@ worst of the three medians (``autotune.worst_context``'s measure). The pick stay
 ``autotune.TUNE_MARGIN`` lower (``autotune.pick`` with the pick as the default); a new pick is checked against the
 float64 contract first (a wrong one is dropped for the next).
 
-    python bench/ab_one_per_sm.py --table mhc_cute/tuned/nvidia_h200.json --out new.json --source "..."
+    python bench/probes/ab_one_per_sm.py --table mhc_cute/tuned/nvidia_h200.json --out new.json --source "..."
 
 Lines: ``ROW H norm M tactic graph_us after_kernel_us after_gemm_us score_us [pick|new]``.
 """

@@ -1,6 +1,6 @@
 """What do grid-wide barriers cost on this GPU, alone and inside a streaming kernel? The open question of the
-grid-persistent design sketched in docs/performance.md (*Where the time goes at large M*), which needs two grid barriers
-per round of tokens and reaches the issue's 80% only if they hide behind the round's memory traffic.
+grid-persistent design sketched in docs/experiments.md, which needs two grid barriers per round of tokens and reaches
+the issue's 80% only if they hide behind the round's memory traffic.
 
 A kernel of ``--ctas`` CTAs (one per SM), launched cooperatively (all resident, so a spin barrier cannot deadlock),
 runs ``rounds`` rounds. In each round every thread but the first warp's stores the ``--vectors`` 16-byte vectors it
@@ -22,7 +22,7 @@ use).
 µs per round = (time at ``--rounds`` rounds - time at one round) / (``--rounds`` - 1), launches timed back to back
 with CUDA events (median of ``--reps``); the copy's bandwidth counts its loads and stores.
 
-    python bench/probe_grid_barrier.py --ctas 128 132 --vectors 0 13 --barriers 0 1 2 --lags 1 2
+    python bench/probes/probe_grid_barrier.py --ctas 128 132 --vectors 0 13 --barriers 0 1 2 --lags 1 2
 """
 
 import argparse
@@ -30,7 +30,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -6,14 +6,14 @@ them at ``block_h = 32``); four warps per 64 rows copy the residual tile to ``re
 Bytes moved per token: 18H, kernel 1's share of SPEC's floor. CUDA-graph replay over rotated inputs, median µs and
 the achieved rate against the measured copy bandwidth.
 
-    python bench/probe_box_copy.py --hidden 7168 --m 8192 --block-h 32 64 128
+    python bench/probes/probe_box_copy.py --hidden 7168 --m 8192 --block-h 32 64 128
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -12,14 +12,14 @@ inputs, median) for several block shapes and reported as a fraction of the copy 
 reduce kernel after it. If even ``postmap`` with the reduce stays below a target, no projection can reach it in
 this design.
 
-    python bench/probe_triton_ceiling.py --m 2048 8192 --hidden 7168
+    python bench/probes/probe_triton_ceiling.py --m 2048 8192 --hidden 7168
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402

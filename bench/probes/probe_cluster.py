@@ -1,6 +1,6 @@
-"""Can the on-chip-collapse design (docs/performance.md, *Where the time goes at large M*: a thread-block cluster of
-S CTAs splits each token's H, reduces the partials through distributed shared memory and collapses
-`residual_cur` from shared memory) run on this GPU? Two of its open questions:
+"""Can the on-chip-collapse design (docs/experiments.md: a thread-block cluster of S CTAs splits each token's H, reduces
+the partials through distributed shared memory and collapses `residual_cur` from shared memory) run on this GPU? Two of
+its open questions:
 
 1. How many clusters of S CTAs, each holding ``--smem-kb`` of shared memory (the design's ~215 KB: one CTA per
    SM), are resident at once? Every CTA records its SM and its start and end (``%globaltimer``); the host counts
@@ -14,9 +14,9 @@ S CTAs splits each token's H, reduces the partials through distributed shared me
    round's gates are checked against the same arithmetic in float64 on the host.
 
 The Sinkhorn of the T / S tokens per CTA is not in it (about 1.2-1.7 µs on one lane per token, measured in the
-big fuse: `bench/probe_sinkhorn.py`), nor any memory traffic beside it.
+big fuse: `bench/probes/probe_sinkhorn.py`), nor any memory traffic beside it.
 
-    python bench/probe_cluster.py --cluster 8 16 --tokens 16 24 32
+    python bench/probes/probe_cluster.py --cluster 8 16 --tokens 16 24 32
 """
 
 import argparse
@@ -24,7 +24,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -4,8 +4,8 @@ tiles; that last one applies to the FFMA projection only), timed as whole calls 
 input and weight sets, as the benchmark does) and as kernel-1 durations and tails (CUPTI kernel timestamps through
 ``torch.profiler``). The variants compute wrong results: they are for timing only, and run only here.
 
-    python bench/probe_fma_phases.py --compile-only    # any machine: compile and persist the variants
-    python bench/probe_fma_phases.py                   # on the GPU (with the same $MHC_CUTE_KERNEL_CACHE)
+    python bench/probes/probe_fma_phases.py --compile-only    # any machine: compile and persist the variants
+    python bench/probes/probe_fma_phases.py                   # on the GPU (with the same $MHC_CUTE_KERNEL_CACHE)
 """
 
 import argparse
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

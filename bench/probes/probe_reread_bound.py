@@ -16,7 +16,7 @@ Each at several block widths (the best reported), CUDA-graph replay over rotated
 ``auto`` and ``half_mma`` (and TileKernels when staged) timed on the same sets in the same process. Fractions are of
 SPEC's floor ``((20 H + 160) M + 96 H) / B`` with B the copy bandwidth measured in the run, as in the benchmark.
 
-    python bench/probe_reread_bound.py --hidden 7168 4096 --m 2048 8192
+    python bench/probes/probe_reread_bound.py --hidden 7168 4096 --m 2048 8192
 
 Lines: ``RB H M name us floor%``.
 """
@@ -26,7 +26,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402

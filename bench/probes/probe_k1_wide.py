@@ -1,5 +1,5 @@
 """Path B's kernel 1 with wider TMA boxes for the activations: does the copy probe's gain for 128-wide stages
-(`bench/probe_box_copy.py`: 93-95% of the copy bandwidth against 79-82% for kernel 1's 32-wide ones,
+(`bench/probes/probe_box_copy.py`: 93-95% of the copy bandwidth against 79-82% for kernel 1's 32-wide ones,
 `bench/measured/h200_k1_bound_2026-12-01.txt`) carry over to the kernel?
 
 ``WideBoxKernel`` is kernel 1 (``mma.MmaFusedHcKernel``) with its pipeline split in two: ``residual_prev`` and
@@ -9,7 +9,7 @@ flight, ring of its own), each ring fed by a producer warp of its own so that ne
 the same K order, same partials), so the outputs must be bit-identical to kernel 1's with the same tactic: the probe
 checks that and the float64 contract, then times both (CUDA-graph replay over rotated inputs, alternating rounds).
 
-    python bench/probe_k1_wide.py --hidden 7168 --m 8192 --baseline half_mma:k2:m64:s3:fbw \
+    python bench/probes/probe_k1_wide.py --hidden 7168 --m 8192 --baseline half_mma:k2:m64:s3:fbw \
         --variant 4:2:half_mma:k2:m64:s2:fbw 1:3:half_mma:k2:m64:s3:fbw    # box:raw_stages:tactic
 """
 
@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Host time of an eager call with fresh outputs against one writing the caller's buffers (``out=``), and the graph
 time of both (the same kernels: it should not move).
 
-    python bench/probe_out_host.py --hidden 7168 --m 1 32 2048
+    python bench/probes/probe_out_host.py --hidden 7168 --m 1 32 2048
 
 Lines: ``OUTH H M backend host_fresh_us host_out_us graph_fresh_us graph_out_us``.
 """

@@ -2,8 +2,8 @@
 registers per thread, spill stack, shared memory, and the programs per SM those allow, for the Hopper table's
 tactics (or given ones) and optionally a register cap (Triton's ``maxnreg``).
 
-    python bench/triton_registers.py                      # every bucket of the sm90 table, H = 7168
-    python bench/triton_registers.py --maxnreg 168 128    # the same, capped
+    python bench/probes/triton_registers.py                      # every bucket of the sm90 table, H = 7168
+    python bench/probes/triton_registers.py --maxnreg 168 128    # the same, capped
 
 Registers bound how many programs share an SM, hence how many loads a streaming kernel has in flight.
 """
@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # before importing the kernels
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import triton  # noqa: E402
 

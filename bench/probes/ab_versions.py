@@ -5,11 +5,11 @@ separate processes of one device call, and compare the medians line by line (mac
 same kernel, so only numbers from one call compare).
 
     git archive HEAD mhc_cute | tar -x -C /tmp/old          # the version to compare against
-    MHC_CUTE_KERNEL_CACHE=.kcache python bench/ab_versions.py --precompile     # on a CPU machine, both trees
-    MHC_CUTE_KERNEL_CACHE=.kcache PYTHONPATH=/tmp/old python bench/ab_versions.py --precompile
+    MHC_CUTE_KERNEL_CACHE=.kcache python bench/probes/ab_versions.py --precompile     # on a CPU machine, both trees
+    MHC_CUTE_KERNEL_CACHE=.kcache PYTHONPATH=/tmp/old python bench/probes/ab_versions.py --precompile
     # on the GPU machine, from the repository root (with /tmp/old carried in the working tree):
-    for r in 1 2; do PYTHONPATH=/tmp/old:$PYTHONPATH python bench/ab_versions.py --tag old$r --check
-                     python bench/ab_versions.py --tag new$r; done
+    for r in 1 2; do PYTHONPATH=/tmp/old:$PYTHONPATH python bench/probes/ab_versions.py --tag old$r --check
+                     python bench/probes/ab_versions.py --tag new$r; done
 
 The script's directory comes first on ``sys.path`` (it holds no ``mhc_cute``), then ``PYTHONPATH``: that picks
 the tree. ``--check`` runs each point once against the float64 contract (``ok`` or the first failure). ``HOST``

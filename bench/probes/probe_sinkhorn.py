@@ -4,7 +4,7 @@ one warp runs the Sinkhorn (one 4x4 per lane, or with ``pair`` one per two lanes
 alone or beside ``busy`` warps streaming a buffer (as the big fuse's collapse warps do). Cycles for ``repeat`` = 1,
 20 and 40; the slope is the iteration. The pair form's results are checked bit for bit against the one-lane form's.
 
-    python bench/probe_sinkhorn.py            # on a GPU machine
+    python bench/probes/probe_sinkhorn.py            # on a GPU machine
 """
 
 import os
@@ -18,7 +18,7 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32, Int64  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from mhc_cute.kernels import device_utils as du  # noqa: E402
 
 JUNK_FLOATS = 1 << 24  # 64 MB streamed by the busy warps

@@ -3,8 +3,8 @@
 On the device: ``ncu --set full --import-source no -k regex:NAME -c 1 -o rep python ...`` then
 ``ncu -i rep.ncu-rep --page source --csv --print-source sass | gzip > rep.source.csv.gz``. Here::
 
-    python bench/ncu_regions.py rep.source.csv.gz --marks            # landmarks: barriers, waits, MMAs, bulk copies
-    python bench/ncu_regions.py rep.source.csv.gz --top 12 0:208:setup 208:1380:postmap ...
+    python bench/probes/ncu_regions.py rep.source.csv.gz --marks     # landmarks: barriers, waits, MMAs, bulk copies
+    python bench/probes/ncu_regions.py rep.source.csv.gz --top 12 0:208:setup 208:1380:postmap ...
 
 A region is ``first:last:name``, SASS instruction indices (as ``--marks`` prints them) from ``first`` up to but not
 including ``last``; per region: its share of all samples, the warp instructions it executed, and its main stall

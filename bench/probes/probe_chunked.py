@@ -7,7 +7,7 @@ which may still be in L2, at the price of a kernel ramp and tail per chunk. This
 same rotated inputs as one call and as chunked calls (slices of the inputs, CUDA-graph replay; each chunk call is
 what ``mhc_fused_hc`` does for that many tokens, with its own choice of tactic under ``auto``).
 
-    python bench/probe_chunked.py --hidden 7168 --m 2048 8192 --chunks 256 512 1024 2048 --backends auto triton
+    python bench/probes/probe_chunked.py --hidden 7168 --m 2048 8192 --chunks 256 512 1024 2048 --backends auto triton
 
 Lines: ``CH backend H M chunk us floor_frac`` (chunk = M: one call).
 """

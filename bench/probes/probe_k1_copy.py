@@ -5,15 +5,15 @@ the same 16-byte stores; no post-map arithmetic, no MMA, no partials, so its res
 then reads stale partials, which leaves its memory traffic unchanged). CUDA-graph replay over rotated inputs,
 median µs per call and % of SPEC's floor, alternating the two a few times.
 
-    python bench/probe_k1_copy.py --hidden 7168 --m 2048 8192 --tactic half_mma:k2:m64:s3:fbw
-    python bench/probe_k1_copy.py --once 8192 7168 ...   # one call of each (for ncu)
+    python bench/probes/probe_k1_copy.py --hidden 7168 --m 2048 8192 --tactic half_mma:k2:m64:s3:fbw
+    python bench/probes/probe_k1_copy.py --once 8192 7168 ...   # one call of each (for ncu)
 """
 
 import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

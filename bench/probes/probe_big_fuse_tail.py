@@ -6,7 +6,7 @@ per big-fuse CTA its start and its release from ``griddepcontrol_wait`` (``%glob
 would (the shipped tactic, CUDA-graph replay over rotated inputs); the stamps of the last call of each replay are read.
 The outputs are not checked: for timing only.
 
-    python bench/probe_big_fuse_tail.py --m 1 16 32 --hidden 7168 --repeat 1 20     # on a GPU machine
+    python bench/probes/probe_big_fuse_tail.py --m 1 16 32 --hidden 7168 --repeat 1 20     # on a GPU machine
 """
 
 import argparse
@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench" / "probes")]
 
 import torch  # noqa: E402
 
