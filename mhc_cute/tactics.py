@@ -29,12 +29,9 @@ MMA_WG_THREADS = 128
 MMA_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per CTA on sm_90
 # Shapes of the standalone big-fuse kernel of the two-launch paths (E, B), ``fuse`` in a tactic: "lat" gives a
 # token enough threads that the collapse is one memory round trip, and the Sinkhorn a warp of its own (fastest
-# when a few CTAs run: small M),
-# "bw" keeps CTAs small so that many share an SM (fastest when the kernel streams: large M). Measured on an
-# H200 at H = 7168 (README): "lat" wins up to M = 32, "bw" from M = 256 on. "latp" and "bwp": the same shapes
-# with the Sinkhorn two lanes per token, for the tuner (with the element-scaling Sinkhorn they were 2-4% faster at
-# H = 7168 without the norm; with the scaling-vector one (2026-12-02) the one-lane shapes are faster there;
-# docs/performance.md).
+# when a few CTAs run: small M); "bw" keeps CTAs small so that many share an SM (fastest when the kernel streams:
+# large M). "latp" and "bwp": the same shapes with the Sinkhorn on two lanes per token (same bits), kept as tuner
+# candidates. Measurements: docs/experiments.md.
 FUSE_SHAPES = ("lat", "bw", "latp", "bwp")
 LATENCY_FUSE_MAX_M = 32
 ONE_LAUNCH_PATHS = ("all_fma", "all_mma")

@@ -185,7 +185,7 @@ def _bench_module(name: str):
 @pytest.mark.parametrize("vectors, barriers, kind, lag", [(0, 2, "atomic", 0), (13, 1, "red", 1)])
 def test_grid_barrier_probe_compiles(vectors, barriers, kind, lag):
     """bench/probes/probe_grid_barrier.py (the cooperative-launch probe behind the persistent design in
-    docs/performance.md) keeps compiling for sm_90a: blocking barriers of either kind and the split-phase one, alone
+    docs/experiments.md) keeps compiling for sm_90a: blocking barriers of either kind and the split-phase one, alone
     and in the streaming copy."""
     assert callable(_bench_module("probe_grid_barrier").compiled(132, 256, vectors, barriers, kind, lag))
 
