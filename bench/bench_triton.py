@@ -140,7 +140,7 @@ def main() -> int:
                     for n, c in peers.items()]
             timed = [(t, bm.bench_one("sweep", bm.mhc_cute_call("triton", tactic=t), m, h, dev, args.norm,
                                       bandwidth, sets=sets, eager=False)) for t in candidates(m, h)]
-            # checked after all of the point's timing: a check slows the timings right after it (ab_triton.py)
+            # checked after all of the point's timing: a check slows the timings right after it (docs/experiments.md)
             for t, r in timed:
                 check = (failure_of(problem_of(sets[0]), "triton", t) or "ok") if m <= CHECK_MAX_M else "unchecked"
                 sweep.append(dict(m=m, h=h, tactic=repr(t), graph_us=r.graph_us, error=r.error, check=check))

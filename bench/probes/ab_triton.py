@@ -40,8 +40,8 @@ SWEEPS = {
                   T(64, 16, 8, 4, num_stages=4, reduce_block_t=2, reduce_block_h=1024),
                   T(64, 16, 8, 4, num_stages=3, reduce_block_t=2, reduce_block_h=1024),
                   T(64, 16, 4, 4, num_stages=4, reduce_block_t=2, reduce_block_h=1024)],
-    # wider H steps (128- and 256-byte pieces of each row, which bench/probes/probe_triton_ceiling.py found to stream at
-    # 80-92% of copy without the projection, against 61% for 64-byte ones) on fewer tokens per program
+    # wider H steps (128- and 256-byte pieces of each row, which stream faster than 64-byte ones as a plain copy:
+    # probe_triton_ceiling.py) on fewer tokens per program
     "wide": [T(bm, bh, k, w, num_stages=st, reduce_block_t=2, reduce_block_h=1024)
              for bm, bh, k, w, st in ((32, 64, 8, 8, 3), (32, 64, 8, 8, 2), (32, 64, 8, 4, 3), (32, 64, 8, 4, 4),
                                       (32, 64, 16, 8, 3), (32, 64, 4, 8, 3), (16, 64, 8, 4, 4), (16, 64, 8, 4, 3),
@@ -76,9 +76,8 @@ def main() -> int:
             sets = mb.rotated_sets(m, h, dev)
             cands = [None] + [t for name in args.sweep for t in SWEEPS[name] if m >= 1024]
             # Every candidate is timed in each of --rounds rounds (the order reversed every other round), and the
-            # float64 checks run only after all the timing: a check between timings heats the GPU, and the
-            # candidates timed after it ran up to 8% slower than the same tactic timed before it (H200,
-            # bench/measured/h200_triton_sweep_wide_2026-12-03.txt).
+            # float64 checks run only after all the timing: a check between timings slows the candidates timed
+            # right after it (docs/experiments.md).
             times = mb.alternating_rounds(
                 {i: (lambda t=t, sets=sets: mb.time_graph(mb.mhc_cute_call("triton", tactic=t), sets, reps=args.reps))
                  for i, t in enumerate(cands)}, args.rounds)

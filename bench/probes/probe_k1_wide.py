@@ -3,11 +3,12 @@
 `bench/measured/h200_k1_bound_2026-12-01.txt`) carry over to the kernel?
 
 ``WideBoxKernel`` is kernel 1 (``mma.MmaFusedHcKernel``) with its pipeline split in two: ``residual_prev`` and
-``x_prev`` arrive ``box`` 32-wide blocks of H at a time (one TMA box of ``[tile_m, 4, 32 box]`` and one of
-``[tile_m, 32 box]``, ``raw_stages`` of them in flight), the weight 32-wide block by block as now (``stages`` in
-flight, ring of its own), each ring fed by a producer warp of its own so that neither waits for the other's. The consumers work block by block exactly as kernel 1 does (same post-map, same MMAs in
-the same K order, same partials), so the outputs must be bit-identical to kernel 1's with the same tactic: the probe
-checks that and the float64 contract, then times both (CUDA-graph replay over rotated inputs, alternating rounds).
+``x_prev`` arrive ``box`` 32-wide blocks of H at a time (one TMA box of ``[tile_m, 4, 32 box]`` and one of ``[tile_m, 32
+box]``, ``raw_stages`` of them in flight), the weight 32-wide block by block as now (``stages`` in flight, ring of its
+own), each ring fed by a producer warp of its own so that neither waits for the other's. The consumers work block by
+block exactly as kernel 1 does (same post-map, same MMAs in the same K order, same partials), so the outputs must be
+bit-identical to kernel 1's with the same tactic: the probe checks that and the float64 contract, then times both
+(CUDA-graph replay over rotated inputs, alternating rounds).
 
     python bench/probes/probe_k1_wide.py --hidden 7168 --m 8192 --baseline half_mma:k2:m64:s3:fbw \
         --variant 4:2:half_mma:k2:m64:s2:fbw 1:3:half_mma:k2:m64:s3:fbw    # box:raw_stages:tactic

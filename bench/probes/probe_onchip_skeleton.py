@@ -340,8 +340,8 @@ class OnchipSkeleton:
             q = tidx + p * self.threads
         if cutlass.const_expr(self.kmajor):
             # eight lanes on eight adjacent octets of one token (128 bytes: one line in global memory, one swizzled
-            # row in shared memory, no bank conflicts), a warp on four tokens. (Lane pairs on 32 bytes of each of 16
-            # tokens, with an unswizzled K-major layout, took the data movement from 90% of copy to 69%.)
+            # row in shared memory, no bank conflicts), a warp on four tokens: whole lines, where lane pairs on 32
+            # bytes of each of 16 tokens made many small requests
             t, o = (q // 8) % self.tokens, q // (8 * self.tokens) * 8 + q % 8
         else:
             t, o = q // self.octets, q % self.octets
