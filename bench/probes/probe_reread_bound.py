@@ -14,7 +14,7 @@ ceiling for any such design on this GPU:
 
 Each at several block widths (the best reported), CUDA-graph replay over rotated inputs, median; the whole op's
 ``auto`` and ``half_mma`` (and TileKernels when staged) timed on the same sets in the same process. Fractions are of
-SPEC's floor ``((20 H + 160) M + 96 H) / B`` with B the copy bandwidth measured in the run, as in the benchmark.
+SPEC's floor (``benchmark.floor_bytes``) at the copy bandwidth B measured in the run, as in the benchmark.
 
     python bench/probes/probe_reread_bound.py --hidden 7168 4096 --m 2048 8192
 
