@@ -118,7 +118,7 @@ def main(argv=None):
                 r = mb.bench_one(name, call, m, h, dev, args.norm, bandwidth, sets, eager=False)
                 results.append(r)
                 peer_us[name] = r.graph_us
-            # checked after all the point's timing: a float64 check slows the timings right after it (ab_triton.py)
+            # checked after all the point's timing: a float64 check slows the timings after it (docs/experiments.md)
             best = {}
             for p, t, r in timed:
                 why = failure_of(problem_of(sets[0]), p, t) if args.check else None

@@ -130,7 +130,7 @@ def main(argv=None):
             timed = {prec: [(p, t, mb.bench_one(f"{t.name}:{prec}", mb.mhc_cute_call(p, prec, t), m, h, dev, False,
                                                 bandwidth, sets, eager=False))
                             for p in PATHS for t in plan[(h, m, p)]] for prec in args.precision}
-            # checked after all the point's timing: a float64 check slows the timings right after it (ab_triton.py)
+            # checked after all the point's timing: a float64 check slows the timings after it (docs/experiments.md)
             for prec in args.precision:
                 best = None
                 for p, t, r in timed[prec]:

@@ -28,7 +28,7 @@ from mhc_cute.accuracy import failure_of, problem_of
 from mhc_cute.triton.configs import TritonTactic as T
 
 # candidates per M (H = 7168 sizes; select/fit clamps them for other H): around the sm90 table's entries, from
-# the sweeps that chose them (bench/measured/h200_triton_sweep_k64.txt)
+# the sweeps that chose them (bench/measured/h200_triton_sweep_k64_2026-12-01.txt)
 _W = dict(reduce_block_h=8192, reduce_warps=8)
 _R = dict(reduce_block_t=2, reduce_block_h=1024)
 SWEEP = {
@@ -140,7 +140,7 @@ def main() -> int:
                     for n, c in peers.items()]
             timed = [(t, bm.bench_one("sweep", bm.mhc_cute_call("triton", tactic=t), m, h, dev, args.norm,
                                       bandwidth, sets=sets, eager=False)) for t in candidates(m, h)]
-            # checked after all of the point's timing: a check slows the timings right after it (ab_triton.py)
+            # checked after all of the point's timing: a check slows the timings right after it (docs/experiments.md)
             for t, r in timed:
                 check = (failure_of(problem_of(sets[0]), "triton", t) or "ok") if m <= CHECK_MAX_M else "unchecked"
                 sweep.append(dict(m=m, h=h, tactic=repr(t), graph_us=r.graph_us, error=r.error, check=check))

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# One batched GPU session (run from the repository root on the GPU machine, under .devbundle/gpu.sh):
+# One batched GPU run (run from the repository root on the GPU machine, under .devbundle/gpu.sh):
 # unpack kernels precompiled on a CPU machine (`bench/precompile.py --session`, packed as .kcarry/kcache.tar.xz),
 # compile what is missing in parallel (the same --session set, then Triton's test and bench configurations), run
 # the GPU tests listed in $TESTS (pytest node ids, one per line; default: every gpu test), then `mhc-cute bench`.
 # Everything is logged under $OUT. Each stage has its own time limit (WARM_S, TEST_S, BENCH_S seconds; 0 skips the
 # stage) so that one slow stage cannot eat the rest.
 #
-# One device call is limited to 10 minutes. With the kernels precompiled and carried, warm + the whole GPU suite
-# took 6.5 minutes and the bench 2 (H200, stop 11); with an empty kernel cache the warm stage alone took 6 minutes
-# (stop 10). Tests and bench fit separate calls while the machine stays warm (the peers are staged in between):
+# Where one command is limited to 10 minutes, run the tests and the bench as separate calls while the machine stays
+# warm (the peers staged in between); with the kernels precompiled and carried, warm + the whole GPU suite take about
+# 6.5 minutes on the H200 and the bench 2 (docs/developer.md):
 #   BENCH_S=0 ...   then (stage the peers)   WARM_S=0 TEST_S=0 BENCH_S=570 ...
 set -u
 OUT=${OUT:-/tmp/mhc-out}

@@ -1,21 +1,31 @@
 """Merge `mhc-cute bench --json` files (a later file overrides an earlier one for the same H, M and name) into
 the README's markdown tables and a PNG plot. Where the run timed `auto` in context (M <= benchmark.CONTEXT_MAX_M),
 two columns give what a call adds after a one-element non-PDL kernel and after a cuBLAS GEMM ("auto after kernel",
-"auto after GEMM"); files written before stop 35 have instead "auto sep", the graph-difference measure of then.
+"auto after GEMM"); files written before commit 35cd5a7 (2026-12-03) have instead "auto sep", the graph-difference
+measure of then.
 
-    python bench/merge_measured.py bench/measured/h200_bench_stop12.json --plot bench/measured/h200.png
+    python bench/merge_measured.py bench/measured/h200_bench_h7168_794fe68_2026-12-03.json \
+        bench/measured/h200_bench_h4096_794fe68_2026-12-03.json --plot bench/measured/h200_bench_794fe68_2026-12-03.png
 """
 
 import argparse
 import json
 import sys
 
-from mhc_cute.benchmark import CONTEXTS, Result, fastest, plot
+from mhc_cute.benchmark import CONTEXTS, Result, fastest, floor_bytes, plot
 
 KERNELS = ("half_fma", "all_fma", "triton", "half_mma", "all_mma")
 COLUMNS = (("auto", "auto"), ("half_fma", "E half_fma"), ("all_fma", "F all_fma"), ("triton", "triton"),
            ("half_mma", "B half_mma"), ("all_mma", "D all_mma"), ("tilekernels", "TileKernels"),
            ("torch-compile", "torch.compile"), ("torch-eager", "torch eager"))
+
+
+def floor_frac(r: dict) -> float:
+    """The floor's share of the call's time, with the present floor (files written before 2026-12-04 stored
+    fractions of a floor that counted the weight as 96H bytes instead of 384H)."""
+    if not r.get("copy_bandwidth"):
+        return r["floor_frac"]
+    return floor_bytes(r["m"], r["hidden"]) / r["copy_bandwidth"] * 1e6 / r["graph_us"]
 
 
 def main() -> int:
@@ -29,7 +39,7 @@ def main() -> int:
         gpu = data["gpu"]
         for r in data["results"]:
             if r["graph_us"]:
-                merged[(r["hidden"], r["m"], r["name"])] = r
+                merged[(r["hidden"], r["m"], r["name"])] = dict(r, copy_bandwidth=data.get("copy_bandwidth"))
     graph_us = {k: r["graph_us"] for k, r in merged.items()}
     if any(r.get("context_us") for r in merged.values()):
         extra = {label: lambda r, c=c: r.get("context_us", {}).get(c)
@@ -48,7 +58,7 @@ def main() -> int:
             cells = ["—" if r is None else (f"**{r['graph_us']:.1f}**" if n == best else f"{r['graph_us']:.1f}")
                      for n, r in row.items()]
             auto, tk = row["auto"], row["tilekernels"]
-            floor = f"{100 * auto['floor_frac']:.0f}%" if auto else "—"
+            floor = f"{100 * floor_frac(auto):.0f}%" if auto else "—"
             speedup = f"{tk['graph_us'] / auto['graph_us']:.2f}x" if auto and tk else "—"
             vs_best = f"{auto['graph_us'] / row[best]['graph_us']:.3f}" if auto else "—"
             eager = f"{auto['eager_us']:.0f}" if auto and auto.get("eager_us") else "—"

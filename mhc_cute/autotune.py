@@ -462,7 +462,7 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
         scored.append((h, b, timed))
         del sets
     # The float64 checks come after all the timing: the candidates timed right after a check ran up to 8% slower
-    # than the same tactic timed before it (H200, bench/measured/h200_triton_sweep_wide_stop39.txt).
+    # than the same tactic timed before it (H200, bench/measured/h200_triton_sweep_wide_2026-12-03.txt).
     tables: dict[str, dict[int, Choice]] = {}
     for h, b, timed in scored:
         torch.cuda.empty_cache()

@@ -29,12 +29,9 @@ MMA_WG_THREADS = 128
 MMA_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per CTA on sm_90
 # Shapes of the standalone big-fuse kernel of the two-launch paths (E, B), ``fuse`` in a tactic: "lat" gives a
 # token enough threads that the collapse is one memory round trip, and the Sinkhorn a warp of its own (fastest
-# when a few CTAs run: small M),
-# "bw" keeps CTAs small so that many share an SM (fastest when the kernel streams: large M). Measured on an
-# H200 at H = 7168 (README): "lat" wins up to M = 32, "bw" from M = 256 on. "latp" and "bwp": the same shapes
-# with the Sinkhorn two lanes per token, for the tuner (with the element-scaling Sinkhorn they were 2-4% faster at
-# H = 7168 without the norm; with the scaling-vector one of stop 22 the one-lane shapes are faster there;
-# docs/performance.md).
+# when a few CTAs run: small M); "bw" keeps CTAs small so that many share an SM (fastest when the kernel streams:
+# large M). "latp" and "bwp": the same shapes with the Sinkhorn on two lanes per token (same bits), kept as tuner
+# candidates. Measurements: docs/experiments.md.
 FUSE_SHAPES = ("lat", "bw", "latp", "bwp")
 LATENCY_FUSE_MAX_M = 32
 ONE_LAUNCH_PATHS = ("all_fma", "all_mma")
@@ -231,13 +228,14 @@ def default_fma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> F
     each (H / 64 splits) with the latency shape of the big fuse, as the tuned picks there have: on the H200 those
     were 22-40% faster than path B's default at M = 32-128 at H = 4096, 5120 and 7168. Path F keeps the FFMA
     tactic: its last CTA of a token block runs the big fuse for all of the block's tokens, and with 16 or 32 of them
-    it took 19-40% longer than with 8 (H = 6144 and 7168, M = 16-128; bench/measured/h200_fma_defaults_stop37.txt).
+    it took 19-40% longer than with 8 (H = 6144 and 7168, M = 16-128;
+    bench/measured/h200_fma_defaults_2026-12-03.txt).
 
     On path E a grid of at most one wave (at the bucket's largest M) runs one CTA per SM (``one_per_sm``), and at
     17-32 tokens 32-token CTAs are taken where 16-token ones would need more than a wave: launched early through
     PDL (after a cuBLAS GEMM) its CTAs otherwise stacked two to an SM, which took 0.4-1.1 us more at M = 8-64 on
-    the H200, where one per SM was as fast or faster in the other measures (bench/measured/h200_ab_one_per_sm_stop38.txt,
-    H = 4096-7168)."""
+    the H200, where one per SM was as fast or faster in the other measures (H = 4096-7168,
+    bench/measured/h200_ab_one_per_sm_2026-12-03.txt)."""
     bucket_m, _, mma_tokens = next(b for b in FMA_BUCKETS if m <= b[0])
     if path in ONE_LAUNCH_PATHS:
         return ffma_tactic(path, m, hidden, sm_count)

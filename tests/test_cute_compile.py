@@ -147,9 +147,9 @@ def loads_issued_together(functions: dict) -> list:
 
 @pytest.mark.slow
 def test_small_m_loads_in_flight_together(tmp_path, cuobjdump, dump_env):
-    """Stop 15's latency fix, kept by the compiled code: path E at M = 1, H = 7168 (the shipped pick) issues its
-    loads so that each kernel waits for one memory round trip before computing (the compiler had put up to five
-    in series; on the H200 the fix took 0.7-1.1 µs off a call at M <= 16)."""
+    """The small-M load-order fix (commit 2dfa9bd), kept by the compiled code: path E at M = 1, H = 7168 (the shipped
+    pick) issues its loads so that each kernel waits for one memory round trip before computing (the compiler had put up
+    to five in series; on the H200 the fix took 0.7-1.1 µs off a call at M <= 16)."""
     tactic = "half_fma:k112:t1:n6:w256:s1:b1:flat"
     subprocess.run([sys.executable, "-c", _COMPILE_E, tactic, "7168"], env=dump_env(tmp_path, "cubin"), check=True,
                    timeout=1800, capture_output=True)
@@ -178,8 +178,8 @@ def test_warp_mma_projection_sass(tmp_path, cuobjdump, dump_env):
 
 
 def _bench_module(name: str):
-    """Import a script of bench/ (not a package) as a module."""
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    """Import a script of bench/probes/ (not a package) as a module."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "probes")
     sys.path.insert(0, bench)
     try:
         return importlib.import_module(name)
@@ -189,23 +189,24 @@ def _bench_module(name: str):
 
 @pytest.mark.parametrize("vectors, barriers, kind, lag", [(0, 2, "atomic", 0), (13, 1, "red", 1)])
 def test_grid_barrier_probe_compiles(vectors, barriers, kind, lag):
-    """bench/probe_grid_barrier.py (the cooperative-launch probe behind the persistent design in
-    docs/performance.md) keeps compiling for sm_90a: blocking barriers of either kind and the split-phase one, alone
+    """bench/probes/probe_grid_barrier.py (the cooperative-launch probe behind the persistent design in
+    docs/experiments.md) keeps compiling for sm_90a: blocking barriers of either kind and the split-phase one, alone
     and in the streaming copy."""
     assert callable(_bench_module("probe_grid_barrier").compiled(132, 256, vectors, barriers, kind, lag))
 
 
 @pytest.mark.parametrize("cluster, tokens", [(8, 24), (16, 32)])
 def test_cluster_probe_compiles(cluster, tokens):
-    """bench/probe_cluster.py (the cluster tail of the on-chip-collapse design in docs/performance.md: clusters of
-    8 and 16 CTAs with the design's shared memory, distributed shared-memory loads and stores) compiles for sm_90a."""
+    """bench/probes/probe_cluster.py (the cluster tail of the on-chip-collapse design in docs/experiments.md:
+    clusters of 8 and 16 CTAs with the design's shared memory, distributed shared-memory loads and stores) compiles
+    for sm_90a."""
     assert callable(_bench_module("probe_cluster").compiled(cluster, tokens, 215))
 
 
 @pytest.mark.parametrize("sync", ["none", "all", "warp", "async"])
 def test_onchip_skeleton_probe_compiles(sync):
-    """bench/probe_onchip_skeleton.py (the on-chip-collapse design's data movement with its cluster tail, four ways
-    to sync) compiles for sm_90a."""
+    """bench/probes/probe_onchip_skeleton.py (the on-chip-collapse design's data movement with its cluster tail, four
+    ways to sync) compiles for sm_90a."""
     assert callable(_bench_module("probe_onchip_skeleton").compiled(8, 8, 7168, 15, sync))
 
 
@@ -325,15 +326,15 @@ def test_cluster_probe_host_model():
 
 @pytest.mark.parametrize("mode", ["one", "signal", "warps"])
 def test_publish_probe_compiles(mode):
-    """bench/probe_publish.py (does one release arrival publish every warp's stores to other CTAs?) keeps compiling
-    for sm_90a, in the modes that exercise a writer barrier, a signal warp and per-warp arrivals."""
+    """bench/probes/probe_publish.py (does one release arrival publish every warp's stores to other CTAs?) keeps
+    compiling for sm_90a, in the modes that exercise a writer barrier, a signal warp and per-warp arrivals."""
     assert callable(_bench_module("probe_publish").compiled(128, 8, mode))
 
 
 @pytest.mark.parametrize("busy_warps", [0, 7])
 def test_sinkhorn_probe_compiles(busy_warps):
-    """bench/probe_sinkhorn.py (cycles per Sinkhorn iteration behind docs/performance.md's small-M analysis) keeps
-    compiling for sm_90a, alone and beside streaming warps."""
+    """bench/probes/probe_sinkhorn.py (cycles per Sinkhorn iteration behind the small-M analysis of
+    docs/experiments.md) keeps compiling for sm_90a, alone and beside streaming warps."""
     probe = _bench_module("probe_sinkhorn")
     assert callable(probe.compile_probe(probe.SinkhornProbe(busy_warps)))
 
@@ -404,7 +405,8 @@ def test_onchip_skeleton_wgmma_rows(terms, tokens_m):
 
 
 _COMPILE_SKELETON_WGMMA = (
-    "import os, sys; sys.path.insert(0, os.path.join(sys.argv[1], 'bench')); import probe_onchip_skeleton as p; "
+    "import os, sys; sys.path.insert(0, os.path.join(sys.argv[1], 'bench', 'probes')); "
+    "import probe_onchip_skeleton as p; "
     "p.compiled(16, 16, 7168, 7, 'project', 224, 4, True, 'trunc', 4, int(sys.argv[2]), 'wgmma', 1, 1, 3, True, 2, 0, "
     "False, sys.argv[3] == '1')")
 
@@ -435,8 +437,8 @@ def test_onchip_skeleton_wgmma_sass(tmp_path, cuobjdump, dump_env, tokens_m, reg
                                                          (2, 3, "half_mma:k8:m64:s3:fbw", "fp32"),
                                                          (4, 2, "half_mma:k2:m64:s4:fbw", "tf32")])
 def test_k1_wide_probe_compiles(box, raw, tactic, precision):
-    """bench/probe_k1_wide.py (path B's kernel 1 with its activations in wider TMA boxes, a ring and a producer warp
-    of their own) compiles for sm_90a; a variant whose rings exceed shared memory is refused."""
+    """bench/probes/probe_k1_wide.py (path B's kernel 1 with its activations in wider TMA boxes, a ring and a producer
+    warp of their own) compiles for sm_90a; a variant whose rings exceed shared memory is refused."""
     from mhc_cute.kernels import spec_problem
 
     probe, k1_copy = _bench_module("probe_k1_wide"), _bench_module("probe_k1_copy")
@@ -449,7 +451,7 @@ def test_k1_wide_probe_compiles(box, raw, tactic, precision):
 
 
 def test_k1_copy_probe_compiles():
-    """bench/probe_k1_copy.py's copy-only kernel 1 (its consumers only copy each stage's residual tile out)
+    """bench/probes/probe_k1_copy.py's copy-only kernel 1 (its consumers only copy each stage's residual tile out)
     compiles for sm_90a through the probes' shared ``compile_variant``."""
     from mhc_cute.kernels import spec_problem
 

@@ -243,7 +243,7 @@ for arch, fma in (("sm90", r"fma\.rn\.f32"), ("gfx950", r"v_(pk_)?fmac?_f32"), (
         k = aot.compile_main(t, target)
         asm = k.asm["ptx" if target.backend == "cuda" else "amdgcn"]
         assert re.search(fma, asm), (arch, m, "no fp32 FMA in the main kernel")
-        if target.backend == "cuda":  # compile options reach the PTX (bench/triton_registers.py's register caps)
+        if target.backend == "cuda":  # compile options reach the PTX (bench/probes/triton_registers.py's register caps)
             assert ".maxnreg 168" in aot.compile_main(t, target, maxnreg=168).asm["ptx"]
         aot.compile_reduce(t, 7168, True, target)
 print("compiled")
@@ -280,7 +280,7 @@ def test_split_bf16x3_is_exact_and_stream_interleaved():
     assert torch.equal(total, fn.double().view(24, 4, h).transpose(1, 2).reshape(24, 4 * h))
 
 
-# --- bench/probe_l2_reread.py's kernel, under the interpreter ---------------------------------------------------
+# --- bench/probes/probe_l2_reread.py's kernel, under the interpreter -------------------------------------------
 
 @interpreter
 @pytest.mark.parametrize("ratio", [0, 0.25, 1])
@@ -290,8 +290,8 @@ def test_l2_reread_probe_copies_and_reads_its_windows(ratio):
     import importlib.util
     import os
 
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-    spec = importlib.util.spec_from_file_location("probe_l2_reread", os.path.join(bench, "probe_l2_reread.py"))
+    probes = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "probes")
+    spec = importlib.util.spec_from_file_location("probe_l2_reread", os.path.join(probes, "probe_l2_reread.py"))
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     block, per_program = 16, 128

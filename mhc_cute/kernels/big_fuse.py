@@ -184,7 +184,7 @@ class BigFusePhase:
         self.sum_partials(storage, m0, mPartials)
         if cutlass.const_expr(self.sinkhorn_warp):
             # the last warp runs only the Sinkhorn and exits: on the H200 that chain ends the call's tail
-            # (`bench/probe_big_fuse_tail.py`); the collapse's barriers do not wait for it
+            # (`bench/probes/probe_big_fuse_tail.py`); the collapse's barriers do not wait for it
             if cute.arch.warp_idx() == self.warps - 1:
                 self.sinkhorn(storage, m0, mCombOut, scalars)
             else:
@@ -439,7 +439,7 @@ class BigFusePhase:
         warp, since its shuffles need every lane; a lane past the block's tokens repeats its last token and stores
         nothing. Kept as two branches: one body with the lanes per token a compile-time value made the one-lane calls
         2-15% slower on the H200 (scalar comb stores, the gates' stores predicated one by one;
-        ``bench/measured/h200_ab_unified_sinkhorn_stop21.txt``)."""
+        ``bench/measured/h200_ab_unified_sinkhorn_2026-12-02.txt``)."""
         tidx, _, _ = cute.arch.thread_idx()
         pos = tidx - ((self.warps - 1) * du.WARP if self.sinkhorn_warp else 0)
         if cutlass.const_expr(self.pair_sinkhorn):

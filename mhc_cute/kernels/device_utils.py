@@ -120,7 +120,8 @@ def sinkhorn_4x4(c: cute.Tensor, eps: Float32, repeat: Int32, pair: cutlass.Cons
     v = 1/s, a row step is ``u_i <- (K s)_i + eps u_i`` (row i sums to ``r_i (K s)_i``), a column step
     ``v_j <- (K^T r)_j + eps v_j``, each followed by 4 reciprocals; ``c = K_ij r_i s_j`` at the end. The chain is
     issue bound, and this issues about half the instructions of scaling the elements (H200, one warp: 124
-    cycles per iteration against 135 alone and 179 beside busy warps; ``bench/measured/h200_fma_shapes_stop22.txt``).
+    cycles per iteration against 135 alone and 179 beside busy warps;
+    ``bench/measured/h200_fma_shapes_2026-12-02.txt``).
     With ``pair`` a lane computes u, r of its two rows and its half of each column dot, the halves crossing in one
     shuffle; the one-lane dot is ``(rows 0-1) + (rows 2-3)`` with the same roundings (fp32 addition commutes
     exactly), so both forms give the same bits.

@@ -15,7 +15,7 @@ Then the CTA reduces over its threads (a reduce-scatter across each warp, then w
 partial row per token: ``partials[split, m, 0..23]`` dots, ``[.., 24]`` the sum of squares (layout: ``big_fuse``).
 With ``warp_mma`` (``:mma`` tactics) step 2 runs on the tensor cores instead (``project_mma``: each warp a K range
 of the chunk, every column, up to 32 tokens, TF32 hi + lo) and the CTA reduces over its warps only
-(``write_partials_mma``); on the H200 that pays from M = 16 (``docs/performance.md``).
+(``write_partials_mma``); on the H200 that pays from M = 16 (``docs/experiments.md``).
 
 Path E launches the standalone big-fuse kernel after it (two launches, one compiled call). Path F runs the
 big fuse in the same launch: each CTA publishes its partials (release fence, atomic add on its token block's
@@ -435,7 +435,7 @@ def compiled_fma(tactic: FmaTactic, problem, out):
 
 def compile_fma(tactic: FmaTactic, problem, out, kernel_class=None):
     """Compile paths E/F for ``tactic`` against fake tensors shaped like ``problem`` and ``out``; ``kernel_class``:
-    ``FmaFusedHc`` or a subclass (``bench/probe_fma_phases.py``'s variants)."""
+    ``FmaFusedHc`` or a subclass (``bench/probes/probe_fma_phases.py``'s variants)."""
     kernel = (kernel_class or FmaFusedHc)(tactic, problem.hidden, norm_dtype_of(problem.norm_weight))
     m = cute.sym_int()
     token_tensors = fake_tensors(problem.x, problem.residual, problem.post_mix, problem.comb_mix, tokens=m)

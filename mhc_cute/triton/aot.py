@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the Triton kernels for a target GPU on any machine (Triton's own compilers;
-no GPU needed): the tests use it to check that every architecture's tactics compile, ``bench/triton_registers.py``
-to read the resource usage of the NVIDIA build.
+no GPU needed): the tests use it to check that every architecture's tactics compile,
+``bench/probes/triton_registers.py`` to read the resource usage of the NVIDIA build.
 
 Must run outside the CPU interpreter (``TRITON_INTERPRET`` unset), since ``fused_hc`` reads that at import.
 """

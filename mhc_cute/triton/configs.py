@@ -5,16 +5,15 @@ tactics by M bucket. ``select_tactic`` picks the table of the device, the bucket
 the device's CU count when it differs from the table's, and clamps everything to H. Unknown GPUs (and the CPU
 interpreter) use ``FALLBACK``.
 
-How the numbers were chosen: at small M the op is latency bound and the K splits spread one token block over
-every CU (the whole GPU reads its share of ``fn`` and of the 4H row once); at large M each program takes a large
-token block so that ``fn`` (read from L2 once per token block and K step) is reused, and the splits only keep a
-few programs per CU resident to hide memory latency. The Hopper entries from M = 9 up come from H200 sweeps
-of the current main kernel (one projection per step over the four streams; bench/measured/h200_triton_sweep_k64.txt):
-from M = 1024 up, 32-wide H steps with a 4-deep pipeline (one program of 4 warps per SM; the weight's bf16 terms
-take most of the shared memory), and the largest bucket's reduce kernel takes two tokens per program. No entry
-spills (ptxas report, bench/triton_registers.py). The AMD entries follow the same rules with the CU counts of
-MI355X (gfx950, 256 CUs) and MI300X (gfx942, 304 CUs), compile for those targets, and have not been run on AMD
-hardware.
+How the numbers were chosen: at small M the op is latency bound and the K splits spread one token block over every CU
+(the whole GPU reads its share of ``fn`` and of the 4H row once); at large M each program takes a large token block so
+that ``fn`` (read from L2 once per token block and K step) is reused, and the splits only keep a few programs per CU
+resident to hide memory latency. The Hopper entries from M = 9 up come from H200 sweeps of the current main kernel (one
+projection per step over the four streams; bench/measured/h200_triton_sweep_k64_2026-12-01.txt): from M = 1024 up,
+32-wide H steps with a 4-deep pipeline (one program of 4 warps per SM; the weight's bf16 terms take most of the shared
+memory), and the largest bucket's reduce kernel takes two tokens per program. No entry spills (ptxas report,
+bench/probes/triton_registers.py). The AMD entries follow the same rules with the CU counts of MI355X (gfx950, 256 CUs)
+and MI300X (gfx942, 304 CUs), compile for those targets, and have not been run on AMD hardware.
 """
 
 from __future__ import annotations

@@ -1,0 +1,109 @@
+"""Before/after timing of two versions of the package in one device run: `backend="auto"` (the shipped table's
+pick, so each version runs its own kernels with the same tactic names), or a point's own tactic, over a grid of
+(H, M, norm), for whichever ``mhc_cute`` is first on the Python path. Run it alternately for the two trees, in
+separate processes of one device call, and compare the medians line by line (machines differ by up to 9% for the
+same kernel, so only numbers from one call compare).
+
+    git archive HEAD mhc_cute | tar -x -C /tmp/old          # the version to compare against
+    MHC_CUTE_KERNEL_CACHE=.kcache python bench/probes/ab_versions.py --precompile     # on a CPU machine, both trees
+    MHC_CUTE_KERNEL_CACHE=.kcache PYTHONPATH=/tmp/old python bench/probes/ab_versions.py --precompile
+    # on the GPU machine, from the repository root (with /tmp/old carried in the working tree):
+    for r in 1 2; do PYTHONPATH=/tmp/old:$PYTHONPATH python bench/probes/ab_versions.py --tag old$r --check
+                     python bench/probes/ab_versions.py --tag new$r; done
+
+The script's directory comes first on ``sys.path`` (it holds no ``mhc_cute``), then ``PYTHONPATH``: that picks
+the tree. ``--check`` runs each point once against the float64 contract (``ok`` or the first failure). ``HOST``
+lines: host µs to issue one eager call (``benchmark.host_us_per_call``).
+"""
+
+import argparse
+import sys
+
+GRIDS = {
+    "small": [(7168, m, False) for m in (1, 2, 4, 8, 16, 32)] + [(4096, m, False) for m in (1, 4, 8, 16, 32)]
+    + [(7168, 1, True), (7168, 8, True)],
+    "wide": [(7168, m, False) for m in (1, 4, 16, 32, 64, 128, 256, 512, 2048, 8192)]
+    + [(4096, m, False) for m in (1, 32, 128, 512, 2048)] + [(7168, m, True) for m in (1, 8, 32, 256)],
+    "decode": [(h, m, norm) for norm in (False, True) for h in (7168, 4096) for m in (1, 4, 8, 16, 32, 256)],
+    "mid": [(h, m, norm) for norm in (False, True) for h in (7168, 4096) for m in (64, 128)],
+}
+
+
+def picks_of(grid):
+    """(H, M, norm, tactic, explicit) per point: a point's own tactic (explicit), else the one ``auto`` runs there on
+    an H200: the user's tuning cache, then the shipped tables, a table with the point's norm flag first (as
+    ``autotune.Selector.choose``)."""
+    from mhc_cute import autotune, tactics
+
+    tables = autotune.load_shipped_tables()
+    tables.update(autotune.load_user_tables())
+    out = []
+    for h, m, norm, *named in grid:
+        if named:
+            out.append((h, m, norm, tactics.parse_tactic(named[0]), True))
+            continue
+        key = next(k for n in (norm, not norm) for k in tables if f"|H{h}|" in k and f"|norm{int(n)}|" in k)
+        choice = autotune.nearest(tables[key], autotune.bucket_of(m))
+        out.append((h, m, norm, tactics.parse_tactic(choice.tactic), False))
+    return out
+
+
+def precompile(picks) -> None:
+    from mhc_cute import autotune, benchmark as mb
+
+    for norm in (False, True):
+        autotune.precompile_candidates([(h, t) for h, _, n, t, _ in picks if n == norm], "fp32",
+                                       mb.NORM_DTYPE if norm else None)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="small")
+    ap.add_argument("--points", nargs="+", metavar="H:M:NORM[:TACTIC]",
+                    help="these points instead of a grid (e.g. 7168:32:0, or 7168:256:0:all_fma:... to time that "
+                    "tactic instead of auto's pick)")
+    ap.add_argument("--tag", default="run", help="label of this version in the output lines")
+    ap.add_argument("--precompile", action="store_true", help="compile the grid's kernels (no GPU needed) and exit")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--separated", action="store_true",
+                    help="also SEP lines: the calls separated by a non-PDL kernel (benchmark.time_graph_separated)")
+    args = ap.parse_args()
+    grid = GRIDS[args.grid]
+    if args.points:
+        grid = [(int(h), int(m), n == "1", *([t] if t else [])) for h, m, n, t in
+                (p.split(":", 3) + [""] * (3 - p.count(":")) for p in args.points)]
+    picks = picks_of(grid)
+    if args.precompile:
+        precompile(picks)
+        return 0
+
+    import torch
+
+    from mhc_cute import benchmark as mb
+    from mhc_cute.accuracy import failure_of, problem_of
+    from mhc_cute.api import mhc_fused_hc
+
+    dev = torch.device("cuda")
+    for h, m, norm, tactic, explicit in picks:
+        sets = mb.rotated_sets(m, h, dev, norm)
+        kwargs = dict(backend=tactic.path, tactic=tactic) if explicit else {}
+
+        def call(s):
+            return mhc_fused_hc(**s, **kwargs)
+
+        us = mb.time_graph(call, sets, reps=args.reps)
+        check = (failure_of(problem_of(sets[0]), tactic.path, tactic) or "ok") if args.check else ""
+        if args.separated:
+            sep = mb.time_graph_separated(call, sets, mb.time_graph(mb.separator(), sets), reps=args.reps)
+            print(f"SEP {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {sep:.2f}", flush=True)
+        host = mb.host_us_per_call(call, sets[0])
+        print(f"AB {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {us:.2f} {check}", flush=True)
+        print(f"HOST {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {host:.2f}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

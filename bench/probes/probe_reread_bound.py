@@ -1,0 +1,123 @@
+"""What the op's byte pattern allows at large M, measured with kernels that do nothing but move those bytes.
+
+Every two-kernel design (path B, path E, Triton; path D's last-CTA collapse too, unless the tile's rows are still in
+L2) writes ``residual_cur`` and reads it back for the collapse: 28 H bytes per token against the floor's 20 H. This
+probe times plain Triton streaming kernels with that traffic, no projection and no mixes, so what they reach is a
+ceiling for any such design on this GPU:
+
+- ``post``: per token ``residual_cur[j] = bf16(x + residual_prev[j])`` (reads 10 H bytes, writes 8 H);
+- ``collapse``: ``layer_input = bf16(sum_j residual_cur[j])`` (reads 8 H, writes 2 H);
+- ``two-pass``: both, one after the other over all M tokens (the re-read from HBM);
+- ``two-pass/chunk C``: both per chunk of C tokens, so that the re-read may come from L2 (one launch pair per chunk);
+- ``one-pass``: post and collapse in one kernel from registers, the floor's 20 H (what a design holding the rows on
+  chip would move).
+
+Each at several block widths (the best reported), CUDA-graph replay over rotated inputs, median; the whole op's
+``auto`` and ``half_mma`` (and TileKernels when staged) timed on the same sets in the same process. Fractions are of
+SPEC's floor (``benchmark.floor_bytes``) at the copy bandwidth B measured in the run, as in the benchmark.
+
+    python bench/probes/probe_reread_bound.py --hidden 7168 4096 --m 2048 8192
+
+Lines: ``RB H M name us floor%``.
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from mhc_cute import benchmark as mb  # noqa: E402
+
+BLOCKS_H = (512, 1024, 2048)  # H positions per program (one token per program; pieces of 1-4 KB per stream)
+
+
+@triton.jit
+def _stream_kernel(x_ptr, res_ptr, res_out_ptr, li_ptr, H, BLOCK_H: tl.constexpr,
+                   POST: tl.constexpr, COLLAPSE: tl.constexpr):
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = h < H
+    if POST:
+        x = tl.load(x_ptr + row * H + h, mask=mask, eviction_policy="evict_first").to(tl.float32)
+    if POST:
+        src = res_ptr
+    else:
+        src = res_out_ptr
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(4):
+        r = tl.load(src + row * 4 * H + j * H + h, mask=mask, eviction_policy="evict_first")
+        if POST:
+            r = (x + r.to(tl.float32)).to(tl.bfloat16)
+            tl.store(res_out_ptr + row * 4 * H + j * H + h, r, mask=mask)
+        acc += r.to(tl.float32)
+    if COLLAPSE:
+        tl.store(li_ptr + row * H + h, acc.to(tl.bfloat16), mask=mask)
+
+
+def stream_call(kind: str, m: int, h: int, block_h: int, chunk: int, dev):
+    """A call moving the bytes of ``kind`` for all M tokens; ``chunk`` tokens per launch (pair) for two-pass."""
+    res_out = torch.empty(m, 4, h, dtype=torch.bfloat16, device=dev)
+    li = torch.empty(m, h, dtype=torch.bfloat16, device=dev)
+    passes = {"post": [(True, False)], "collapse": [(False, True)], "two-pass": [(True, False), (False, True)],
+              "one-pass": [(True, True)]}[kind]
+
+    def call(s):
+        if kind == "collapse":  # reads what the sets' residual_prev holds, as a residual_cur of the same size
+            srcs = (s["x_prev"], s["residual_prev"], s["residual_prev"], li)
+        else:
+            srcs = (s["x_prev"], s["residual_prev"], res_out, li)
+        for start in range(0, m, chunk):
+            rows = min(chunk, m - start)
+            x, r, ro, out = (t[start:start + rows] for t in srcs)
+            for post, collapse in passes:
+                _stream_kernel[(triton.cdiv(h, block_h), rows)](x, r, ro, out, h, BLOCK_H=block_h, POST=post,
+                                                                COLLAPSE=collapse, num_warps=4)
+    return call
+
+
+def best_us(kind, chunk, m, h, sets, dev):
+    return min(mb.time_graph(stream_call(kind, m, h, bh, chunk, dev), sets) for bh in BLOCKS_H if bh <= h)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[7168, 4096])
+    ap.add_argument("--chunks", type=int, nargs="*", default=[128, 256, 512, 1024])
+    ap.add_argument("--backends", nargs="*", default=["auto", "half_mma"])
+    ap.add_argument("--rounds", type=int, default=2, help="rounds over every row (median reported)")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    bw = mb.measure_copy_bandwidth(dev)
+    print(f"GPU: {torch.cuda.get_device_name(dev)}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    peers = {k: v for k, v in mb.peer_calls(norm=False).items() if k == "tilekernels"}
+    with torch.no_grad():
+        for h in args.hidden:
+            for m in args.m:
+                sets = mb.rotated_sets(m, h, dev)
+                rows = {f"stream {k}": (k, m) for k in ("post", "collapse", "two-pass", "one-pass")}
+                rows.update({f"stream two-pass/chunk {c}": ("two-pass", c) for c in args.chunks if c < m})
+                calls = {f"op {b}": mb.mhc_cute_call(b) for b in args.backends}
+                calls.update({f"op {k}": v for k, v in peers.items()})
+                timers = {name: (lambda r=r, sets=sets: best_us(*r, m, h, sets, dev)) for name, r in rows.items()}
+                timers.update({name: (lambda c=c, sets=sets: mb.time_graph(c, sets)) for name, c in calls.items()})
+                times = mb.alternating_rounds(timers, args.rounds)
+                floor_us = mb.floor_bytes(m, h) / bw * 1e6
+                for name, ts in times.items():
+                    if isinstance(ts, Exception):
+                        print(f"RB H={h} M={m} {name:<28} ERROR {type(ts).__name__} {str(ts)[:160]}", flush=True)
+                        continue
+                    us = statistics.median(ts)
+                    print(f"RB H={h} M={m} {name:<28} {us:9.1f} us  {100 * floor_us / us:5.1f}% of the floor"
+                          f"  (rounds {' '.join(f'{t:.1f}' for t in ts)})", flush=True)
+                del sets
+
+
+if __name__ == "__main__":
+    main()
