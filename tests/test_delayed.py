@@ -328,3 +328,126 @@ def test_out_under_torch_compile_with_changing_m(pre):
         inputs = make_inputs(m, 64, seed=m, pre=pre)
         got = compiled(inputs, _out_buffers(inputs, "regular", pre is not None, lead=(m,)))
         assert torch.equal(got.layer_input, seam(inputs).layer_input)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("h", [64, 256])
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
+def test_triton_interpreter_variants_cpu(op, form, pre, m, h, norm):
+    check_variant("triton", m, h, form, pre, norm)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
+def test_triton_interpreter_dot_and_chunks_cpu(op, form, pre, norm):
+    """The tensor-core projection (16-token blocks, over H for the broadcast entry) and the per-chunk launches."""
+    from mhc_cute.triton.configs import TritonTactic
+
+    why = backends.unavailable_reason("triton", torch.device("cpu"))
+    if why is not None:
+        pytest.skip(why)
+    problem = problem_of(make_inputs(17, 128, seed=31, norm=norm, form=form, pre=pre))
+    for tactic in (TritonTactic(16, 64, 2, 4, reduce_block_t=4, reduce_block_h=64),
+                   TritonTactic(2, 32, 3, 4, reduce_block_t=2, reduce_block_h=64, chunk_m=8)):
+        check_outputs(run_backend(problem, "triton", tactic), problem)
+
+
+_TRITON_COMPILE = r"""
+from mhc_cute.triton import aot, configs
+
+target = aot.TARGETS["sm90"]
+for m in (1, 1 << 20):
+    t = configs.select_tactic("sm90", 132, m, 5120)
+    for form in (dict(DELAYED=True, HAS_NORM=True), dict(DELAYED=True, IDENTITY=True), dict(HAS_POST=False),
+                 dict(HAS_POST=False, BROADCAST=True, DELAYED=True, IDENTITY=True, HAS_NORM=True)):
+        aot.compile_main(t, target, form)
+    aot.compile_reduce(t, 5120, True, target, delayed=True)
+    aot.compile_reduce(t, 5120, False, target, broadcast=True)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
+def test_triton_variants_compile_for_hopper():
+    """The delayed seam's and the entry forms' kernels compile for sm90 outside the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _TRITON_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+# --- on the GPU: every backend of the delayed seam and the entry forms ------------------------------------------
+
+GPU_MS = [1, 2, 3, 16, 17, 64, 100, 1000, 8192]
+GPU_HS = [512, 4096, 5120, 7168]
+
+
+def gpu_backends(op, form):
+    return [n for n, b in backends.BACKENDS.items() if b.entry_for(op, form)]
+
+
+GPU_CASES = [(backend, op, form, pre) for op, form, pre in VARIANTS for backend in gpu_backends(op, form)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("h", GPU_HS)
+@pytest.mark.parametrize("m", GPU_MS)
+@pytest.mark.parametrize("backend,op,form,pre", GPU_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in GPU_CASES])
+def test_gpu_variants(backend, op, form, pre, m, h, norm):
+    check_variant(backend, m, h, form, pre, norm, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("m", [1, 17, 4096])
+@pytest.mark.parametrize("backend", gpu_backends("fused_hc_delayed", "regular") + ["auto"])
+def test_gpu_residual_bitwise_equal_to_the_v4_seam(backend, m, norm):
+    inputs = make_inputs(m, 5120, seed=m, device="cuda", norm=norm, pre="carried")
+    if backend != "auto" and backends.unavailable_reason(backend, torch.device("cuda")) is not None:
+        pytest.skip(f"{backend} unavailable")
+    d = mhc_fused_hc_delayed(**inputs, backend=backend)
+    v4 = mhc_fused_hc(**{k: v for k, v in inputs.items() if k != "pre_mix_prev"})
+    assert torch.equal(d.residual_cur.view(torch.int16), v4.residual_cur.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", gpu_backends("fused_hc_delayed", "regular") + ["auto"])
+@pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
+def test_gpu_graph_capture_and_side_stream(backend, op, form, pre):
+    """Captured in a CUDA graph with static out= buffers, replayed on new inputs copied in place, and run on a
+    side stream: the same bits as eager calls."""
+    if backend != "auto" and backends.unavailable_reason(backend, torch.device("cuda")) is not None:
+        pytest.skip(f"{backend} unavailable")
+    if backend != "auto" and backends.BACKENDS[backend].entry_for(op, form) is None:
+        pytest.skip(f"{backend} does not implement {op} {form}")
+    static = make_inputs(33, 4096, seed=1, device="cuda", norm=True, form=form, pre=pre)
+    bufs = [None if t is None else t.cuda() for t in _out_buffers(static, form, pre is not None, lead=(33,), h=4096)]
+    seam(static, backend=backend, out=bufs)  # warm (compile, prepare the weight) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        seam(static, backend=backend, out=bufs)
+    fresh = make_inputs(33, 4096, seed=2, device="cuda", norm=True, form=form, pre=pre)
+    for k, v in fresh.items():
+        if isinstance(v, torch.Tensor) and k not in ("fn", "hc_scale", "hc_base", "norm_weight"):
+            static[k].copy_(v)
+    graph.replay()
+    want = seam(static, backend=backend)
+    for name, a, b in zip(want._fields, bufs, want):
+        if a is not None:
+            assert torch.equal(a, b), name
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = seam(static, backend=backend)
+    torch.cuda.current_stream().wait_stream(side)
+    for name, a, b in zip(want._fields, got, want):
+        assert torch.equal(a, b), name
