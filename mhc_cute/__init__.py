@@ -1,9 +1,11 @@
-"""mhc_cute: GPU kernels for DeepSeek-V4's mHC boundary op (hyper-connection post fused with pre)."""
+"""mhc_cute: GPU kernels for DeepSeek-V4's mHC boundary op (hyper-connection post fused with pre) and V4.1's
+delayed seam."""
 
-from .api import mhc_fused_hc
-from .problem import MhcFusedHcOutput
+from .api import mhc_fused_hc, mhc_fused_hc_delayed
+from .problem import MhcFusedHcDelayedOutput, MhcFusedHcOutput
 from .backends import BACKENDS, available
 from .weights import clear as clear_prepared_weights
 
 __version__ = "0.2.0"
-__all__ = ["mhc_fused_hc", "MhcFusedHcOutput", "BACKENDS", "available", "clear_prepared_weights", "__version__"]
+__all__ = ["mhc_fused_hc", "mhc_fused_hc_delayed", "MhcFusedHcOutput", "MhcFusedHcDelayedOutput", "BACKENDS",
+           "available", "clear_prepared_weights", "__version__"]

@@ -11,14 +11,24 @@ import torch
 
 from . import reference
 from .api import _dispatch
-from .problem import MhcFusedHcOutput, Problem, Scalars
+from .problem import MhcFusedHcDelayedOutput, MhcFusedHcOutput, Problem, Scalars
 
 BF16_MANTISSA_BITS = 7
 FP32_SUM_ULPS = 8
 
 
-def make_inputs(m: int, h: int, *, seed: int = 0, device="cpu", norm: bool = False, lead=None) -> dict:
-    """Random inputs with DeepSeek-V4-like statistics (mixes O(1), comb doubly stochastic), never zeros."""
+FORMS = ("regular", "no_post", "broadcast")  # the seam forms (SPEC "The op family")
+V41_SCALARS = Scalars(rms_eps=1e-20, norm_eps=1e-20)  # the delayed seam's defaults
+
+
+def make_inputs(m: int, h: int, *, seed: int = 0, device="cpu", norm: bool = False, lead=None,
+                form: str = "regular", pre: str | None = None) -> dict:
+    """Random inputs with DeepSeek-V4-like statistics (mixes O(1), comb doubly stochastic), never zeros.
+
+    ``form``: ``"regular"``, ``"no_post"`` (``x_prev``, ``post_mix_prev``, ``comb_mix_prev`` None) or
+    ``"broadcast"`` (no post, ``residual_prev [..., H]``). ``pre``: None for ``mhc_fused_hc``'s arguments, else the
+    delayed seam's ``pre_mix_prev``: ``"carried"`` (gates as a previous seam returns them) or ``"identity"`` (None).
+    """
     g = torch.Generator().manual_seed(seed)
     lead = (m,) if lead is None else tuple(lead)
     m = math.prod(lead)
@@ -37,27 +47,45 @@ def make_inputs(m: int, h: int, *, seed: int = 0, device="cpu", norm: bool = Fal
         hc_base=randn(24) * 0.5,
         norm_weight=(1 + 0.1 * randn(h)).bfloat16() if norm else None,
     )
+    if pre is not None:
+        carried = (torch.sigmoid(randn(m, 4)) + 1e-6).reshape(*lead, 4)
+        inputs["pre_mix_prev"] = carried if pre == "carried" else None
+    if form != "regular":
+        inputs.update(x_prev=None, post_mix_prev=None, comb_mix_prev=None)
+    if form == "broadcast":
+        inputs["residual_prev"] = randn(*lead, h).bfloat16()
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
 
 
 def problem_of(inputs: dict, precision: str = "fp32", **scalars) -> Problem:
-    m = inputs["x_prev"].numel() // inputs["x_prev"].shape[-1]
-    h = inputs["x_prev"].shape[-1]
+    """The flat problem of ``make_inputs``'s arguments: the delayed seam's (V4.1 scalars unless given) when they
+    have ``pre_mix_prev``."""
+    h = inputs["fn"].shape[1] // 4
+    res = inputs["residual_prev"]
+    broadcast = inputs["x_prev"] is None and (res.dim() < 3 or res.shape[-2] != 4)
+    m = res.numel() // (h if broadcast else 4 * h)
+    delayed = "pre_mix_prev" in inputs
+
+    def flat(t, *shape):
+        return None if t is None else t.reshape(*shape).contiguous()
+
     return Problem(
-        inputs["x_prev"].reshape(m, h).contiguous(),
-        inputs["residual_prev"].reshape(m, 4, h).contiguous(),
-        inputs["post_mix_prev"].reshape(m, 4).contiguous(),
-        inputs["comb_mix_prev"].reshape(m, 4, 4).contiguous(),
+        flat(inputs["x_prev"], m, h),
+        flat(res, m, h) if broadcast else flat(res, m, 4, h),
+        flat(inputs["post_mix_prev"], m, 4),
+        flat(inputs["comb_mix_prev"], m, 4, 4),
         inputs["fn"], inputs["hc_scale"], inputs["hc_base"], inputs["norm_weight"],
-        Scalars(**scalars), precision,
+        Scalars(**scalars) if scalars or not delayed else V41_SCALARS, precision,
+        flat(inputs.get("pre_mix_prev"), m, 4), delayed,
     )
 
 
-def poisoned_outputs(problem: Problem) -> MhcFusedHcOutput:
+def poisoned_outputs(problem: Problem) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
     """Output buffers filled with NaN, so that an element a kernel fails to write fails the check."""
     out = problem.empty_outputs()
     for t in out:
-        t.fill_(float("nan"))
+        if t is not None:
+            t.fill_(float("nan"))
     return out
 
 
@@ -84,7 +112,7 @@ def near_bf16_midpoint(v: torch.Tensor, slack=0.0, frac: float = 0.02) -> torch.
 
 
 def check_outputs(
-    out: MhcFusedHcOutput,
+    out: MhcFusedHcOutput | MhcFusedHcDelayedOutput,
     problem: Problem,
     *,
     mix_tol: float = 1e-5,
@@ -93,25 +121,38 @@ def check_outputs(
 ) -> dict:
     """Compare a backend's flattened outputs with the contract; raise AssertionError with the numbers if off.
 
-    * residual_cur: bit-identical to the fp32 FMA chain of SPEC step 1;
-    * post_mix_cur, comb_mix_cur: normwise relative error vs float64 <= ``mix_tol``;
-    * layer_input: within ``li_ulps`` bf16 ulp of the float64 result rounded to bf16, elementwise, plus the error
-      bound of the 4-term collapse given pre gates as accurate as ``mix_tol`` allows and fp32 arithmetic (it
-      shows only where the terms cancel), plus one ulp where a float64 value sits within that bound of a bf16
-      rounding boundary (propagated through the norm when fused); or,
-      when ``li_normwise`` is given (tf32 precision), normwise relative error <= ``li_normwise``.
+    * residual_cur: bit-identical to the fp32 FMA chain of SPEC step 1 (broadcast entry: the 4 copies; no post:
+      None, nothing written);
+    * post_mix_cur, comb_mix_cur (and the delayed seam's pre_mix_cur): normwise relative error vs float64 <=
+      ``mix_tol``;
+    * layer_input of ``mhc_fused_hc``: within ``li_ulps`` bf16 ulp of the float64 result rounded to bf16,
+      elementwise, plus the error bound of the 4-term collapse given pre gates as accurate as ``mix_tol`` allows
+      and fp32 arithmetic (it shows only where the terms cancel), plus one ulp where a float64 value sits within
+      that bound of a bf16 rounding boundary (propagated through the norm when fused); or,
+      when ``li_normwise`` is given (tf32 precision), normwise relative error <= ``li_normwise``;
+    * layer_input of the delayed seam: bit-identical to the fp32 FMA chain of its collapse (step 3) without a norm;
+      with the norm, within ``li_ulps`` bf16 ulp of the float64 norm of that collapse (plus one where the float64
+      value sits near a rounding boundary).
     Every output must be finite (outputs are poisoned with NaN before the run).
     """
     for name, t in zip(out._fields, out):
-        assert torch.isfinite(t.float()).all(), f"{name}: non-finite values (unwritten or broken)"
-    res_ref = reference.post(problem.x, problem.residual, problem.post_mix, problem.comb_mix)
-    mism = (out.residual_cur.view(torch.int16) != res_ref.view(torch.int16)).sum().item()
-    assert mism == 0, f"residual_cur: {mism} elements differ bitwise from the fp32 FMA chain"
+        if t is not None:
+            assert torch.isfinite(t.float()).all(), f"{name}: non-finite values (unwritten or broken)"
+    res_ref = reference.streams(problem.x, problem.residual, problem.post_mix, problem.comb_mix)
+    if problem.x is None and not problem.broadcast:
+        assert out.residual_cur is None, "residual_cur: a seam without post writes no residual"
+        residual_cur = problem.residual
+    else:
+        residual_cur = out.residual_cur
+        mism = (residual_cur.view(torch.int16) != res_ref.view(torch.int16)).sum().item()
+        assert mism == 0, f"residual_cur: {mism} elements differ bitwise from the fp32 FMA chain"
 
     s = problem.scalars
+    if problem.delayed:
+        return _check_delayed(out, problem, residual_cur, mix_tol, li_ulps)
     post64, comb64, li64 = reference.pre(
-        out.residual_cur, problem.fn, problem.hc_scale, problem.hc_base, norm_weight=problem.norm_weight,
-        compute_dtype=torch.float64, **s.as_kwargs(),
+        residual_cur, problem.fn, problem.hc_scale, problem.hc_base, norm_weight=problem.norm_weight,
+        broadcast=problem.broadcast, compute_dtype=torch.float64, **s.as_kwargs(),
     )
     errs = {
         "post_mix": normwise(out.post_mix_cur, post64),
@@ -135,14 +176,14 @@ def check_outputs(
     # H200 with cuBLAS's fp32 GEMM (the torch backend) at M = 8192, H = 5120. sqrt(K) fp32 ulps of that sum
     # bound it in practice (a rounding-error random walk), and it is far below a bf16 ulp of layer_input
     # except where the collapse cancels too.
-    mix64 = _mixes64(out.residual_cur, problem)
+    xf, fn = _projection64(residual_cur, problem)
+    mix64 = _mixes64(residual_cur, problem)
     pre64 = torch.sigmoid(mix64[:, :4]) + s.hc_pre_eps
-    res = out.residual_cur.double()
+    res = residual_cur.double()
     terms = pre64[:, :, None] * res
     collapse64 = terms.sum(1)
-    xf = res.flatten(1)
-    rstd64 = reference.rstd(out.residual_cur, s.rms_eps, torch.float64)[:, None]
-    dot_scale = (xf.abs() @ problem.fn[:4].double().abs().t()) * rstd64 * problem.hc_scale[0].double().abs()
+    rstd64 = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + s.rms_eps)
+    dot_scale = (xf.abs() @ fn[:4].abs().t()) * rstd64 * problem.hc_scale[0].double().abs()
     mix_err = mix_tol * mix64.norm(dim=1, keepdim=True) + xf.shape[1] ** 0.5 * 2.0**-24 * dot_scale
     gate_err = 0.25 * mix_err  # |sigmoid'| <= 1/4
     collapse_err = FP32_SUM_ULPS * 2.0**-24 * terms.abs().sum(1) + (gate_err[:, :, None] * res.abs()).sum(1)
@@ -162,9 +203,48 @@ def check_outputs(
     return errs
 
 
+def _check_delayed(out: MhcFusedHcDelayedOutput, problem: Problem, residual_cur, mix_tol, li_ulps) -> dict:
+    """``check_outputs`` for the delayed seam, after ``residual_cur``: the gates, then ``layer_input``."""
+    s = problem.scalars
+    pre64, post64, comb64 = reference.gates(
+        residual_cur, problem.fn, problem.hc_scale, problem.hc_base, broadcast=problem.broadcast,
+        compute_dtype=torch.float64, **{k: v for k, v in s.as_kwargs().items() if k != "norm_eps"},
+    )
+    errs = {"post_mix": normwise(out.post_mix_cur, post64), "comb_mix": normwise(out.comb_mix_cur, comb64),
+            "pre_mix": normwise(out.pre_mix_cur, pre64)}
+    for name in ("post_mix", "comb_mix", "pre_mix"):
+        assert errs[name] <= mix_tol, f"{name}_cur normwise error {errs[name]:.3e} > {mix_tol:.0e}"
+    x1 = reference.collapse_carried(residual_cur, problem.pre_mix)
+    if problem.norm_weight is None:
+        mism = (out.layer_input.view(torch.int16) != x1.view(torch.int16)).sum().item()
+        assert mism == 0, f"layer_input: {mism} elements differ bitwise from the fp32 FMA chain of the collapse"
+        return errs
+    x1f = x1.double()
+    li64 = x1f * torch.rsqrt((x1f * x1f).mean(-1, keepdim=True) + s.norm_eps) * problem.norm_weight.double()
+    ulp = torch.maximum(bf16_ulp(li64), bf16_ulp(out.layer_input))
+    allowed = (li_ulps + near_bf16_midpoint(li64).double()) * ulp
+    err = (out.layer_input.double() - li64.bfloat16().double()).abs()
+    errs["layer_input_max_ulps"] = (err / ulp).max().item() if err.numel() else 0.0
+    bad = (err > allowed).sum().item()
+    assert bad == 0, f"layer_input: {bad} elements beyond {li_ulps} bf16 ulp (max {errs['layer_input_max_ulps']})"
+    return errs
+
+
+def _projection64(residual_cur, problem):
+    """The projection's operands in float64: ``([M, K] rows, [24, K] weight)``, K = 4H, or H with ``fn``
+    summed over the streams for the broadcast entry."""
+    if problem.broadcast:
+        return residual_cur[:, 0].double(), reference.broadcast_fn(problem.fn).double()
+    return residual_cur.flatten(1).double(), problem.fn.double()
+
+
 def _mixes64(residual_cur, problem):
-    return reference.mixes(residual_cur, problem.fn, problem.hc_scale, problem.hc_base,
-                            problem.scalars.rms_eps, torch.float64)
+    if problem.broadcast:
+        residual_cur, fn = residual_cur[:, :1], reference.broadcast_fn(problem.fn)
+    else:
+        fn = problem.fn
+    return reference.mixes(residual_cur, fn, problem.hc_scale, problem.hc_base, problem.scalars.rms_eps,
+                           torch.float64)
 
 
 def tolerances(backend: str, precision: str) -> dict:
@@ -179,8 +259,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def same_bits(a: MhcFusedHcOutput, b: MhcFusedHcOutput) -> bool:
-    """Whether two sets of outputs are bit-for-bit identical."""
-    return all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b))
+    """Whether two sets of outputs are bit-for-bit identical (None, an unwritten residual, matches None)."""
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(_bits(x), _bits(y)))
+               for x, y in zip(a, b))
 
 
 def check_backend(problem: Problem, backend: str, tactic=None) -> dict:
@@ -190,7 +271,7 @@ def check_backend(problem: Problem, backend: str, tactic=None) -> dict:
     errs = check_outputs(first, problem, **tolerances(backend, problem.precision))
     again = run_backend(problem, backend, tactic)
     for name, a, b in zip(first._fields, first, again):
-        assert torch.equal(_bits(a), _bits(b)), f"{name} differs between two runs"
+        assert same_bits((a,), (b,)), f"{name} differs between two runs"
     return errs
 
 

@@ -4,6 +4,8 @@ Backends are imported lazily so that ``import mhc_cute`` works on any machine (n
 Each backend exposes ``run(problem: Problem, tactic, out: MhcFusedHcOutput) -> None``: it reads the flattened
 operands of ``problem`` and writes every element of the flattened output buffers ``out`` (which the dispatcher
 allocates, and which never alias an input). ``tactic`` is None (the backend chooses) or a backend-specific tactic.
+Entries are keyed by op (``problem.op``: ``"fused_hc"``, ``"fused_hc_delayed"``) and seam form (``problem.form``:
+``"regular"``, ``"no_post"``, ``"broadcast"``); a backend runs only the (op, form) pairs it registers.
 """
 
 from __future__ import annotations
@@ -25,17 +27,36 @@ class Backend:
     kind: str  # "reference" | "cute" | "triton"
     summary: str
     h_multiple: int = 1  # kernel backends tile H by 64
+    # the other (op, form) pairs it runs, each with its "module:function"; ``entry`` is mhc_fused_hc's regular form
+    entries: tuple[tuple[tuple[str, str], str], ...] = ()
 
-    def load(self):
-        return _load_entry(self.entry)
+    def entry_for(self, op: str = "fused_hc", form: str = "regular") -> str | None:
+        """The entry that runs ``op`` in seam ``form`` here, None when this backend does not implement it."""
+        if op == "fused_hc" and form == "regular":
+            return self.entry
+        return next((e for key, e in self.entries if key == (op, form)), None)
+
+    def load(self, op: str = "fused_hc", form: str = "regular"):
+        return _load_entry(self.entry_for(op, form))
+
+
+SEAM_FORMS = ("regular", "no_post", "broadcast")
+OPS = ("fused_hc", "fused_hc_delayed")
+
+
+def _every_form(entry: str) -> tuple:
+    """``entry`` for every (op, form) beyond mhc_fused_hc's regular form."""
+    return tuple(((op, form), entry) for op in OPS for form in SEAM_FORMS if (op, form) != ("fused_hc", "regular"))
 
 
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("torch", "mhc_cute.backends:run_reference", "reference", "plain torch, fp32 compute, any device"),
+        Backend("torch", "mhc_cute.backends:run_reference", "reference", "plain torch, fp32 compute, any device",
+                entries=_every_form("mhc_cute.backends:run_reference")),
         Backend("triton", "mhc_cute.triton.fused_hc:run", "triton",
-                "Triton main + reduce kernels (ROCm gfx950 design; NVIDIA; CPU interpreter)", 64),
+                "Triton main + reduce kernels (ROCm gfx950 design; NVIDIA; CPU interpreter)", 64,
+                entries=_every_form("mhc_cute.triton.fused_hc:run")),
         Backend("half_fma", "mhc_cute.kernels.fma:run_half_fma", "cute",
                 "path E: CuTe DSL, FFMA projection + big-fuse kernel (2 launches)", 64),
         Backend("all_fma", "mhc_cute.kernels.fma:run_all_fma", "cute",
@@ -55,15 +76,19 @@ def _load_entry(entry: str):
 
 
 def run_reference(problem, tactic, out) -> None:
-    from .reference import fused_hc
+    """Every op and form in plain torch (fp32); no post: ``out.residual_cur`` is None, nothing to write."""
+    from .reference import fused_hc, fused_hc_delayed
 
-    result = fused_hc(
-        problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, problem.hc_scale,
-        problem.hc_base, norm_weight=problem.norm_weight, compute_dtype=torch.float32,
-        **problem.scalars.as_kwargs(),
+    tensors = (problem.x, problem.residual, problem.post_mix, problem.comb_mix)
+    if problem.delayed:
+        tensors += (problem.pre_mix,)
+    result = (fused_hc_delayed if problem.delayed else fused_hc)(
+        *tensors, problem.fn, problem.hc_scale, problem.hc_base, norm_weight=problem.norm_weight,
+        compute_dtype=torch.float32, **problem.scalars.as_kwargs(),
     )
     for dst, src in zip(out, result):
-        dst.copy_(src)
+        if dst is not None:
+            dst.copy_(src)
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,8 +126,8 @@ def _unavailable_reason(name: str, device_type: str, device_index, interpret: bo
     return _module_missing(b.kind)
 
 
-def available(device: torch.device) -> list[str]:
-    return [n for n in BACKENDS if unavailable_reason(n, device) is None]
+def available(device: torch.device, op: str = "fused_hc", form: str = "regular") -> list[str]:
+    return [n for n, b in BACKENDS.items() if b.entry_for(op, form) and unavailable_reason(n, device) is None]
 
 
 def _is_rocm() -> bool:
@@ -131,5 +156,21 @@ def pick_auto(device: torch.device, m: int, hidden: int) -> str:
             order = ("half_mma", "half_fma", "triton")
         for name in order:
             if unavailable_reason(name, device) is None:
+                return name
+    return "torch"
+
+
+def pick_auto_for(device: torch.device, m: int, hidden: int, op: str, form: str) -> str:
+    """``backend="auto"`` for an (op, form) other than mhc_fused_hc's regular one (no tuned table yet): the order of
+    ``pick_auto``, among the backends that implement it."""
+    if device.type == "cuda" and hidden % 64 == 0:
+        if _is_rocm():
+            order = ("triton",)
+        elif m <= HEURISTIC_FMA_MAX_M:
+            order = ("half_fma", "half_mma", "triton")
+        else:
+            order = ("half_mma", "half_fma", "triton")
+        for name in order:
+            if BACKENDS[name].entry_for(op, form) and unavailable_reason(name, device) is None:
                 return name
     return "torch"

@@ -57,6 +57,11 @@ def floor_bytes(m: int, hidden: int) -> int:
     return (20 * hidden + 160) * m + 96 * hidden
 
 
+def delayed_floor_bytes(m: int, hidden: int) -> int:
+    """The delayed seam's floor (SPEC "V4.1"): the V4 seam's bytes plus the carried and returned pre gates."""
+    return (20 * hidden + 192) * m + 384 * hidden
+
+
 def measure_copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 20) -> float:
     """Bytes read + written per second of a large device-to-device copy (median)."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
@@ -305,6 +310,34 @@ def mhc_cute_call(backend: str, precision: str = "fp32", tactic=None) -> Callabl
     return call
 
 
+def delayed_calls(backends: list[str], precision: str = "fp32") -> dict[str, Callable[[dict], object]]:
+    """``mhc-cute bench --delayed``: the delayed seam's ``auto`` and ``backends`` on sets with ``pre_mix_prev``
+    (``with_carried_gates``), and ``mhc_fused_hc``'s ``auto`` on the same sets as the comparison column."""
+    from .api import mhc_fused_hc, mhc_fused_hc_delayed
+
+    def delayed(backend):
+        def call(s):
+            return mhc_fused_hc_delayed(**s, backend=backend, precision=precision)
+        return call
+
+    def v4_auto(s):
+        return mhc_fused_hc(s["x_prev"], s["residual_prev"], s["post_mix_prev"], s["comb_mix_prev"], s["fn"],
+                            s["hc_scale"], s["hc_base"], norm_weight=s["norm_weight"], precision=precision)
+    calls = {"auto": delayed("auto")}
+    calls.update({n: delayed(n) for n in backends})
+    calls["mhc_fused_hc auto"] = v4_auto
+    return calls
+
+
+def with_carried_gates(sets: list[dict], seed: int = 1) -> list[dict]:
+    """``sets`` with the delayed seam's ``pre_mix_prev`` (gates as a previous seam returns them) added."""
+    g = torch.Generator(device=sets[0]["fn"].device).manual_seed(seed)
+    for s in sets:
+        m = s["residual_prev"].shape[0]
+        s["pre_mix_prev"] = torch.sigmoid(torch.randn(m, 4, generator=g, device=s["fn"].device)) + 1e-6
+    return sets
+
+
 def torch_fp32_boundary(x, res, post, comb, fn, scale, base, norm_weight=None, eps=1e-6, post_mult=2.0, repeat=20):
     """The boundary op as a user would write it in plain fp32 torch (the "torch" peers)."""
     rc = (post * x.float()[:, None, :] + torch.einsum("mkj,mkh->mjh", comb, res.float())).bfloat16()
@@ -353,9 +386,10 @@ def peer_calls(norm: bool) -> dict[str, Callable[[dict], object]]:
     return peers
 
 
-def bench_one(name, call, m, hidden, device, norm, bandwidth, sets=None, eager=True, contexts=None) -> Result:
+def bench_one(name, call, m, hidden, device, norm, bandwidth, sets=None, eager=True, contexts=None,
+              floor=floor_bytes) -> Result:
     """One (backend or peer, M, H) cell; with ``contexts`` ({name: predecessor}, ``context_predecessors``) also what
-    the call adds after each predecessor (``time_after``)."""
+    the call adds after each predecessor (``time_after``); ``floor``: the bytes of the floor column."""
     r = Result(name, m, hidden)
     try:
         sets = sets or rotated_sets(m, hidden, device, norm)
@@ -364,7 +398,7 @@ def bench_one(name, call, m, hidden, device, norm, bandwidth, sets=None, eager=T
             r.context_us[context] = time_after(call, sets, predecessor).after_us
         if eager:
             r.eager_us = time_eager(call, sets)
-        r.floor_frac = floor_bytes(m, hidden) / bandwidth * 1e6 / r.graph_us
+        r.floor_frac = floor(m, hidden) / bandwidth * 1e6 / r.graph_us
     except Exception as e:  # a failing backend or peer is reported in the table, not fatal to the run
         r.error = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     return r

@@ -96,27 +96,35 @@ def cmd_bench(args) -> int:
     dev = torch.device("cuda")
     gpu = torch.cuda.get_device_name(dev)
     bandwidth = bm.measure_copy_bandwidth(dev)
-    names = args.backends or [n for n in backends.available(dev) if n != "torch"]
-    calls = {"auto": bm.mhc_cute_call("auto", args.precision)} if "auto" not in names else {}
-    calls.update({n: bm.mhc_cute_call(n, args.precision) for n in names})
-    if not args.no_peers:
-        calls.update(bm.peer_calls(args.norm))
+    if args.delayed:  # the delayed seam, with mhc_fused_hc's auto as the comparison column; no peers
+        names = args.backends or [n for n in backends.available(dev, "fused_hc_delayed") if n != "torch"]
+        calls = bm.delayed_calls([n for n in names if n != "auto"], args.precision)
+    else:
+        names = args.backends or [n for n in backends.available(dev) if n != "torch"]
+        calls = {"auto": bm.mhc_cute_call("auto", args.precision)} if "auto" not in names else {}
+        calls.update({n: bm.mhc_cute_call(n, args.precision) for n in names})
+        if not args.no_peers:
+            calls.update(bm.peer_calls(args.norm))
+    floor = bm.delayed_floor_bytes if args.delayed else bm.floor_bytes
     results = []
     for h in args.hidden:
         for m in ms:
             sets = bm.rotated_sets(m, h, dev, args.norm)
+            if args.delayed:
+                sets = bm.with_carried_gates(sets)
             contexts = bm.context_predecessors(sets) if m <= bm.CONTEXT_MAX_M else None
             for name, call in calls.items():
                 eager = not (name == "torch-compile" and m > 4096)
                 results.append(bm.bench_one(name, call, m, h, dev, args.norm, bandwidth, sets=sets, eager=eager,
-                                            contexts=contexts))
+                                            contexts=contexts, floor=floor))
                 r = results[-1]
                 print(f"  H={h} M={m} {name}: {r.graph_us if r.error is None else r.error}", file=sys.stderr,
                       flush=True)
             del sets
             torch.cuda.empty_cache()
             if args.json:  # after every shape, so that a run cut short keeps what it measured
-                bm.write_json(results, args.json, bandwidth, gpu, dict(norm=args.norm, precision=args.precision))
+                bm.write_json(results, args.json, bandwidth, gpu,
+                              dict(norm=args.norm, precision=args.precision, delayed=args.delayed))
     print(bm.format_table(results, bandwidth, gpu))
     print(bm.auto_summary(results, names))
     if args.plot:
@@ -197,6 +205,9 @@ def main(argv=None) -> int:
     b.add_argument("--precision", default="fp32", choices=["fp32", "tf32"])
     b.add_argument("--norm", action="store_true", help="fuse the next sublayer's RMSNorm (peers without it drop out)")
     b.add_argument("--no-peers", action="store_true")
+    b.add_argument("--delayed", action="store_true",
+                   help="time V4.1's delayed seam (mhc_fused_hc_delayed; floor (20H + 192) M + 384H bytes) against "
+                        "mhc_fused_hc's auto on the same inputs")
     b.add_argument("--json", help="write the results here")
     b.add_argument("--plot", help="write a PNG plot (time vs M) here")
     b.set_defaults(fn=cmd_bench)

@@ -1,4 +1,5 @@
-"""The validated, flattened form of one ``mhc_fused_hc`` call that every backend receives."""
+"""The validated, flattened form of one ``mhc_fused_hc`` or ``mhc_fused_hc_delayed`` call that every backend
+receives."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ class MhcFusedHcOutput(NamedTuple):
     layer_input: torch.Tensor  # [..., H] bf16
 
 
+class MhcFusedHcDelayedOutput(NamedTuple):
+    residual_cur: torch.Tensor  # [..., 4, H] bf16 (no post: residual_prev itself)
+    post_mix_cur: torch.Tensor  # [..., 4, 1] fp32
+    comb_mix_cur: torch.Tensor  # [..., 4, 4] fp32
+    layer_input: torch.Tensor  # [..., H] bf16
+    pre_mix_cur: torch.Tensor  # [..., 4] fp32: this seam's pre gates, carried to the next seam
+
+
 class Scalars(NamedTuple):
     """The op's scalar arguments (a named tuple: built on every call, and hashed into the validation cache)."""
 
@@ -33,7 +42,9 @@ class Scalars(NamedTuple):
 
 class Problem(NamedTuple):
     """Contiguous flattened operands: ``x [M, H]``, ``residual [M, 4, H]``, ``post_mix [M, 4]``,
-    ``comb_mix [M, 4, 4]``, ``fn [24, 4H]``, ``hc_scale [3]``, ``hc_base [24]``, ``norm_weight [H] | None``.
+    ``comb_mix [M, 4, 4]``, ``fn [24, 4H]``, ``hc_scale [3]``, ``hc_base [24]``, ``norm_weight [H] | None``;
+    ``delayed``: the V4.1 seam, with the carried gates ``pre_mix [M, 4] | None`` (None: identity).
+    Entry forms: no post (``x``, ``post_mix``, ``comb_mix`` None), broadcast entry (no post, ``residual [M, H]``).
     A named tuple (immutable): built on every call, and a frozen dataclass costs four times as much to build."""
 
     x: torch.Tensor
@@ -46,24 +57,51 @@ class Problem(NamedTuple):
     norm_weight: torch.Tensor | None
     scalars: Scalars
     precision: str
+    pre_mix: torch.Tensor | None = None
+    delayed: bool = False
 
     @property
     def m(self) -> int:
-        return self.x.shape[0]
+        return self.residual.shape[0]
 
     @property
     def hidden(self) -> int:
-        return self.x.shape[1]
+        return self.residual.shape[-1]
 
-    def empty_outputs(self) -> MhcFusedHcOutput:
-        """Fresh output buffers (never aliasing an input)."""
-        # empty_like of the flat (contiguous) inputs of the same shapes and dtypes: the cheapest allocation call
-        return MhcFusedHcOutput(
-            torch.empty_like(self.residual),
-            self.post_mix.new_empty((self.x.shape[0], HC_MULT, 1)),
-            torch.empty_like(self.comb_mix),
-            torch.empty_like(self.x),
-        )
+    @property
+    def has_post(self) -> bool:
+        return self.x is not None
+
+    @property
+    def broadcast(self) -> bool:
+        return self.residual.dim() == 2
+
+    @property
+    def op(self) -> str:
+        """The op's registry key: ``"fused_hc"`` or ``"fused_hc_delayed"``."""
+        return "fused_hc_delayed" if self.delayed else "fused_hc"
+
+    @property
+    def form(self) -> str:
+        """``"regular"``, ``"no_post"`` or ``"broadcast"`` (SPEC "The op family")."""
+        return "regular" if self.x is not None else "broadcast" if self.residual.dim() == 2 else "no_post"
+
+    def empty_outputs(self) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
+        """Fresh output buffers (never aliasing an input). No post: ``residual_cur`` is None (nothing is written;
+        the op returns ``residual_prev`` itself)."""
+        if self.x is not None:
+            # empty_like of the flat (contiguous) inputs of the same shapes and dtypes: the cheapest allocation call
+            outs = (torch.empty_like(self.residual), self.post_mix.new_empty((self.x.shape[0], HC_MULT, 1)),
+                    torch.empty_like(self.comb_mix), torch.empty_like(self.x))
+        else:
+            m, h = self.m, self.hidden
+            f32 = dict(dtype=torch.float32)
+            outs = (self.residual.new_empty((m, HC_MULT, h)) if self.residual.dim() == 2 else None,
+                    self.residual.new_empty((m, HC_MULT, 1), **f32), self.residual.new_empty((m, HC_MULT, HC_MULT), **f32),
+                    self.residual.new_empty((m, h)))
+        if self.delayed:
+            return MhcFusedHcDelayedOutput(*outs, self.residual.new_empty((self.m, HC_MULT), dtype=torch.float32))
+        return MhcFusedHcOutput(*outs)
 
 
 PRECISIONS = ("fp32", "tf32")
@@ -71,6 +109,11 @@ PRECISIONS = ("fp32", "tf32")
 
 def _fail(name: str, expected: str, got) -> None:
     raise ValueError(f"mhc_fused_hc: `{name}` must be {expected}; got {got}")
+
+
+def _as_delayed(e: ValueError) -> ValueError:
+    """A validation error of the delayed seam: the same message under the delayed op's name."""
+    return ValueError(str(e).replace("mhc_fused_hc:", "mhc_fused_hc_delayed:", 1))
 
 
 def _check_tensor(name, t, dtypes, shape_tail, device):
@@ -110,12 +153,13 @@ def _signature(tensors, scalars, precision) -> tuple:
 
 INPUT_NAMES = ("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev", "fn", "hc_scale", "hc_base",
                "norm_weight")  # the user's names of the Problem's tensors
-OUT_NAMES = tuple(f"out.{name}" for name in MhcFusedHcOutput._fields)  # the names the errors give the buffers
+OUT_NAMES = tuple(f"out.{name}" for name in MhcFusedHcDelayedOutput._fields)  # the names the errors give the buffers
 OUT_SHAPES = (  # per output: its dtype and the trailing shapes it may have (after the leading dims of x_prev)
     ("residual_cur", torch.bfloat16, ((HC_MULT, None),)),
     ("post_mix_cur", torch.float32, ((HC_MULT, 1), (HC_MULT,))),
     ("comb_mix_cur", torch.float32, ((HC_MULT, HC_MULT), (HC_MULT * HC_MULT,))),
     ("layer_input", torch.bfloat16, ((None,),)),
+    ("pre_mix_cur", torch.float32, ((HC_MULT,), (HC_MULT, 1))),  # the delayed seam's only
 )
 
 
@@ -123,7 +167,7 @@ def _check_no_grad(tensors) -> None:
     """With grad mode on: no input may require grad, since the op has no backward (its outputs would silently carry
     no gradient). ``tensors`` in the order of ``INPUT_NAMES``. Not part of the cached checks: it depends on the grad
     mode, and under ``torch.inference_mode()`` (serving) it costs one ``torch.is_grad_enabled()`` call."""
-    for name, t in zip(INPUT_NAMES, tensors):
+    for name, t in zip(INPUT_NAMES + ("pre_mix_prev",), tensors):
         if getattr(t, "requires_grad", False):  # a non-tensor is validate()'s to name
             _fail(name, "a tensor that does not require grad (the op is inference-only, with no backward: call it "
                   f"under torch.inference_mode() or torch.no_grad(), or pass {name}.detach())", "requires_grad=True")
@@ -132,40 +176,68 @@ def _check_no_grad(tensors) -> None:
 _OUT_VALIDATED: dict[tuple, tuple] = {}  # out= signature -> the flat shape to view each buffer as (None: as it is)
 
 
-def flat_out(out, lead: tuple[int, ...], hidden: int, device) -> MhcFusedHcOutput:
-    """The caller's output buffers (``out=``) checked (four tensors of the output shapes, or the flat
-    alternatives the inputs also accept, dtypes, device, contiguous) and viewed as the flat outputs the backends
-    write. A signature that passed once skips the checks, as in ``validate``. Memory checks (alignment, overlap)
-    need real pointers: ``check_out_memory``."""
+def flat_out(out, lead: tuple[int, ...], hidden: int, device, *, delayed: bool = False,
+             no_post: bool = False) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
+    """The caller's output buffers (``out=``) checked (four tensors of the output shapes, five for the delayed
+    seam, or the flat alternatives the inputs also accept, dtypes, device, contiguous) and viewed as the flat
+    outputs the backends write. ``no_post``: ``out.residual_cur`` must be None (the op returns ``residual_prev``
+    itself and writes no residual). A signature that passed once skips the checks, as in ``validate``. Memory
+    checks (alignment, overlap) need real pointers: ``check_out_memory``."""
+    kind = MhcFusedHcDelayedOutput if delayed else MhcFusedHcOutput
     try:
-        sig = _signature(out, lead, (hidden, device))
+        sig = _signature(out, lead, (hidden, device, delayed, no_post))
         shapes = _OUT_VALIDATED.get(sig)
     except TypeError:  # not a sequence, or an unhashable item: the full checks will say so
         sig, shapes = None, None
     if shapes is None:
-        shapes = _check_out(out, lead, hidden, device)
+        shapes = _check_out(out, lead, hidden, device, kind, no_post)
         if sig is not None and len(_OUT_VALIDATED) < _MAX_SIGNATURES:
             _OUT_VALIDATED[sig] = shapes
-    return MhcFusedHcOutput(*(t if shape is None else t.view(shape) for t, shape in zip(out, shapes)))
+    return kind(*(t if shape is None else t.view(shape) for t, shape in zip(out, shapes)))
 
 
-def _check_out(out, lead, hidden, device) -> tuple:
-    if not isinstance(out, (tuple, list)) or len(out) != len(OUT_SHAPES):
-        _fail("out", "a tuple of 4 tensors (residual_cur, post_mix_cur, comb_mix_cur, layer_input)",
+def _check_out(out, lead, hidden, device, kind=MhcFusedHcOutput, no_post=False) -> tuple:
+    n = len(kind._fields)
+    if not isinstance(out, (tuple, list)) or len(out) != n:
+        _fail("out", f"a tuple of {n} tensors ({', '.join(kind._fields)})",
               type(out).__name__ if not isinstance(out, (tuple, list)) else f"{len(out)} items")
     m = math.prod(lead)
     shapes = []
     for t, (name, dtype, tails) in zip(out, OUT_SHAPES):
         name = f"out.{name}"
+        if no_post and name == "out.residual_cur":
+            if t is not None:
+                _fail(name, "None without a post (x_prev None: residual_cur is residual_prev itself, not written)",
+                      type(t).__name__)
+            shapes.append(None)
+            continue
         tails = [tuple(hidden if d is None else d for d in tail) for tail in tails]
         _check_tensor(name, t, (dtype,), None, device)
-        if tuple(t.shape) not in [lead + tail for tail in tails]:
+        if not _shape_in(t.shape, [lead + tail for tail in tails]):
             _fail(name, "of shape " + " or ".join(str(list(lead + tail)) for tail in tails), list(t.shape))
         if not t.is_contiguous():
             _fail(name, "contiguous (the op writes it in place)", f"strides {list(t.stride())}")
         flat = (m,) + tails[0]
-        shapes.append(None if tuple(t.shape) == flat else flat)
+        shapes.append(None if _same_shape(t.shape, flat) else flat)
     return tuple(shapes)
+
+
+def _same_shape(a, b) -> bool:
+    """``tuple(a) == tuple(b)`` dimension by dimension: ``torch.compile`` traces that with dynamic (symbolic) sizes,
+    where a tuple's ``in`` and ``==`` compare symbols as different objects."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x != y:
+            return False
+    return True
+
+
+def _shape_in(shape, options) -> bool:
+    for option in options:
+        if _same_shape(shape, option):
+            return True
+    return False
 
 
 def check_out_memory(out: MhcFusedHcOutput, problem: Problem) -> None:
@@ -173,17 +245,18 @@ def check_out_memory(out: MhcFusedHcOutput, problem: Problem) -> None:
     op reads (the flattened problem's tensors; inputs may overlap each other, they are only read). Needs real
     tensors (not the fake ones ``torch.compile`` traces). Runs on every call: plain loops, names only for the
     error."""
-    outs = [(t.data_ptr(), t.nbytes) for t in out]
+    outs = [(t.data_ptr(), t.nbytes) if t is not None else (0, 0) for t in out]
     for i, (p, _) in enumerate(outs):
         if p % ALIGN_BYTES:
             _fail(OUT_NAMES[i], f"{ALIGN_BYTES}-byte aligned", f"data_ptr % {ALIGN_BYTES} == {p % ALIGN_BYTES}")
-    spans = outs + [(t.data_ptr(), t.nbytes) if t is not None else (0, 0) for t in problem[:len(INPUT_NAMES)]]
+    inputs = (*problem[:len(INPUT_NAMES)], problem.pre_mix)
+    spans = outs + [(t.data_ptr(), t.nbytes) if t is not None else (0, 0) for t in inputs]
+    names = OUT_NAMES[:len(outs)] + INPUT_NAMES + ("pre_mix_prev",)
     for i, (p, n) in enumerate(outs):
         for j in range(i + 1, len(spans)):
             q, k = spans[j]
             if n and k and q < p + n and p < q + k:
-                other = (OUT_NAMES + INPUT_NAMES)[j]
-                _fail(OUT_NAMES[i], f"a buffer that shares no memory with {other}", "overlapping memory")
+                _fail(OUT_NAMES[i], f"a buffer that shares no memory with {names[j]}", "overlapping memory")
 
 
 def _aligned(t):
@@ -201,59 +274,96 @@ def validate(
     norm_weight,
     scalars: Scalars,
     precision: str,
+    pre_mix_prev=None,
+    delayed: bool = False,
 ) -> tuple[Problem, tuple[int, ...]]:
     """Check every argument and return the flattened problem plus the leading dims of the outputs.
 
     Non-contiguous inputs are made contiguous and misaligned ones (base not 16-byte aligned) are copied;
     inputs are never modified. A signature (shapes, strides, dtypes, devices, scalars) that passed once skips
-    the checks: they depend on nothing else, and they cost tens of µs of host time per call.
+    the checks: they depend on nothing else, and they cost tens of µs of host time per call. ``delayed``: the
+    V4.1 seam (``mhc_fused_hc_delayed``), with the carried gates ``pre_mix_prev``; errors name that op.
     """
-    tensors = (x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight)
+    tensors = (x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight, pre_mix_prev)
+    try:
+        return _validate(tensors, scalars, precision, delayed)
+    except ValueError as e:
+        if delayed:
+            raise _as_delayed(e) from None
+        raise
+
+
+def _validate(tensors, scalars, precision, delayed):
     if torch.is_grad_enabled():
         _check_no_grad(tensors)
     if torch.compiler.is_compiling():  # traced once per graph: no cache; the op's allocations are aligned
-        return _validate_all(*tensors, scalars, precision, align=False)
+        return _validate_all(*tensors, scalars, precision, delayed, align=False)
     try:
-        sig = _signature(tensors, scalars, precision)
+        sig = _signature(tensors + (delayed,), scalars, precision)
         hit = _VALIDATED.get(sig)
     except TypeError:  # an unhashable argument: the full checks will name it
         sig, hit = None, None
     if hit is None:
-        problem, lead = _validate_all(*tensors, scalars, precision)
+        problem, lead = _validate_all(*tensors, scalars, precision, delayed)
         if sig is not None and len(_VALIDATED) < _MAX_SIGNATURES:
-            flat = (problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, problem.hc_scale,
-                    problem.hc_base, problem.norm_weight)
+            flat = (*problem[:len(INPUT_NAMES)], problem.pre_mix)
             # per argument: None when it is used as it is, else the flat shape to reshape (and copy) it to
             shapes = tuple(None if a is b or a is None else tuple(b.shape) for a, b in zip(tensors, flat))
             _VALIDATED[sig] = (lead, shapes, problem.scalars)
         return problem, lead
     lead, shapes, checked_scalars = hit
     flat = [_aligned(t if shape is None else t.reshape(shape).contiguous()) for t, shape in zip(tensors, shapes)]
-    return Problem(*flat, checked_scalars, precision), lead
+    return Problem(*flat[:len(INPUT_NAMES)], checked_scalars, precision, flat[-1], delayed), lead
 
 
-def _flatten(x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight, lead,
-             scalars, precision, align: bool = True) -> Problem:
-    m, h = math.prod(lead), x_prev.shape[-1]
+def _flatten(x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight, pre_mix_prev,
+             lead, scalars, precision, delayed, align: bool = True) -> Problem:
+    m, h = math.prod(lead), residual_prev.shape[-1]
 
     def flat(t, *shape):  # the tensor itself when it already has the shape (so validate() can tell)
+        if t is None:
+            return None
         if tuple(t.shape) != shape:
             t = t.reshape(shape)
         t = t.contiguous()
         return _aligned(t) if align else t
 
+    broadcast = residual_prev.dim() == len(lead) + 1
     return Problem(
         x=flat(x_prev, m, h),
-        residual=flat(residual_prev, m, HC_MULT, h),
+        residual=flat(residual_prev, m, h) if broadcast else flat(residual_prev, m, HC_MULT, h),
         post_mix=flat(post_mix_prev, m, HC_MULT),
         comb_mix=flat(comb_mix_prev, m, HC_MULT, HC_MULT),
         fn=flat(fn, *fn.shape),
         hc_scale=flat(hc_scale, 3),
         hc_base=flat(hc_base, N_MIXES),
-        norm_weight=None if norm_weight is None else flat(norm_weight, h),
+        norm_weight=flat(norm_weight, h),
         scalars=scalars,
         precision=precision,
+        pre_mix=flat(pre_mix_prev, m, HC_MULT),
+        delayed=delayed,
     )
+
+
+def _leading_dims(x_prev, residual_prev, post_mix_prev, comb_mix_prev):
+    """``(lead, H, device)`` from ``x_prev``, or without a post from ``residual_prev``: ``[..., 4, H]`` (at least
+    one leading dim) is the 4 streams, anything else ``[..., H]`` the embedding of the broadcast entry."""
+    if x_prev is None:
+        for name, t in (("post_mix_prev", post_mix_prev), ("comb_mix_prev", comb_mix_prev)):
+            if t is not None:
+                _fail(name, "None when x_prev is None (a seam without post)", type(t).__name__)
+        if not isinstance(residual_prev, torch.Tensor):
+            _fail("residual_prev", "a torch.Tensor", type(residual_prev).__name__)
+        if residual_prev.dim() < 1:
+            _fail("residual_prev", "of shape [..., 4, H] or [..., H]", list(residual_prev.shape))
+        streams = residual_prev.dim() >= 3 and residual_prev.shape[-2] == HC_MULT
+        lead = tuple(residual_prev.shape[:-2] if streams else residual_prev.shape[:-1])
+        return lead, residual_prev.shape[-1], residual_prev.device, "residual_prev"
+    if not isinstance(x_prev, torch.Tensor):
+        _fail("x_prev", "a torch.Tensor or None", type(x_prev).__name__)
+    if x_prev.dim() < 1:
+        _fail("x_prev", "of shape [..., H]", list(x_prev.shape))
+    return tuple(x_prev.shape[:-1]), x_prev.shape[-1], x_prev.device, "x_prev"
 
 
 def _validate_all(
@@ -265,31 +375,40 @@ def _validate_all(
     hc_scale,
     hc_base,
     norm_weight,
+    pre_mix_prev,
     scalars: Scalars,
     precision: str,
+    delayed: bool = False,
     align: bool = True,
 ) -> tuple[Problem, tuple[int, ...]]:
-    if not isinstance(x_prev, torch.Tensor):
-        _fail("x_prev", "a torch.Tensor", type(x_prev).__name__)
-    if x_prev.dim() < 1:
-        _fail("x_prev", "of shape [..., H]", list(x_prev.shape))
-    dev = x_prev.device
+    lead, h, dev, anchor = _leading_dims(x_prev, residual_prev, post_mix_prev, comb_mix_prev)
     bf16, f32 = (torch.bfloat16,), (torch.float32,)
-    h = x_prev.shape[-1]
-    lead = tuple(x_prev.shape[:-1])
-    _check_tensor("x_prev", x_prev, bf16, None, dev)
     if h <= 0:
-        _fail("x_prev", "of shape [..., H] with H > 0", list(x_prev.shape))
-    _check_tensor("residual_prev", residual_prev, bf16, (HC_MULT, h), dev)
-    if tuple(residual_prev.shape[:-2]) != lead:
-        _fail("residual_prev", f"of shape {list(lead) + [HC_MULT, h]} (leading dims of x_prev, hc_mult 4, H)",
-              list(residual_prev.shape))
-    _check_tensor("post_mix_prev", post_mix_prev, f32, None, dev)
-    if tuple(post_mix_prev.shape) not in (lead + (HC_MULT,), lead + (HC_MULT, 1)):
-        _fail("post_mix_prev", f"of shape {list(lead) + [4]} or {list(lead) + [4, 1]}", list(post_mix_prev.shape))
-    _check_tensor("comb_mix_prev", comb_mix_prev, f32, None, dev)
-    if tuple(comb_mix_prev.shape) not in (lead + (HC_MULT, HC_MULT), lead + (HC_MULT * HC_MULT,)):
-        _fail("comb_mix_prev", f"of shape {list(lead) + [4, 4]} or {list(lead) + [16]}", list(comb_mix_prev.shape))
+        _fail(anchor, "of shape [..., H] with H > 0", list((x_prev if x_prev is not None else residual_prev).shape))
+    if x_prev is not None:
+        _check_tensor("x_prev", x_prev, bf16, None, dev)
+        _check_tensor("residual_prev", residual_prev, bf16, (HC_MULT, h), dev)
+        if not _same_shape(residual_prev.shape[:-2], lead):
+            _fail("residual_prev", f"of shape {list(lead) + [HC_MULT, h]} (leading dims of x_prev, hc_mult 4, H)",
+                  list(residual_prev.shape))
+        _check_tensor("post_mix_prev", post_mix_prev, f32, None, dev)
+        if not _shape_in(post_mix_prev.shape, (lead + (HC_MULT,), lead + (HC_MULT, 1))):
+            _fail("post_mix_prev", f"of shape {list(lead) + [4]} or {list(lead) + [4, 1]}",
+                  list(post_mix_prev.shape))
+        _check_tensor("comb_mix_prev", comb_mix_prev, f32, None, dev)
+        if not _shape_in(comb_mix_prev.shape, (lead + (HC_MULT, HC_MULT), lead + (HC_MULT * HC_MULT,))):
+            _fail("comb_mix_prev", f"of shape {list(lead) + [4, 4]} or {list(lead) + [16]}",
+                  list(comb_mix_prev.shape))
+    else:
+        _check_tensor("residual_prev", residual_prev, bf16, None, dev)
+    if pre_mix_prev is not None:
+        if not delayed:
+            _fail("pre_mix_prev", "None for mhc_fused_hc (carried gates belong to mhc_fused_hc_delayed)",
+                  type(pre_mix_prev).__name__)
+        _check_tensor("pre_mix_prev", pre_mix_prev, f32, None, dev)
+        if not _shape_in(pre_mix_prev.shape, (lead + (HC_MULT,), lead + (HC_MULT, 1))):
+            _fail("pre_mix_prev", f"of shape {list(lead) + [4]} or {list(lead) + [4, 1]} (leading dims of "
+                  f"{anchor})", list(pre_mix_prev.shape))
     _check_exact("fn", fn, f32, (N_MIXES, HC_MULT * h), dev)
     _check_exact("hc_scale", hc_scale, f32, (3,), dev)
     _check_exact("hc_base", hc_base, f32, (N_MIXES,), dev)
@@ -316,5 +435,5 @@ def _validate_all(
         float(scalars.hc_post_mult_value), int(rep), float(scalars.norm_eps),
     )
     problem = _flatten(x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight,
-                       lead, checked, precision, align)
+                       pre_mix_prev, lead, checked, precision, delayed, align)
     return problem, lead

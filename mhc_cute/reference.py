@@ -10,7 +10,13 @@ Every backend is tested against these functions. They run on any device and comp
 * ``layer_input`` is rounded to bf16 after the collapse (step 6) and, with a norm weight, again after step 7.
 
 Shapes here are the flattened ones: ``x [M, H]``, ``residual [M, 4, H]``, ``post_mix [M, 4]``,
-``comb_mix [M, 4, 4]``, ``fn [24, 4H]``, ``hc_scale [3]``, ``hc_base [24]``, ``norm_weight [H]``.
+``comb_mix [M, 4, 4]``, ``fn [24, 4H]``, ``hc_scale [3]``, ``hc_base [24]``, ``norm_weight [H]``, ``pre_mix [M, 4]``.
+The entry forms of both seams (SPEC "The op family"): no post (``x``, ``post_mix``, ``comb_mix`` None: the streams
+are ``residual`` as it is) and broadcast entry (``residual [M, H]``, no post: the streams are 4 copies of it, the
+projection runs over H with ``broadcast_fn(fn)``).
+
+The delayed seam (SPEC "V4.1"): ``fused_hc_delayed``. Its collapse with the carried gates (step 3) is an fp32 FMA
+chain like step 1, so its bf16 ``x1`` (``layer_input`` without a norm) is exact whatever ``compute_dtype`` is.
 """
 
 from __future__ import annotations
@@ -50,6 +56,23 @@ def post(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.Tensor, comb_m
     return acc.to(torch.bfloat16)
 
 
+def broadcast_fn(fn: torch.Tensor) -> torch.Tensor:
+    """``fn_b [24, H]``: ``fn [24, 4H]`` summed over the 4 streams in fp32, in order j = 0..3 (the weight of the
+    broadcast entry, whose 4 streams are equal)."""
+    f = fn.float().reshape(fn.shape[0], HC_MULT, -1)
+    return ((f[:, 0] + f[:, 1]) + f[:, 2]) + f[:, 3]
+
+
+def streams(x, residual, post_mix, comb_mix) -> torch.Tensor:
+    """``residual_cur [M, 4, H]`` of any seam form: step 1 (post), else ``residual`` itself (no post), else
+    4 copies of the embedding ``residual [M, H]`` (broadcast entry)."""
+    if x is not None:
+        return post(x, residual, post_mix, comb_mix)
+    if residual.dim() == 2:
+        return residual[:, None, :].expand(-1, HC_MULT, -1).contiguous()
+    return residual
+
+
 def rstd(residual_cur, rms_eps, cd):
     """SPEC step 2: ``[M]`` reciprocal RMS of each token's 4H values of the bf16 ``residual_cur``, in ``cd``."""
     m, n, h = residual_cur.shape
@@ -77,6 +100,29 @@ def sinkhorn(c: torch.Tensor, eps: float, repeat: int) -> torch.Tensor:
     return c
 
 
+def gates(residual_cur, fn, hc_scale, hc_base, *, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+          sinkhorn_repeat, broadcast=False, compute_dtype=torch.float32):
+    """SPEC steps 2-5 on the bf16 ``residual_cur [M, 4, H]``: ``(pre [M, 4], post_mix [M, 4, 1], comb_mix
+    [M, 4, 4])`` in ``compute_dtype``. ``broadcast``: the 4 streams are equal, the projection and the RMS run over
+    stream 0 (H values) with ``broadcast_fn(fn)``."""
+    cd = compute_dtype
+    if broadcast:
+        residual_cur, fn = residual_cur[:, :1], broadcast_fn(fn)
+    mix = mixes(residual_cur, fn, hc_scale, hc_base, rms_eps, cd)
+    pre_gate = torch.sigmoid(mix[:, 0:4]) + hc_pre_eps
+    post_mix = torch.sigmoid(mix[:, 4:8]) * hc_post_mult_value
+    comb_mix = sinkhorn(mix[:, 8:24].reshape(-1, 4, 4), hc_sinkhorn_eps, sinkhorn_repeat)
+    return pre_gate, post_mix[:, :, None], comb_mix
+
+
+def rms_norm(li: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, cd) -> torch.Tensor:
+    """SPEC step 7 (and the delayed seam's step 4) on the bf16 ``li [M, H]``: ``bf16(li * rsqrt(mean(li^2) + eps)
+    * w)`` in ``cd``."""
+    li = li.to(cd)
+    r = torch.rsqrt((li * li).mean(-1, keepdim=True) + norm_eps)
+    return (li * r * norm_weight.to(cd)).to(torch.bfloat16)
+
+
 def pre(
     residual_cur: torch.Tensor,
     fn: torch.Tensor,
@@ -90,6 +136,7 @@ def pre(
     sinkhorn_repeat: int = 20,
     norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
+    broadcast: bool = False,
     compute_dtype: torch.dtype = torch.float32,
 ):
     """SPEC steps 2-7 on the bf16 ``residual_cur [M, 4, H]``.
@@ -98,27 +145,36 @@ def pre(
     ``compute_dtype``.
     """
     cd = compute_dtype
-    mix = mixes(residual_cur, fn, hc_scale, hc_base, rms_eps, cd)
-    pre_gate = torch.sigmoid(mix[:, 0:4]) + hc_pre_eps
-    post_mix = torch.sigmoid(mix[:, 4:8]) * hc_post_mult_value
-    comb_mix = sinkhorn(mix[:, 8:24].reshape(-1, 4, 4), hc_sinkhorn_eps, sinkhorn_repeat)
+    pre_gate, post_mix, comb_mix = gates(
+        residual_cur, fn, hc_scale, hc_base, rms_eps=rms_eps, hc_pre_eps=hc_pre_eps, hc_sinkhorn_eps=hc_sinkhorn_eps,
+        hc_post_mult_value=hc_post_mult_value, sinkhorn_repeat=sinkhorn_repeat, broadcast=broadcast, compute_dtype=cd)
     res = residual_cur.to(cd)
     acc = pre_gate[:, 0:1] * res[:, 0]
     for j in range(1, HC_MULT):  # fixed order j = 0..3
         acc = acc + pre_gate[:, j : j + 1] * res[:, j]
     layer_input = acc.to(torch.bfloat16)
     if norm_weight is not None:
-        li = layer_input.to(cd)
-        r = torch.rsqrt((li * li).mean(-1, keepdim=True) + norm_eps)
-        layer_input = (li * r * norm_weight.to(cd)).to(torch.bfloat16)
-    return post_mix[:, :, None], comb_mix, layer_input
+        layer_input = rms_norm(layer_input, norm_weight, norm_eps, cd)
+    return post_mix, comb_mix, layer_input
+
+
+def collapse_carried(residual_cur: torch.Tensor, pre_mix: torch.Tensor | None) -> torch.Tensor:
+    """The delayed seam's step 3, bit-exactly: ``x1 = bf16(fma-chain(pre[0] * r0, pre[j] * rj, j = 1..3))`` with the
+    carried gates ``pre_mix [M, 4]``; None is the identity ``[1, 0, 0, 0]``: stream 0 exactly."""
+    if pre_mix is None:
+        return residual_cur[:, 0].clone()
+    p = pre_mix.float()
+    acc = p[:, 0:1] * residual_cur[:, 0].float()  # one fp32 rounding
+    for j in range(1, HC_MULT):
+        acc = fma_f32(p[:, j : j + 1], residual_cur[:, j].float(), acc)
+    return acc.to(torch.bfloat16)
 
 
 def fused_hc(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     residual: torch.Tensor,
-    post_mix: torch.Tensor,
-    comb_mix: torch.Tensor,
+    post_mix: torch.Tensor | None,
+    comb_mix: torch.Tensor | None,
     fn: torch.Tensor,
     hc_scale: torch.Tensor,
     hc_base: torch.Tensor,
@@ -126,6 +182,36 @@ def fused_hc(
     compute_dtype: torch.dtype = torch.float32,
     **scalars,
 ):
-    """The whole boundary op on flattened inputs: ``(residual_cur, post_mix_cur, comb_mix_cur, layer_input)``."""
-    residual_cur = post(x, residual, post_mix, comb_mix)
-    return (residual_cur, *pre(residual_cur, fn, hc_scale, hc_base, compute_dtype=compute_dtype, **scalars))
+    """The whole boundary op on flattened inputs: ``(residual_cur, post_mix_cur, comb_mix_cur, layer_input)``.
+    No post: ``residual_cur`` is ``residual`` itself; broadcast entry: 4 copies of ``residual [M, H]``."""
+    residual_cur = streams(x, residual, post_mix, comb_mix)
+    return (residual_cur, *pre(residual_cur, fn, hc_scale, hc_base, broadcast=residual.dim() == 2,
+                               compute_dtype=compute_dtype, **scalars))
+
+
+def fused_hc_delayed(
+    x: torch.Tensor | None,
+    residual: torch.Tensor,
+    post_mix: torch.Tensor | None,
+    comb_mix: torch.Tensor | None,
+    pre_mix: torch.Tensor | None,
+    fn: torch.Tensor,
+    hc_scale: torch.Tensor,
+    hc_base: torch.Tensor,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-20,
+    rms_eps: float = 1e-20,
+    compute_dtype: torch.dtype = torch.float32,
+    **scalars,
+):
+    """The delayed seam on flattened inputs (SPEC "V4.1"): ``(residual_cur, post_mix_cur, comb_mix_cur,
+    layer_input, pre_mix_cur [M, 4])``; the collapse uses the carried ``pre_mix`` (None: identity), and
+    ``pre_mix_cur`` is returned, not used. Entry forms as in ``fused_hc``."""
+    residual_cur = streams(x, residual, post_mix, comb_mix)
+    pre_cur, post_cur, comb_cur = gates(residual_cur, fn, hc_scale, hc_base, rms_eps=rms_eps,
+                                        broadcast=residual.dim() == 2, compute_dtype=compute_dtype, **scalars)
+    layer_input = collapse_carried(residual_cur, pre_mix)
+    if norm_weight is not None:
+        layer_input = rms_norm(layer_input, norm_weight, norm_eps, compute_dtype)
+    return residual_cur, post_cur, comb_cur, layer_input, pre_cur

@@ -40,14 +40,21 @@ def _compile(fn, consts: dict, target: GPUTarget, num_warps: int, num_stages: in
     return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 
 
-def compile_main(t: TritonTactic, target: GPUTarget, **options):
-    """The main kernel of tactic ``t`` (``options``: extra Triton compile options, e.g. ``maxnreg``)."""
-    return _compile(F._main_kernel, dict(BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.uses_dot), target,
-                    t.num_warps, t.num_stages, **options)
+# the main kernel's form flags of mhc_fused_hc's regular seam (``compile_main``'s ``form`` overrides them)
+REGULAR_FORM = dict(HAS_POST=True, BROADCAST=False, DELAYED=False, IDENTITY=False, HAS_NORM=False)
 
 
-def compile_reduce(t: TritonTactic, hidden: int, norm: bool, target: GPUTarget):
-    """The reduce kernel of tactic ``t`` at hidden size ``hidden``."""
+def compile_main(t: TritonTactic, target: GPUTarget, form: dict | None = None, **options):
+    """The main kernel of tactic ``t`` (``form``: flags that differ from ``REGULAR_FORM``, e.g. ``DELAYED=True``;
+    ``options``: extra Triton compile options, e.g. ``maxnreg``)."""
+    consts = dict(BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.uses_dot, **{**REGULAR_FORM, **(form or {})})
+    return _compile(F._main_kernel, consts, target, t.num_warps, t.num_stages, **options)
+
+
+def compile_reduce(t: TritonTactic, hidden: int, norm: bool, target: GPUTarget, delayed: bool = False,
+                   broadcast: bool = False):
+    """The reduce kernel of tactic ``t`` at hidden size ``hidden`` (of the delayed seam, of the broadcast entry)."""
     consts = dict(S_POW2=triton.next_power_of_2(t.split_k), BLOCK_T=t.reduce_block_t, BLOCK_H=t.reduce_block_h,
-                  SINGLE_TILE=t.reduce_block_h >= hidden, HAS_NORM=norm)
+                  SINGLE_TILE=t.reduce_block_h >= hidden, HAS_NORM=norm, RMS_STREAMS=1 if broadcast else 4,
+                  DELAYED=delayed)
     return _compile(F._reduce_kernel, consts, target, t.reduce_warps)

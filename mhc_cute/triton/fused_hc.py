@@ -15,6 +15,13 @@ Reduce kernel, one program per token block: sums the partials over the splits in
 mixes, gates, Sinkhorn (steps 2-5), the collapse re-reading ``residual_cur`` (step 6) and the optional RMSNorm
 (step 7).
 
+The same two kernels run the entry forms and the delayed seam, chosen by compile-time flags: without a post the
+main kernel projects ``residual_prev`` as it is (nothing stored); the broadcast entry stores the 4 copies of the
+embedding and projects it over H with ``fn`` summed over the streams. The delayed seam's main kernel also writes
+``x1`` (the collapse with the carried gates, an fp32 FMA chain over the rounded streams it already holds) to
+``layer_input`` and, with the norm, its sum of squares to partials column 25; its reduce kernel writes the gates
+(no collapse) and, with the norm, rescales ``layer_input`` in place (re-reading the bf16 ``x1``).
+
 Nothing is accumulated with atomics, so repeated runs are bit-identical for a given tactic.
 """
 
@@ -28,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ..problem import MhcFusedHcOutput, Problem
+from ..reference import broadcast_fn
 from ..weights import bf16_terms, prepared
 from ..workspace import get_workspace
 from .configs import PARTIAL_COLS, TritonTactic, arch_of, fit, select_tactic
@@ -76,14 +84,14 @@ def _post_stream(xf, r0, r1, r2, r3, p, c0, c1, c2, c3):
     return _bf16_rn(acc)
 
 
-def split_bf16x3(fn: torch.Tensor) -> torch.Tensor:
+def split_bf16x3(fn: torch.Tensor, streams: int = 4) -> torch.Tensor:
     """``fn`` [24, 4H] fp32 as ``[3, 24, 4H]`` bf16 terms with ``fn = w1 + w2 + w3`` exactly (each term takes the
     next 8 significant bits, round to nearest; bf16 has fp32's exponent range, so this holds for every weight
     between about 2^-100 and bf16's largest finite value), so that ``a * w_i`` is exact in fp32 for bf16 ``a``;
     K reordered from ``j H + h`` to ``4 h + j`` (stream fastest), the order in which ``_interleave_streams`` lays
-    out the four streams' tiles."""
+    out the four streams' tiles (``streams`` 1: the broadcast weight ``[24, H]``, K as it is)."""
     n_mix, k = fn.shape
-    w = fn.float().view(n_mix, 4, k // 4).transpose(1, 2).reshape(n_mix, k)
+    w = fn.float().view(n_mix, streams, k // streams).transpose(1, 2).reshape(n_mix, k)
     return torch.stack(bf16_terms(w)).contiguous()
 
 
@@ -114,12 +122,14 @@ def _dot_fp32_exact(a, w_ptr, w_offs, w_mask, part_stride, acc):
 
 
 @triton.jit
-def _emit_stream(res_out_ptr, out_offs, mask, out, sq, acc, fn_ptr, fn_offs, fn_mask, USE_DOT: tl.constexpr):
-    """Store one rounded stream tile and add its row sums of squares (of the rounded values) to ``sq``. Small token
-    blocks (not ``USE_DOT``) also project it here, with fp32 FMAs into ``[BLOCK_M, BLOCK_H, 32]`` products reduced
-    over H once after the K loop (``fn`` read as a ``[BLOCK_H, 32]`` tile, columns 24..31 masked to zero), so that
-    only one stream tile is live at a time."""
-    tl.store(res_out_ptr + out_offs, out, mask=mask)
+def _emit_stream(res_out_ptr, out_offs, mask, out, sq, acc, fn_ptr, fn_offs, fn_mask, USE_DOT: tl.constexpr,
+                 STORE: tl.constexpr = True):
+    """Store one rounded stream tile (``STORE``: not without a post) and add its row sums of squares (of the
+    rounded values) to ``sq``. Small token blocks (not ``USE_DOT``) also project it here, with fp32 FMAs into
+    ``[BLOCK_M, BLOCK_H, 32]`` products reduced over H once after the K loop (``fn`` read as a ``[BLOCK_H, 32]``
+    tile, columns 24..31 masked to zero), so that only one stream tile is live at a time."""
+    if STORE:
+        tl.store(res_out_ptr + out_offs, out, mask=mask)
     rf = out.to(tl.float32)
     if not USE_DOT:
         w = tl.load(fn_ptr + fn_offs, mask=fn_mask, other=0.0)
@@ -139,10 +149,15 @@ def _kahan_add(total, comp, value):
 # M and the loop counts are not specialised on (Triton would compile again for M == 1 or M % 16 == 0)
 @triton.jit(do_not_specialize=["M", "blocks_per_split"])
 def _main_kernel(
-    x_ptr, res_ptr, post_ptr, comb_ptr, w_ptr, res_out_ptr, part_ptr,
+    x_ptr, res_ptr, post_ptr, comb_ptr, w_ptr, res_out_ptr, part_ptr, carried_ptr, li_ptr,
     M, H, blocks_per_split,
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr,
+    HAS_POST: tl.constexpr = True, BROADCAST: tl.constexpr = False, DELAYED: tl.constexpr = False,
+    IDENTITY: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
 ):
+    # HAS_POST: SPEC step 1, else the streams are residual_prev as it is, or (BROADCAST) 4 copies of the embedding
+    # residual_prev [M, H], projected over K = H. DELAYED: also x1, the collapse with the carried gates (IDENTITY:
+    # stream 0), stored to layer_input, with its sum of squares in column 25 when the norm follows (HAS_NORM).
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
     tok = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -155,6 +170,10 @@ def _main_kernel(
     p1 = _token_col(post_ptr, rows, tok_mask, 4, 1)
     p2 = _token_col(post_ptr, rows, tok_mask, 4, 2)
     p3 = _token_col(post_ptr, rows, tok_mask, 4, 3)
+    q0 = _token_col(carried_ptr, rows, tok_mask, 4, 0)
+    q1 = _token_col(carried_ptr, rows, tok_mask, 4, 1)
+    q2 = _token_col(carried_ptr, rows, tok_mask, 4, 2)
+    q3 = _token_col(carried_ptr, rows, tok_mask, 4, 3)
     # comb[k][j] weighs source stream k into output stream j
     c00 = _token_col(comb_ptr, rows, tok_mask, 16, 0)
     c01 = _token_col(comb_ptr, rows, tok_mask, 16, 1)
@@ -180,11 +199,19 @@ def _main_kernel(
     acc_comp = tl.zeros([BLOCK_M, 32], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     sq_comp = tl.zeros([BLOCK_M], dtype=tl.float32)
+    x1_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     mask = tok_mask[:, None]
     w_mask = cols[None, :] < 24
     x_row = rows[:, None] * H
     res_row = rows[:, None] * (4 * H)
-    if USE_DOT:
+    if BROADCAST:
+        if USE_DOT:
+            # split_bf16x3 of the broadcast weight [24, H] as [BLOCK_H, 32] tiles
+            part_stride = 24 * H
+            w_base = cols[None, :] * H + offs_h[:, None]
+        else:
+            w_base = cols[None, :] * H + offs_h[:, None]
+    elif USE_DOT:
         # the split_bf16x3 terms of fn as [4 BLOCK_H, 32] tiles, K = 4 h + j (K-major for the dot)
         part_stride = 24 * 4 * H
         w_base = cols[None, :] * (4 * H) + tl.arange(0, 4 * BLOCK_H)[:, None]
@@ -196,34 +223,78 @@ def _main_kernel(
     block_end = tl.minimum(block_begin + blocks_per_split, H // BLOCK_H)
     for hb in range(block_begin, block_end):
         h = hb * BLOCK_H + offs_h[None, :]
-        xf, r0, r1, r2, r3 = _load_inputs(x_ptr, res_ptr, x_row, res_row, h, mask, H)
         step_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         fn_h = w_base + hb * BLOCK_H  # read by the FMA projection only
 
-        o0 = _post_stream(xf, r0, r1, r2, r3, p0, c00, c10, c20, c30)
-        step_sq, acc = _emit_stream(res_out_ptr, res_row + h, mask, o0, step_sq, acc, w_ptr, fn_h, w_mask, USE_DOT)
-        o1 = _post_stream(xf, r0, r1, r2, r3, p1, c01, c11, c21, c31)
-        step_sq, acc = _emit_stream(res_out_ptr, res_row + H + h, mask, o1, step_sq, acc, w_ptr, fn_h + H, w_mask,
-                                    USE_DOT)
-        o2 = _post_stream(xf, r0, r1, r2, r3, p2, c02, c12, c22, c32)
-        step_sq, acc = _emit_stream(res_out_ptr, res_row + 2 * H + h, mask, o2, step_sq, acc, w_ptr, fn_h + 2 * H,
-                                    w_mask, USE_DOT)
-        o3 = _post_stream(xf, r0, r1, r2, r3, p3, c03, c13, c23, c33)
-        step_sq, acc = _emit_stream(res_out_ptr, res_row + 3 * H + h, mask, o3, step_sq, acc, w_ptr, fn_h + 3 * H,
-                                    w_mask, USE_DOT)
-        if USE_DOT:
-            # one projection of the four streams per step (K = 4 BLOCK_H), summed into acc with compensation
-            a = _interleave_streams(o0, o1, o2, o3, BLOCK_M, BLOCK_H)
-            step = _dot_fp32_exact(a, w_ptr, w_base + hb * (4 * BLOCK_H), w_mask, part_stride,
-                                   tl.zeros([BLOCK_M, 32], dtype=tl.float32))
-            acc, acc_comp = _kahan_add(acc, acc_comp, step)
+        if BROADCAST:
+            # 4 equal streams: store the copies, project and square the embedding once (K = H)
+            o0 = tl.load(res_ptr + x_row + h, mask=mask, other=0.0)
+            o1 = o0
+            o2 = o0
+            o3 = o0
+            tl.store(res_out_ptr + res_row + H + h, o0, mask=mask)
+            tl.store(res_out_ptr + res_row + 2 * H + h, o0, mask=mask)
+            tl.store(res_out_ptr + res_row + 3 * H + h, o0, mask=mask)
+            step_sq, acc = _emit_stream(res_out_ptr, res_row + h, mask, o0, step_sq, acc, w_ptr, fn_h, w_mask,
+                                        USE_DOT)
+            if USE_DOT:
+                step = _dot_fp32_exact(o0, w_ptr, fn_h, w_mask, part_stride, tl.zeros([BLOCK_M, 32], dtype=tl.float32))
+                acc, acc_comp = _kahan_add(acc, acc_comp, step)
+        else:
+            if HAS_POST:
+                xf, r0, r1, r2, r3 = _load_inputs(x_ptr, res_ptr, x_row, res_row, h, mask, H)
+                o0 = _post_stream(xf, r0, r1, r2, r3, p0, c00, c10, c20, c30)
+                o1 = _post_stream(xf, r0, r1, r2, r3, p1, c01, c11, c21, c31)
+                o2 = _post_stream(xf, r0, r1, r2, r3, p2, c02, c12, c22, c32)
+                o3 = _post_stream(xf, r0, r1, r2, r3, p3, c03, c13, c23, c33)
+            else:
+                o0 = tl.load(res_ptr + res_row + h, mask=mask, other=0.0)
+                o1 = tl.load(res_ptr + res_row + H + h, mask=mask, other=0.0)
+                o2 = tl.load(res_ptr + res_row + 2 * H + h, mask=mask, other=0.0)
+                o3 = tl.load(res_ptr + res_row + 3 * H + h, mask=mask, other=0.0)
+            step_sq, acc = _emit_stream(res_out_ptr, res_row + h, mask, o0, step_sq, acc, w_ptr, fn_h, w_mask,
+                                        USE_DOT, HAS_POST)
+            step_sq, acc = _emit_stream(res_out_ptr, res_row + H + h, mask, o1, step_sq, acc, w_ptr, fn_h + H,
+                                        w_mask, USE_DOT, HAS_POST)
+            step_sq, acc = _emit_stream(res_out_ptr, res_row + 2 * H + h, mask, o2, step_sq, acc, w_ptr,
+                                        fn_h + 2 * H, w_mask, USE_DOT, HAS_POST)
+            step_sq, acc = _emit_stream(res_out_ptr, res_row + 3 * H + h, mask, o3, step_sq, acc, w_ptr,
+                                        fn_h + 3 * H, w_mask, USE_DOT, HAS_POST)
+            if USE_DOT:
+                # one projection of the four streams per step (K = 4 BLOCK_H), summed into acc with compensation
+                a = _interleave_streams(o0, o1, o2, o3, BLOCK_M, BLOCK_H)
+                step = _dot_fp32_exact(a, w_ptr, w_base + hb * (4 * BLOCK_H), w_mask, part_stride,
+                                       tl.zeros([BLOCK_M, 32], dtype=tl.float32))
+                acc, acc_comp = _kahan_add(acc, acc_comp, step)
         sq, sq_comp = _kahan_add(sq, sq_comp, step_sq)
+        if DELAYED:
+            x1 = _collapse_carried(o0, o1, o2, o3, q0, q1, q2, q3, IDENTITY)
+            tl.store(li_ptr + x_row + h, x1, mask=mask)
+            if HAS_NORM:
+                x1f = x1.to(tl.float32)
+                x1_sq += tl.sum(x1f * x1f, axis=1)
 
     if not USE_DOT:
         acc = tl.sum(acc, axis=1)
     acc = tl.where(cols[None, :] == 24, sq[:, None], acc)
+    if DELAYED and HAS_NORM:
+        acc = tl.where(cols[None, :] == 25, x1_sq[:, None], acc)
     part_offs = (pid_k * M + rows[:, None]) * 32 + cols[None, :]
     tl.store(part_ptr + part_offs, acc, mask=mask)
+
+
+@triton.jit
+def _collapse_carried(o0, o1, o2, o3, q0, q1, q2, q3, IDENTITY: tl.constexpr):
+    """The delayed seam's step 3 on one tile of the rounded streams: ``bf16(q0 r0)``, then one FMA per stream
+    j = 1..3 in order, one rounding (the carried gates ``q``); ``IDENTITY``: stream 0 itself."""
+    if IDENTITY:
+        return o0
+    else:
+        acc = q0 * o0.to(tl.float32)
+        acc = tl.fma(q1, o1.to(tl.float32), acc)
+        acc = tl.fma(q2, o2.to(tl.float32), acc)
+        acc = tl.fma(q3, o3.to(tl.float32), acc)
+        return _bf16_rn(acc)
 
 
 @triton.jit
@@ -261,12 +332,15 @@ def _normalize(c, eps, AXIS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "split_k", "sinkhorn_repeat"])
 def _reduce_kernel(
-    part_ptr, scale_ptr, base_ptr, res_cur_ptr, norm_ptr, post_out_ptr, comb_out_ptr, li_ptr,
+    part_ptr, scale_ptr, base_ptr, res_cur_ptr, norm_ptr, post_out_ptr, comb_out_ptr, li_ptr, pre_out_ptr,
     M, H, split_k, sinkhorn_repeat,
     rms_eps, pre_eps, sinkhorn_eps, post_mult, norm_eps,
     S_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     SINGLE_TILE: tl.constexpr, HAS_NORM: tl.constexpr,
+    RMS_STREAMS: tl.constexpr = 4, DELAYED: tl.constexpr = False,
 ):
+    # RMS_STREAMS: 4, or 1 for the broadcast entry (its projection and sum of squares ran over H). DELAYED: store
+    # the pre gates (pre_mix_cur) instead of collapsing; the norm rescales the main kernel's x1 in place.
     # The main kernel writes token blocks in increasing order, so the last ones are the likeliest still in L2:
     # visit them first.
     tb = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -279,9 +353,11 @@ def _reduce_kernel(
     # Sinkhorn alone kept the reduce kernel issue bound, at a third of the DRAM bandwidth, at H = 4096).
     # divisor 4H: RMS over all 4 streams; IEEE sqrt and division (the approximate rsqrt costs the gates ~1e-7)
     sumsq = _split_sum(part_ptr, rows, tok_mask, M, split_k, S_POW2, 24, 1)
-    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(sumsq / (4 * H) + rms_eps))  # [BLOCK_T, 1]
+    rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(sumsq / (RMS_STREAMS * H) + rms_eps))  # [BLOCK_T, 1]
     pre = tl.sigmoid(_mixes(part_ptr, rows, tok_mask, M, split_k, rstd, tl.load(scale_ptr), base_ptr,
                             S_POW2, 0, 4)) + pre_eps
+    if DELAYED:
+        tl.store(pre_out_ptr + rows[:, None] * 4 + tl.arange(0, 4)[None, :], pre, mask=tok_mask[:, None])
     g0, g1, g2, g3 = _columns4(pre)
     post = tl.sigmoid(_mixes(part_ptr, rows, tok_mask, M, split_k, rstd, tl.load(scale_ptr + 1), base_ptr,
                              S_POW2, 4, 4)) * post_mult
@@ -307,7 +383,17 @@ def _reduce_kernel(
     offs_h = tl.arange(0, BLOCK_H)[None, :]
     res_row = rows[:, None] * (4 * H)
     li_row = rows[:, None] * H
-    if SINGLE_TILE:
+    if DELAYED:
+        if HAS_NORM:
+            # the RMSNorm of the main kernel's bf16 x1 (its sum of squares in column 25), in place
+            sumsq_x1 = _split_sum(part_ptr, rows, tok_mask, M, split_k, S_POW2, 25, 1)
+            for h0 in range(0, H, BLOCK_H):
+                h = h0 + offs_h
+                mask = tok_mask[:, None] & (h < H)
+                li = tl.load(li_ptr + li_row + h, mask=mask, other=0.0).to(tl.float32)
+                tl.store(li_ptr + li_row + h, _bf16_rn(_rms_norm(li, sumsq_x1, norm_ptr, h, mask, H, norm_eps)),
+                         mask=mask)
+    elif SINGLE_TILE:
         # the whole row fits one tile: keep it in registers for the norm
         mask = tok_mask[:, None] & (offs_h < H)
         li = _collapse_tile(res_cur_ptr, res_row, offs_h, H, mask, g0, g1, g2, g3)
@@ -368,44 +454,64 @@ def _default_tactic(device: torch.device, m: int, hidden: int) -> TritonTactic:
     return select_tactic(arch, cus, m, hidden)
 
 
+def _weight(problem: Problem, t: TritonTactic) -> torch.Tensor:
+    """``fn`` as the main kernel reads it: bf16 terms (tensor-core tactics) or fp32; over H for the broadcast entry."""
+    if problem.broadcast:
+        if t.uses_dot:
+            return prepared(problem.fn, "triton_bf16x3_broadcast", lambda fn: split_bf16x3(broadcast_fn(fn), 1))
+        return prepared(problem.fn, "broadcast", broadcast_fn)
+    return prepared(problem.fn, "triton_bf16x3", split_bf16x3) if t.uses_dot else problem.fn
+
+
+def _rows(t, b, e):
+    return None if t is None else t[b:e]
+
+
 def run(problem: Problem, tactic: TritonTactic | None, out: MhcFusedHcOutput) -> None:
-    """Backend entry (see ``mhc_cute.backends``): the main kernel, then the reduce kernel (per chunk of tokens
-    when the tactic says so)."""
+    """Backend entry (see ``mhc_cute.backends``), for both seams and every form: the main kernel, then the reduce
+    kernel (per chunk of tokens when the tactic says so)."""
     m, h = problem.m, problem.hidden
-    dev = problem.x.device
+    dev = problem.residual.device
     t = _default_tactic(dev, m, h) if tactic is None else fit(tactic, h)
     chunk = t.chunk_m or m
     part = get_workspace(dev).partials(t.split_k * min(chunk, m) * PARTIAL_COLS)
-    weight = prepared(problem.fn, "triton_bf16x3", split_bf16x3) if t.uses_dot else problem.fn
-    if chunk >= m:
-        _launch(problem.x, problem.residual, problem.post_mix, problem.comb_mix, weight, out, part, problem, t)
-        return
+    weight = _weight(problem, t)
     for b in range(0, m, chunk):
         e = min(b + chunk, m)
-        _launch(problem.x[b:e], problem.residual[b:e], problem.post_mix[b:e], problem.comb_mix[b:e], weight,
-                MhcFusedHcOutput(*(o[b:e] for o in out)), part, problem, t)
+        whole = b == 0 and e == m
+        rows = problem if whole else problem._replace(
+            x=_rows(problem.x, b, e), residual=problem.residual[b:e], post_mix=_rows(problem.post_mix, b, e),
+            comb_mix=_rows(problem.comb_mix, b, e), pre_mix=_rows(problem.pre_mix, b, e))
+        _launch(rows, weight, out if whole else type(out)(*(_rows(o, b, e) for o in out)), part, t)
 
 
-def _launch(x, residual, post_mix, comb_mix, weight, out: MhcFusedHcOutput, part, problem: Problem,
-            t: TritonTactic):
-    """One main + reduce launch over ``x``'s tokens; ``weight``: ``fn``'s bf16 terms (tensor-core tactics) or
-    ``fn`` itself."""
-    m, h = x.shape
+def _launch(problem: Problem, weight, out, part, t: TritonTactic):
+    """One main + reduce launch over ``problem``'s tokens; ``weight`` from ``_weight``."""
+    m, h = problem.m, problem.hidden
+    res = problem.residual  # stands in for the pointers a form does not read
+    delayed = problem.delayed
+    norm = problem.norm_weight
     blocks_per_split = -(-(h // t.block_h) // t.split_k)
     _main_kernel[(t.split_k, triton.cdiv(m, t.block_m))](
-        x, residual, post_mix, comb_mix, weight, out.residual_cur, part,
+        res if problem.x is None else problem.x, res,
+        res if problem.post_mix is None else problem.post_mix, res if problem.comb_mix is None else problem.comb_mix,
+        weight, res if out.residual_cur is None else out.residual_cur, part,
+        res if problem.pre_mix is None else problem.pre_mix, out.layer_input,
         m, h, blocks_per_split,
         BLOCK_M=t.block_m, BLOCK_H=t.block_h, USE_DOT=t.uses_dot,
+        HAS_POST=problem.x is not None, BROADCAST=problem.broadcast, DELAYED=delayed,
+        IDENTITY=problem.pre_mix is None, HAS_NORM=norm is not None,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
     s = problem.scalars
-    norm = problem.norm_weight
     _reduce_kernel[(triton.cdiv(m, t.reduce_block_t),)](
-        part, problem.hc_scale, problem.hc_base, out.residual_cur, x if norm is None else norm,
-        out.post_mix_cur, out.comb_mix_cur, out.layer_input,
+        part, problem.hc_scale, problem.hc_base, res if out.residual_cur is None else out.residual_cur,
+        res if norm is None else norm, out.post_mix_cur, out.comb_mix_cur, out.layer_input,
+        out.pre_mix_cur if delayed else out.post_mix_cur,
         m, h, t.split_k, s.sinkhorn_repeat,
         s.rms_eps, s.hc_pre_eps, s.hc_sinkhorn_eps, s.hc_post_mult_value, s.norm_eps,
         S_POW2=triton.next_power_of_2(t.split_k), BLOCK_T=t.reduce_block_t, BLOCK_H=t.reduce_block_h,
         SINGLE_TILE=t.reduce_block_h >= h, HAS_NORM=norm is not None,
+        RMS_STREAMS=1 if problem.broadcast else 4, DELAYED=delayed,
         num_warps=t.reduce_warps,
     )

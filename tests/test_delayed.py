@@ -1,0 +1,455 @@
+"""The delayed seam (``mhc_fused_hc_delayed``) and the entry forms of both seams (no post, broadcast entry) on the
+CPU: the float64 contract per backend and variant, the API's promises, validation."""
+
+import pytest
+import torch
+
+from mhc_cute import MhcFusedHcDelayedOutput, backends, mhc_fused_hc, mhc_fused_hc_delayed, reference
+from mhc_cute.accuracy import check_backend, check_outputs, make_inputs, problem_of, run_backend
+
+# (op, form, pre): the seam variants. pre None: mhc_fused_hc; "carried" / "identity": the delayed seam's
+# pre_mix_prev given / None. The V4.1 entry is the broadcast form with the identity.
+VARIANTS = [
+    ("fused_hc", "no_post", None),
+    ("fused_hc", "broadcast", None),
+    ("fused_hc_delayed", "regular", "carried"),
+    ("fused_hc_delayed", "regular", "identity"),
+    ("fused_hc_delayed", "no_post", "carried"),
+    ("fused_hc_delayed", "broadcast", "identity"),
+]
+VARIANT_IDS = [f"{op}-{form}-{pre}" for op, form, pre in VARIANTS]
+
+
+def seam(inputs, **kw):
+    """The op that ``inputs`` (from ``make_inputs``) are arguments of."""
+    return (mhc_fused_hc_delayed if "pre_mix_prev" in inputs else mhc_fused_hc)(**inputs, **kw)
+
+
+def check_variant(backend, m, h, form, pre, norm, device="cpu", seed=0):
+    why = backends.unavailable_reason(backend, torch.device(device))
+    if why is not None:
+        pytest.skip(f"{backend} unavailable: {why}")
+    inputs = make_inputs(m, h, seed=seed + m + h, device=device, norm=norm, form=form, pre=pre)
+    check_backend(problem_of(inputs), backend)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("h", [64, 256])
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
+def test_torch_backend_variants_cpu(op, form, pre, m, h, norm):
+    check_variant("torch", m, h, form, pre, norm)
+
+
+@pytest.mark.parametrize("form,pre", [("regular", "carried"), ("broadcast", "identity")])
+def test_torch_backend_delayed_v41_width_cpu(form, pre):
+    check_variant("torch", 5, 5120, form, pre, True)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("form", ["regular", "broadcast"])
+def test_residual_and_gates_match_the_v4_seam(form, norm):
+    """The delayed seam's residual_cur is bit-identical to mhc_fused_hc's; its post and comb gates are the V4
+    seam's (same rms_eps); its pre_mix_cur is the V4 seam's pre gate (sigmoid + eps of the same mixes)."""
+    inputs = make_inputs(9, 128, seed=4, norm=norm, form=form)
+    v4 = mhc_fused_hc(**inputs, rms_eps=1e-20, norm_eps=1e-20)
+    d = mhc_fused_hc_delayed(**inputs, pre_mix_prev=None)
+    assert torch.equal(v4.residual_cur.view(torch.int16), d.residual_cur.view(torch.int16))
+    for a, b in ((v4.post_mix_cur, d.post_mix_cur), (v4.comb_mix_cur, d.comb_mix_cur)):
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= 1e-5
+    problem = problem_of(inputs, rms_eps=1e-20, norm_eps=1e-20)
+    pre, _, _ = reference.gates(v4.residual_cur.reshape(9, 4, 128), inputs["fn"], inputs["hc_scale"],
+                                inputs["hc_base"], broadcast=problem.broadcast, rms_eps=1e-20, hc_pre_eps=1e-6,
+                                hc_sinkhorn_eps=1e-6, hc_post_mult_value=2.0, sinkhorn_repeat=20)
+    assert torch.equal(d.pre_mix_cur, pre)
+
+
+def test_identity_pre_collapses_to_stream_zero():
+    inputs = make_inputs(7, 64, seed=2, pre="identity")
+    out = mhc_fused_hc_delayed(**inputs)
+    assert torch.equal(out.layer_input.view(torch.int16), out.residual_cur[:, 0].view(torch.int16))
+    one_hot = torch.tensor([1.0, 0.0, 0.0, 0.0]).expand(7, 4).contiguous()
+    explicit = mhc_fused_hc_delayed(**{**inputs, "pre_mix_prev": one_hot})
+    assert torch.equal(explicit.layer_input.view(torch.int16), out.layer_input.view(torch.int16))
+
+
+def test_collapse_uses_the_carried_gates_not_its_own():
+    inputs = make_inputs(5, 64, seed=3, pre="carried")
+    out = mhc_fused_hc_delayed(**inputs)
+    want = reference.collapse_carried(out.residual_cur, inputs["pre_mix_prev"])
+    assert torch.equal(out.layer_input.view(torch.int16), want.view(torch.int16))
+    own = reference.collapse_carried(out.residual_cur, out.pre_mix_cur)
+    assert not torch.equal(out.layer_input, own)
+
+
+def test_collapse_hand_checked():
+    # one token, H = 2: x1 = bf16(((p0 r0 + p1 r1) + p2 r2) + p3 r3), each step one fp32 rounding
+    res = torch.tensor([[[1.0, 3.0], [2.0, -1.0], [0.5, 0.25], [4.0, 8.0]]]).bfloat16()
+    pre = torch.tensor([[0.5, 0.25, 2.0, 0.125]])
+    want = torch.tensor([[0.5 + 0.5 + 1.0 + 0.5, 1.5 - 0.25 + 0.5 + 1.0]]).bfloat16()
+    assert torch.equal(reference.collapse_carried(res, pre), want)
+
+
+def test_no_post_returns_residual_prev_itself():
+    for fn, pre in ((mhc_fused_hc, None), (mhc_fused_hc_delayed, "carried")):
+        inputs = make_inputs(2, 64, seed=1, form="no_post", pre=pre, lead=(2, 3))
+        out = fn(**inputs)
+        assert out.residual_cur is inputs["residual_prev"]
+        assert out.layer_input.shape == (2, 3, 64) and out.post_mix_cur.shape == (2, 3, 4, 1)
+
+
+def test_broadcast_entry_writes_four_copies_and_projects_over_h():
+    inputs = make_inputs(3, 64, seed=6, form="broadcast", pre="identity", lead=(3,))
+    out = mhc_fused_hc_delayed(**inputs)
+    e = inputs["residual_prev"]
+    assert out.residual_cur.shape == (3, 4, 64)
+    assert all(torch.equal(out.residual_cur[:, j], e) for j in range(4))
+    assert out.residual_cur.data_ptr() != e.data_ptr()
+    # the same seam on the 4 copies given as streams (no post): the same gates up to the fp32 rounding of fn_b
+    streams = mhc_fused_hc_delayed(**{**inputs, "residual_prev": e[:, None].expand(-1, 4, -1).contiguous()})
+    for a, b in zip(out[1:], streams[1:]):
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= 1e-6
+    # identity pre with the norm: layer_input is RMSNorm(e) itself
+    w = torch.ones(64).bfloat16()
+    normed = mhc_fused_hc_delayed(**{**inputs, "norm_weight": w})
+    assert torch.equal(normed.layer_input, reference.rms_norm(e, w, 1e-20, torch.float32))
+
+
+def test_broadcast_fn_sums_streams_in_order():
+    fn = torch.randn(24, 4 * 8)
+    f = fn.view(24, 4, 8)
+    assert torch.equal(reference.broadcast_fn(fn), ((f[:, 0] + f[:, 1]) + f[:, 2]) + f[:, 3])
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_chained_seams_carry_pre_mix_cur(norm):
+    """A V4.1 forward in miniature: the broadcast entry (identity pre), then seams each carrying the previous
+    seam's pre_mix_cur, post_mix_cur and comb_mix_cur, with a no-post (Engram) seam in the chain; every seam
+    against the float64 contract."""
+    lead, h = (2, 3), 128
+    g = torch.Generator().manual_seed(9)
+    weights = [make_inputs(1, h, seed=20 + i, norm=norm) for i in range(4)]
+    emb = torch.randn(*lead, h, generator=g).bfloat16()
+    prev = None
+    for i, w in enumerate(weights):
+        kw = dict(fn=w["fn"], hc_scale=w["hc_scale"], hc_base=w["hc_base"], norm_weight=w["norm_weight"])
+        if prev is None:
+            args = dict(x_prev=None, residual_prev=emb, post_mix_prev=None, comb_mix_prev=None, pre_mix_prev=None)
+        elif i == 2:  # Engram seam: the post ran on its own, the streams come as they are
+            args = dict(x_prev=None, residual_prev=prev.residual_cur, post_mix_prev=None, comb_mix_prev=None,
+                        pre_mix_prev=prev.pre_mix_cur)
+        else:  # the sublayer's output stands in as a function of its input
+            args = dict(x_prev=(prev.layer_input.float() * 0.5).bfloat16(), residual_prev=prev.residual_cur,
+                        post_mix_prev=prev.post_mix_cur, comb_mix_prev=prev.comb_mix_cur,
+                        pre_mix_prev=prev.pre_mix_cur)
+        out = mhc_fused_hc_delayed(**args, **kw)
+        assert out.pre_mix_cur.shape == (*lead, 4) and out.layer_input.shape == (*lead, h)
+        problem = problem_of({**args, **kw})
+        flat = MhcFusedHcDelayedOutput(
+            None if args["x_prev"] is None and i else out.residual_cur.reshape(-1, 4, h),
+            out.post_mix_cur.reshape(-1, 4, 1), out.comb_mix_cur.reshape(-1, 4, 4), out.layer_input.reshape(-1, h),
+            out.pre_mix_cur.reshape(-1, 4))
+        check_outputs(flat, problem)
+        prev = out
+
+
+@pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("lead", [(0,), (2, 0), (0, 3)])
+def test_zero_tokens(op, form, pre, lead):
+    inputs = make_inputs(1, 64, lead=lead, form=form, pre=pre)
+    out = seam(inputs)
+    assert out.layer_input.shape == (*lead, 64) and out.comb_mix_cur.shape == (*lead, 4, 4)
+    if form == "no_post":
+        assert out.residual_cur is inputs["residual_prev"]
+    else:
+        assert out.residual_cur.shape == (*lead, 4, 64)
+
+
+@pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
+def test_leading_dims_match_flat_calls(op, form, pre):
+    inputs = make_inputs(1, 64, lead=(2, 3), seed=8, form=form, pre=pre, norm=True)
+    got = seam(inputs)
+    flat = {k: (v.reshape(6, *v.shape[2:]) if isinstance(v, torch.Tensor) and k not in ("fn", "hc_scale", "hc_base",
+            "norm_weight") else v) for k, v in inputs.items()}
+    want = seam(flat)
+    for name, a, b in zip(got._fields, got, want):
+        assert torch.equal(a.reshape(b.shape), b), name
+
+
+def _out_buffers(inputs, form, delayed, lead=(5,), h=64):
+    bufs = [None if form == "no_post" else torch.empty(*lead, 4, h, dtype=torch.bfloat16),
+            torch.empty(*lead, 4, 1), torch.empty(*lead, 4, 4), torch.empty(*lead, h, dtype=torch.bfloat16)]
+    if delayed:
+        bufs.append(torch.empty(*lead, 4))
+    return bufs
+
+
+@pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
+def test_out_buffers_are_written_and_returned(op, form, pre):
+    inputs = make_inputs(5, 64, seed=10, form=form, pre=pre, norm=True)
+    want = seam(inputs)
+    bufs = _out_buffers(inputs, form, pre is not None)
+    got = seam(inputs, out=bufs)
+    for name, a, b, buf in zip(got._fields, got, want, bufs):
+        assert torch.equal(a, b), name
+        if buf is not None:
+            assert a is buf, name
+    if form == "no_post":
+        assert got.residual_cur is inputs["residual_prev"]
+
+
+def test_out_without_post_refuses_a_residual_buffer():
+    inputs = make_inputs(5, 64, form="no_post", pre="carried")
+    bufs = _out_buffers(inputs, "regular", True)
+    with pytest.raises(ValueError, match=r"mhc_fused_hc_delayed: `out.residual_cur` must be None"):
+        mhc_fused_hc_delayed(**inputs, out=bufs)
+
+
+def test_delayed_out_needs_five_buffers():
+    inputs = make_inputs(5, 64, pre="carried")
+    with pytest.raises(ValueError, match=r"`out` must be a tuple of 5 tensors"):
+        mhc_fused_hc_delayed(**inputs, out=_out_buffers(inputs, "regular", False))
+    bufs = _out_buffers(inputs, "regular", True)
+    bufs[4] = torch.empty(5, 3)
+    with pytest.raises(ValueError, match=r"`out.pre_mix_cur` must be of shape \[5, 4\] or \[5, 4, 1\]"):
+        mhc_fused_hc_delayed(**inputs, out=bufs)
+    bufs = _out_buffers(inputs, "regular", True)
+    bufs[4] = inputs["pre_mix_prev"]
+    with pytest.raises(ValueError, match=r"`out.pre_mix_cur` must be a buffer that shares no memory with pre_mix"):
+        mhc_fused_hc_delayed(**inputs, out=bufs)
+
+
+@pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
+def test_torch_compile_fullgraph(op, form, pre):
+    inputs = make_inputs(3, 64, seed=11, form=form, pre=pre, norm=True, lead=(3,))
+    want = seam(inputs)
+    got = torch.compile(lambda **kw: seam(kw), fullgraph=True, backend="eager")(**inputs)
+    for name, a, b in zip(want._fields, got, want):
+        assert torch.equal(a, b), name
+    bufs = _out_buffers(inputs, form, pre is not None, lead=(3,))
+    got = torch.compile(lambda i, o: seam(i, out=o), fullgraph=True, backend="eager")(inputs, bufs)
+    for name, a, b in zip(want._fields, got, want):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor_delayed():
+    inputs = make_inputs(3, 64, seed=12, pre="carried", norm=True)
+    want = mhc_fused_hc_delayed(**inputs)
+    got = torch.compile(lambda **kw: mhc_fused_hc_delayed(**kw).layer_input * 2, fullgraph=True)(**inputs)
+    assert torch.equal(got, want.layer_input * 2)
+
+
+def test_inference_tensors_and_no_grad():
+    inputs = make_inputs(4, 64, seed=13, pre="carried", norm=True)
+    want = mhc_fused_hc_delayed(**inputs)
+    with torch.inference_mode():
+        frozen = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+        got = mhc_fused_hc_delayed(**frozen)
+    for name, a, b in zip(want._fields, got, want):
+        assert torch.equal(a, b), name
+    pre = inputs["pre_mix_prev"].clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"mhc_fused_hc_delayed: `pre_mix_prev` must be a tensor that does not req"):
+        mhc_fused_hc_delayed(**{**inputs, "pre_mix_prev": pre})
+    with torch.no_grad():
+        mhc_fused_hc_delayed(**{**inputs, "pre_mix_prev": pre})
+
+
+def test_run_backend_writes_every_element():
+    for form, pre in (("regular", "carried"), ("broadcast", "identity"), ("no_post", "carried")):
+        problem = problem_of(make_inputs(6, 64, seed=14, form=form, pre=pre, norm=True))
+        out = run_backend(problem, "torch")
+        assert all(t is None or torch.isfinite(t.float()).all() for t in out)
+
+
+def test_accuracy_check_catches_delayed_errors():
+    problem = problem_of(make_inputs(6, 64, seed=15, pre="carried", norm=False))
+    good = run_backend(problem, "torch")
+    check_outputs(good, problem)
+    li = good.layer_input.clone()
+    li.view(torch.int16)[0, 0] += 1  # one bf16 ulp in one element
+    with pytest.raises(AssertionError, match="layer_input"):
+        check_outputs(good._replace(layer_input=li), problem)
+    with pytest.raises(AssertionError, match="pre_mix_cur"):
+        check_outputs(good._replace(pre_mix_cur=good.pre_mix_cur * (1 + 1e-4)), problem)
+    normed = problem._replace(norm_weight=torch.ones(64).bfloat16())
+    out = run_backend(normed, "torch")
+    check_outputs(out, normed)
+    li = out.layer_input.clone()
+    li.view(torch.int16)[2, 5] += 2
+    with pytest.raises(AssertionError, match="layer_input"):
+        check_outputs(out._replace(layer_input=li), normed)
+
+
+BAD = [
+    ("post_mix without x", dict(x_prev=None), "post_mix_prev", "None when x_prev is None"),
+    ("pre_mix shape", dict(pre_mix_prev=torch.ones(5, 3)), "pre_mix_prev", r"of shape \[5, 4\] or \[5, 4, 1\]"),
+    ("pre_mix dtype", dict(pre_mix_prev=torch.ones(5, 4, dtype=torch.float64)), "pre_mix_prev", "torch.float32"),
+    ("pre_mix type", dict(pre_mix_prev=[1.0, 0, 0, 0]), "pre_mix_prev", "a torch.Tensor"),
+    ("residual dtype", dict(x_prev=None, post_mix_prev=None, comb_mix_prev=None,
+                            residual_prev=torch.ones(5, 4, 64)), "residual_prev", "torch.bfloat16"),
+    ("broadcast fn width", dict(x_prev=None, post_mix_prev=None, comb_mix_prev=None,
+                                residual_prev=torch.ones(5, 32, dtype=torch.bfloat16)), "fn", r"of shape \[24, 128\]"),
+    ("pre_mix lead", dict(x_prev=None, post_mix_prev=None, comb_mix_prev=None,
+                          residual_prev=torch.ones(6, 4, 64, dtype=torch.bfloat16)), "pre_mix_prev", r"\[6, 4\]"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input_names_the_argument(case):
+    _, change, name, expected = case
+    inputs = {**make_inputs(5, 64, pre="carried"), **change}
+    with pytest.raises(ValueError, match=rf"^mhc_fused_hc_delayed: `{name}` must be .*{expected}"):
+        mhc_fused_hc_delayed(**inputs)
+
+
+def test_v4_seam_refuses_carried_gates_and_half_posts():
+    inputs = make_inputs(5, 64)
+    with pytest.raises(TypeError):
+        mhc_fused_hc(**inputs, pre_mix_prev=torch.ones(5, 4))
+    with pytest.raises(ValueError, match=r"^mhc_fused_hc: `comb_mix_prev` must be None when x_prev is None"):
+        mhc_fused_hc(**{**inputs, "x_prev": None, "post_mix_prev": None})
+
+
+def test_backend_without_the_form_is_refused():
+    inputs = make_inputs(5, 64, pre="carried")
+    missing = [n for n, b in backends.BACKENDS.items() if b.entry_for("fused_hc_delayed", "regular") is None]
+    for name in missing:
+        with pytest.raises(ValueError, match=rf"mhc_fused_hc_delayed: backend '{name}' does not implement"):
+            mhc_fused_hc_delayed(**inputs, backend=name)
+    assert "torch" in backends.available(torch.device("cpu"), "fused_hc_delayed", "broadcast")
+
+
+@pytest.mark.parametrize("pre", [None, "carried"])
+def test_out_under_torch_compile_with_changing_m(pre):
+    """A compiled caller that passes out= at several M: torch.compile makes M symbolic from the second size on,
+    and the out= checks must still accept the buffers."""
+    compiled = torch.compile(lambda i, o: seam(i, out=o), fullgraph=True, backend="eager")
+    for m in (3, 5, 7):
+        inputs = make_inputs(m, 64, seed=m, pre=pre)
+        got = compiled(inputs, _out_buffers(inputs, "regular", pre is not None, lead=(m,)))
+        assert torch.equal(got.layer_input, seam(inputs).layer_input)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("h", [64])
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
+def test_triton_interpreter_variants_cpu(op, form, pre, m, h, norm):
+    check_variant("triton", m, h, form, pre, norm)
+
+
+# with the norm, every flag of the kernels at least once (the interpreter takes seconds per case)
+@pytest.mark.parametrize("op,form,pre,norm", [(*VARIANTS[i], True) for i in (0, 2, 5)],
+                         ids=[VARIANT_IDS[i] for i in (0, 2, 5)])
+def test_triton_interpreter_dot_and_chunks_cpu(op, form, pre, norm):
+    """The tensor-core projection (16-token blocks, over H for the broadcast entry) and the per-chunk launches."""
+    from mhc_cute.triton.configs import TritonTactic
+
+    why = backends.unavailable_reason("triton", torch.device("cpu"))
+    if why is not None:
+        pytest.skip(why)
+    problem = problem_of(make_inputs(17, 128, seed=31, norm=norm, form=form, pre=pre))
+    for tactic in (TritonTactic(16, 64, 2, 4, reduce_block_t=4, reduce_block_h=64),
+                   TritonTactic(2, 32, 3, 4, reduce_block_t=2, reduce_block_h=64, chunk_m=8)):
+        check_outputs(run_backend(problem, "triton", tactic), problem)
+
+
+_TRITON_COMPILE = r"""
+from mhc_cute.triton import aot, configs
+
+target = aot.TARGETS["sm90"]
+for m in (1, 1 << 20):
+    t = configs.select_tactic("sm90", 132, m, 5120)
+    for form in (dict(DELAYED=True, HAS_NORM=True), dict(DELAYED=True, IDENTITY=True), dict(HAS_POST=False),
+                 dict(HAS_POST=False, BROADCAST=True, DELAYED=True, IDENTITY=True, HAS_NORM=True)):
+        aot.compile_main(t, target, form)
+    aot.compile_reduce(t, 5120, True, target, delayed=True)
+    aot.compile_reduce(t, 5120, False, target, broadcast=True)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
+def test_triton_variants_compile_for_hopper():
+    """The delayed seam's and the entry forms' kernels compile for sm90 outside the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", _TRITON_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+
+
+# --- on the GPU: every backend of the delayed seam and the entry forms ------------------------------------------
+
+GPU_MS = [1, 2, 3, 16, 17, 64, 100, 1000, 8192]
+GPU_HS = [512, 4096, 5120, 7168]
+
+
+def gpu_backends(op, form):
+    return [n for n, b in backends.BACKENDS.items() if b.entry_for(op, form)]
+
+
+GPU_CASES = [(backend, op, form, pre) for op, form, pre in VARIANTS for backend in gpu_backends(op, form)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("h", GPU_HS)
+@pytest.mark.parametrize("m", GPU_MS)
+@pytest.mark.parametrize("backend,op,form,pre", GPU_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}" for c in GPU_CASES])
+def test_gpu_variants(backend, op, form, pre, m, h, norm):
+    check_variant(backend, m, h, form, pre, norm, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("m", [1, 17, 4096])
+@pytest.mark.parametrize("backend", gpu_backends("fused_hc_delayed", "regular") + ["auto"])
+def test_gpu_residual_bitwise_equal_to_the_v4_seam(backend, m, norm):
+    inputs = make_inputs(m, 5120, seed=m, device="cuda", norm=norm, pre="carried")
+    if backend != "auto" and backends.unavailable_reason(backend, torch.device("cuda")) is not None:
+        pytest.skip(f"{backend} unavailable")
+    d = mhc_fused_hc_delayed(**inputs, backend=backend)
+    v4 = mhc_fused_hc(**{k: v for k, v in inputs.items() if k != "pre_mix_prev"})
+    assert torch.equal(d.residual_cur.view(torch.int16), v4.residual_cur.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", gpu_backends("fused_hc_delayed", "regular") + ["auto"])
+@pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
+def test_gpu_graph_capture_and_side_stream(backend, op, form, pre):
+    """Captured in a CUDA graph with static out= buffers, replayed on new inputs copied in place, and run on a
+    side stream: the same bits as eager calls."""
+    if backend != "auto" and backends.unavailable_reason(backend, torch.device("cuda")) is not None:
+        pytest.skip(f"{backend} unavailable")
+    if backend != "auto" and backends.BACKENDS[backend].entry_for(op, form) is None:
+        pytest.skip(f"{backend} does not implement {op} {form}")
+    static = make_inputs(33, 4096, seed=1, device="cuda", norm=True, form=form, pre=pre)
+    bufs = [None if t is None else t.cuda() for t in _out_buffers(static, form, pre is not None, lead=(33,), h=4096)]
+    seam(static, backend=backend, out=bufs)  # warm (compile, prepare the weight) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        seam(static, backend=backend, out=bufs)
+    fresh = make_inputs(33, 4096, seed=2, device="cuda", norm=True, form=form, pre=pre)
+    for k, v in fresh.items():
+        if isinstance(v, torch.Tensor) and k not in ("fn", "hc_scale", "hc_base", "norm_weight"):
+            static[k].copy_(v)
+    graph.replay()
+    want = seam(static, backend=backend)
+    for name, a, b in zip(want._fields, bufs, want):
+        if a is not None:
+            assert torch.equal(a, b), name
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = seam(static, backend=backend)
+    torch.cuda.current_stream().wait_stream(side)
+    for name, a, b in zip(want._fields, got, want):
+        assert torch.equal(a, b), name
