@@ -513,21 +513,22 @@ def test_kernel_file_names_follow_the_modules_that_shape_a_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize("fuse", ["lat", "latp"])
-def test_big_fuse_barriers_reached_by_every_thread(tmp_path, cuobjdump, dump_env, fuse):
-    """The standalone big fuse with a Sinkhorn warp: every CTA-wide barrier (barrier 0) is an instruction that all
-    the CTA's threads reach, before any warp parts from the others. Two, the partial sums' (the collapse's barriers
-    are the named barrier 1, counting the collapse warps only). A barrier 0 in the Sinkhorn warp's own branch
-    (which exits) beside its twin in the collapse's is reached by part of the block: synccheck reports it, and it
-    is undefined behaviour."""
+def test_big_fuse_barriers_count_the_threads_that_reach_them(tmp_path, cuobjdump, dump_env, fuse):
+    """The standalone big fuse with a Sinkhorn warp: no CTA-wide barrier (barrier 0), which that warp's own branch
+    would reach at another instruction than the collapse warps (synccheck: "Divergent thread(s) in block"). The
+    collapse warps sum the partials and collapse behind named barrier 1, which counts them only, then arrive on
+    barrier 2, on which the Sinkhorn warp waits: that barrier counts the whole CTA."""
+    from mhc_cute.kernels.big_fuse import standalone_big_fuse
+
+    threads = standalone_big_fuse(4096, 64, None, fuse).phase.threads
     tactic = f"half_fma:k64:t1:n6:w256:s1:b1:f{fuse}"
     subprocess.run([sys.executable, "-c", _COMPILE_E, tactic, "4096", "float32"], env=dump_env(tmp_path, "cubin"),
                    check=True, timeout=1800, capture_output=True)
     (cubin,) = tmp_path.glob("*.cubin")
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     lines = next(body for name, body in sass_lines(sass).items() if "BigFuseKernel" in name)
-    cta_barriers = [i for i, line in enumerate(lines) if re.search(r"BAR\.SYNC\S* 0x0 ;", line)]
-    first_exit = next(i for i, line in enumerate(lines) if re.search(r"\bEXIT\b", line))
-    assert len(cta_barriers) == 2 and max(cta_barriers) < first_exit, [lines[i] for i in cta_barriers]
-    named = [line for line in lines if re.search(r"BAR\.SYNC\S* 0x1, ", line)]
-    assert named, "the collapse's norm reduction syncs on the named barrier 1"
-
+    barriers = [line for line in lines if line.startswith("BAR.")]
+    assert not [b for b in barriers if re.search(r" 0x0 ;", b)], barriers
+    assert {b for b in barriers if " 0x1, " in b} == {f"BAR.SYNC.DEFER_BLOCKING 0x1, {hex(threads - 32)} ;"}, barriers
+    assert sorted(b for b in barriers if " 0x2, " in b) == [f"BAR.ARV 0x2, {hex(threads)} ;",
+                                                              f"BAR.SYNC.DEFER_BLOCKING 0x2, {hex(threads)} ;"]

@@ -36,6 +36,8 @@ from . import device_utils as du  # noqa: E402
 SUMSQ_COL = N_MIXES  # column of the sum of squares in a partial row
 SCALE_AT = N_MIXES  # hc_scale's place in the constants (after hc_base)
 SOFTMAX_LANES = HC_MULT * HC_MULT  # lanes per token of the Sinkhorn warp's lane-parallel softmax
+COLLAPSE_BARRIER = 1  # named barrier of the collapse warps when the Sinkhorn has a warp of its own
+MIXES_READY = 2  # named barrier: the collapse warps' summed rows are in shared memory (the Sinkhorn warp waits)
 
 
 class BigFuseScalars(NamedTuple):
@@ -84,7 +86,7 @@ class BigFusePhase:
         # is issue bound, in one warp (``sinkhorn``)
         assert not pair_sinkhorn or tokens <= du.WARP // 2
         self.pair_sinkhorn = pair_sinkhorn
-        collapse_warps = self.warps - (1 if sinkhorn_warp else 0)
+        self.collapse_warps = collapse_warps = self.warps - (1 if sinkhorn_warp else 0)
         self.groups = max(g for g in range(1, min(tokens, collapse_warps) + 1) if collapse_warps % g == 0)
         self.group_warps = collapse_warps // self.groups
         self.group_threads = self.group_warps * du.WARP
@@ -169,28 +171,37 @@ class BigFusePhase:
         """The phase after ``prefetch`` (its first barrier publishes the constants); ``norm_w``: what ``prefetch``
         returned.
 
-        Every CTA barrier of the phase sits in code that all its threads run (``sum_partials``), so each barrier
-        instruction is reached by exactly the threads it counts; only then do the warps part: with
-        ``sinkhorn_warp`` the last warp runs the Sinkhorn alone while the others collapse (whose barriers are the
-        named ``collapse_barrier``, which counts them only)."""
+        Each barrier instruction is reached by exactly the threads it counts. With ``sinkhorn_warp`` the collapse
+        warps sum the partials among themselves (``collapse_barrier``) and then signal ``MIXES_READY``, which the last
+        warp waits for before its Sinkhorn: that warp issues none of the collapse's loads (its code would wait for them
+        to land before reusing their registers) and the collapse never waits for it."""
+        if cutlass.const_expr(self.sinkhorn_warp):
+            # the Sinkhorn chain ends the call's tail on the H200 (`bench/probes/probe_big_fuse_tail.py`)
+            if cute.arch.warp_idx() == self.warps - 1:
+                du.named_barrier_wait(MIXES_READY, self.threads)
+                self.sinkhorn(storage, m0, mCombOut, scalars)
+            else:
+                self.sum_and_collapse(storage, m0, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars,
+                                      norm_w)
+        else:
+            self.sum_and_collapse(storage, m0, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars,
+                                  norm_w)
+
+    @cute.jit
+    def sum_and_collapse(self, storage: BigFuseStorage, m0: Int32, mPartials: cute.Tensor, mNormW,
+                         mResCur: cute.Tensor, mPostOut: cute.Tensor, mCombOut: cute.Tensor, mLayerIn: cute.Tensor,
+                         scalars: BigFuseScalars, norm_w):
+        """``sum_partials`` then ``collapse``, by the threads that collapse."""
         first = None
         if cutlass.const_expr(self.batches <= 2):
             # residual_cur does not depend on the partials: the first batch of the collapse loads while the
-            # partials are summed (two memory round trips overlap). The Sinkhorn warp issues these loads too (its
-            # lanes repeat the first warp's addresses): in a branch around them ptxas widened the values inside it,
-            # waiting for them before the partials' loads (docs/experiments.md, 2026-12-04)
+            # partials are summed (two memory round trips overlap)
             gtid, _, row = self.round_token(0, m0, mLayerIn.shape[0])
             first = self.load_batch(0, gtid, du.token_row(mResCur, m0 + row))
         self.sum_partials(storage, m0, mPartials)
         if cutlass.const_expr(self.sinkhorn_warp):
-            # the last warp runs only the Sinkhorn and exits: on the H200 that chain ends the call's tail
-            # (`bench/probes/probe_big_fuse_tail.py`); the collapse's barriers do not wait for it
-            if cute.arch.warp_idx() == self.warps - 1:
-                self.sinkhorn(storage, m0, mCombOut, scalars)
-            else:
-                self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
-        else:
-            self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
+            du.named_barrier_arrive(MIXES_READY, self.threads)
+        self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
 
     @cute.jit
     def round_token(self, r, m0: Int32, m_total):
@@ -204,18 +215,19 @@ class BigFusePhase:
 
     @cute.jit
     def sum_partials(self, storage: BigFuseStorage, m0: Int32, mPartials: cute.Tensor):
-        """mixes[t][c] = sum over s of partials[s, m0 + t, c], s round-robin over warps, then warps in order."""
+        """mixes[t][c] = sum over s of partials[s, m0 + t, c], s round-robin over the collapse warps, then those warps in
+        order (by the collapse threads)."""
         tidx, _, _ = cute.arch.thread_idx()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         m_total = mPartials.shape[1]
-        rounds = -(-self.split_k // self.warps)
-        exact = self.split_k % self.warps == 0
+        rounds = -(-self.split_k // self.collapse_warps)
+        exact = self.split_k % self.collapse_warps == 0
         for t in cutlass.range_constexpr(self.tokens):
             # clamped indices keep every load in bounds and unconditional; the out-of-range terms are replaced
             # by an exact zero
             m = cutlass.min(m0 + t, m_total - 1)
-            vals = [mPartials[warp + r * self.warps if exact else cutlass.min(warp + r * self.warps, self.split_k - 1),
-                              m, lane] for r in range(rounds)]
+            splits = [warp + r * self.collapse_warps for r in range(rounds)]
+            vals = [mPartials[s if exact else cutlass.min(s, self.split_k - 1), m, lane] for s in splits]
             # a warp barrier before any of them is used: the compiler keeps every load above it (these and the
             # caller's first collapse batch) in flight together; else ptxas may start the sum first and issue
             # the collapse batch a memory round trip later (seen in the SASS with uneven splits)
@@ -225,18 +237,18 @@ class BigFusePhase:
                 if cutlass.const_expr(exact):
                     acc = acc + vals[r]
                 else:
-                    acc = acc + (vals[r] if warp + r * self.warps < self.split_k else Float32(0.0))
+                    acc = acc + (vals[r] if splits[r] < self.split_k else Float32(0.0))
             storage.partial_sums[warp, t, lane] = acc
-        cute.arch.sync_threads()
-        for base in cutlass.range_constexpr(0, self.tokens * PARTIAL_COLS, self.threads):
+        self.collapse_barrier()
+        for base in cutlass.range_constexpr(0, self.tokens * PARTIAL_COLS, self.collapse_threads):
             i = base + tidx
             if i < self.tokens * PARTIAL_COLS:
                 t, c = i // PARTIAL_COLS, i % PARTIAL_COLS
                 total = Float32(0.0)
-                for w in cutlass.range_constexpr(self.warps):
+                for w in cutlass.range_constexpr(self.collapse_warps):
                     total = total + storage.partial_sums[w, t, c]
                 storage.mixes[t, c] = total
-        cute.arch.sync_threads()
+        self.collapse_barrier()
 
     @cute.jit
     def rstd(self, storage: BigFuseStorage, t, rms_eps: Float32) -> Float32:
@@ -407,7 +419,7 @@ class BigFusePhase:
         """A barrier of the threads that collapse: the CTA, or all warps but the ``sinkhorn_warp`` (named barrier 1),
         which meanwhile runs the Sinkhorn and never reaches it."""
         if cutlass.const_expr(self.sinkhorn_warp):
-            cute.arch.barrier(barrier_id=1, number_of_threads=(self.warps - 1) * du.WARP)
+            cute.arch.barrier(barrier_id=COLLAPSE_BARRIER, number_of_threads=self.collapse_threads)
         else:
             cute.arch.sync_threads()
 

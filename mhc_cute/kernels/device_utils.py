@@ -11,6 +11,8 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import BFloat16, Float32, Int32, Int64  # noqa: E402
+from cutlass._mlir.dialects import nvvm  # noqa: E402
+from cutlass.cutlass_dsl import dsl_user_op  # noqa: E402
 
 WARP = 32
 VEC_BF16 = 8  # bf16 elements in one 16-byte access
@@ -30,6 +32,22 @@ def token_row(t: cute.Tensor, m) -> cute.Tensor:
     """Row ``m`` of a row-per-token tensor (``row_major(M, n)``), its offset computed in 64 bits: with a 32-bit
     token index ``m * n`` wraps once it passes 2^31 (``residual_cur`` [M, 4H] from M = 74,899 at H = 7168)."""
     return t[Int64(m), None]
+
+
+@dsl_user_op
+def named_barrier_arrive(barrier_id: int, number_of_threads: int, *, loc=None, ip=None) -> None:
+    """Arrive on a named barrier without waiting, where other warps wait on it at another instruction (the
+    unaligned ``barrier.cta.arrive``: the aligned form needs every counted thread at the same instruction)."""
+    nvvm.barrier_cta_arrive(Int32(barrier_id).ir_value(loc=loc, ip=ip),
+                            Int32(number_of_threads).ir_value(loc=loc, ip=ip), aligned=False, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def named_barrier_wait(barrier_id: int, number_of_threads: int, *, loc=None, ip=None) -> None:
+    """Wait on a named barrier that other warps arrive on at another instruction (the unaligned
+    ``barrier.cta.sync``)."""
+    nvvm.barrier_cta_sync(Int32(barrier_id).ir_value(loc=loc, ip=ip),
+                          thread_count=Int32(number_of_threads).ir_value(loc=loc, ip=ip), aligned=False, loc=loc, ip=ip)
 
 
 @cute.jit
