@@ -1,9 +1,11 @@
 """mhc_cute: GPU kernels for DeepSeek-V4's mHC boundary op (hyper-connection post fused with pre)."""
 
 from .api import mhc_fused_hc
+from .ops import mhc_collapse, mhc_head, mhc_post
 from .problem import MhcFusedHcOutput
 from .backends import BACKENDS, available
 from .weights import clear as clear_prepared_weights
 
 __version__ = "0.2.0"
-__all__ = ["mhc_fused_hc", "MhcFusedHcOutput", "BACKENDS", "available", "clear_prepared_weights", "__version__"]
+__all__ = ["mhc_fused_hc", "mhc_post", "mhc_head", "mhc_collapse", "MhcFusedHcOutput", "BACKENDS", "available",
+           "clear_prepared_weights", "__version__"]

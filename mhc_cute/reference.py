@@ -102,16 +102,27 @@ def pre(
     pre_gate = torch.sigmoid(mix[:, 0:4]) + hc_pre_eps
     post_mix = torch.sigmoid(mix[:, 4:8]) * hc_post_mult_value
     comb_mix = sinkhorn(mix[:, 8:24].reshape(-1, 4, 4), hc_sinkhorn_eps, sinkhorn_repeat)
-    res = residual_cur.to(cd)
-    acc = pre_gate[:, 0:1] * res[:, 0]
-    for j in range(1, HC_MULT):  # fixed order j = 0..3
-        acc = acc + pre_gate[:, j : j + 1] * res[:, j]
-    layer_input = acc.to(torch.bfloat16)
+    layer_input = collapse(residual_cur, pre_gate, cd)
     if norm_weight is not None:
-        li = layer_input.to(cd)
-        r = torch.rsqrt((li * li).mean(-1, keepdim=True) + norm_eps)
-        layer_input = (li * r * norm_weight.to(cd)).to(torch.bfloat16)
+        layer_input = rms_norm(layer_input, norm_weight, norm_eps, cd)
     return post_mix[:, :, None], comb_mix, layer_input
+
+
+def collapse(residual_cur: torch.Tensor, gates: torch.Tensor, cd) -> torch.Tensor:
+    """SPEC step 6: ``bf16(sum_j gates[j] * residual_cur[j])`` in ``cd``, j in order 0..3; ``gates [M, 4]``."""
+    res = residual_cur.to(cd)
+    gates = gates.to(cd)
+    acc = gates[:, 0:1] * res[:, 0]
+    for j in range(1, HC_MULT):  # fixed order j = 0..3
+        acc = acc + gates[:, j : j + 1] * res[:, j]
+    return acc.to(torch.bfloat16)
+
+
+def rms_norm(layer_input: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, cd) -> torch.Tensor:
+    """SPEC step 7 on the bf16 ``layer_input [M, H]``: ``bf16(li * rsqrt(mean(li^2) + eps) * w)`` in ``cd``."""
+    li = layer_input.to(cd)
+    r = torch.rsqrt((li * li).mean(-1, keepdim=True) + norm_eps)
+    return (li * r * norm_weight.to(cd)).to(torch.bfloat16)
 
 
 def fused_hc(
@@ -129,3 +140,29 @@ def fused_hc(
     """The whole boundary op on flattened inputs: ``(residual_cur, post_mix_cur, comb_mix_cur, layer_input)``."""
     residual_cur = post(x, residual, post_mix, comb_mix)
     return (residual_cur, *pre(residual_cur, fn, hc_scale, hc_base, compute_dtype=compute_dtype, **scalars))
+
+
+# --- the standalone ops of a forward pass (SPEC, "The op family") ------------------------------------------------
+
+def head_mixes(residual, head_fn, head_scale, head_base, rms_eps: float, cd) -> torch.Tensor:
+    """``mhc_head``'s 4 mixes ``[M, 4]`` in ``cd``: SPEC steps 2-3 with ``head_fn [4, 4H]`` as the pre rows of a
+    24-row weight and ``head_scale [1]`` for every group."""
+    pad = N_MIXES - HC_MULT
+    fn = torch.cat([head_fn, head_fn.new_zeros(pad, head_fn.shape[1])])
+    base = torch.cat([head_base, head_base.new_zeros(pad)])
+    return mixes(residual, fn, head_scale.reshape(1).expand(3), base, rms_eps, cd)[:, :HC_MULT]
+
+
+def head(residual, head_fn, head_scale, head_base, *, rms_eps: float = 1e-6, hc_eps: float = 1e-6,
+         norm_weight=None, norm_eps: float = 1e-6, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``mhc_head`` (V4's ``hc_head``, optionally with the final RMSNorm) on ``residual [M, 4, H]``: ``[M, H]`` bf16."""
+    gates = torch.sigmoid(head_mixes(residual, head_fn, head_scale, head_base, rms_eps, compute_dtype)) + hc_eps
+    return collapse_norm(residual, gates, norm_weight=norm_weight, norm_eps=norm_eps, compute_dtype=compute_dtype)
+
+
+def collapse_norm(residual, pre_mix, *, norm_weight=None, norm_eps: float = 1e-20,
+                  compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``mhc_collapse`` (V4.1's final collapse with the carried gates ``pre_mix [M, 4]``, then optionally the final
+    RMSNorm, SPEC steps 6-7): ``[M, H]`` bf16."""
+    li = collapse(residual, pre_mix, compute_dtype)
+    return li if norm_weight is None else rms_norm(li, norm_weight, norm_eps, compute_dtype)
