@@ -77,6 +77,15 @@ def sinkhorn(c: torch.Tensor, eps: float, repeat: int) -> torch.Tensor:
     return c
 
 
+def gates(mix: torch.Tensor, *, hc_pre_eps: float, hc_sinkhorn_eps: float, hc_post_mult_value: float,
+          sinkhorn_repeat: int):
+    """SPEC steps 4-5 on the mixes ``[M, 24]``: ``(pre [M, 4], post [M, 4], comb [M, 4, 4])``."""
+    pre_gate = torch.sigmoid(mix[:, 0:4]) + hc_pre_eps
+    post_mix = torch.sigmoid(mix[:, 4:8]) * hc_post_mult_value
+    comb_mix = sinkhorn(mix[:, 8:24].reshape(-1, 4, 4), hc_sinkhorn_eps, sinkhorn_repeat)
+    return pre_gate, post_mix, comb_mix
+
+
 def pre(
     residual_cur: torch.Tensor,
     fn: torch.Tensor,
@@ -99,9 +108,8 @@ def pre(
     """
     cd = compute_dtype
     mix = mixes(residual_cur, fn, hc_scale, hc_base, rms_eps, cd)
-    pre_gate = torch.sigmoid(mix[:, 0:4]) + hc_pre_eps
-    post_mix = torch.sigmoid(mix[:, 4:8]) * hc_post_mult_value
-    comb_mix = sinkhorn(mix[:, 8:24].reshape(-1, 4, 4), hc_sinkhorn_eps, sinkhorn_repeat)
+    pre_gate, post_mix, comb_mix = gates(mix, hc_pre_eps=hc_pre_eps, hc_sinkhorn_eps=hc_sinkhorn_eps,
+                                         hc_post_mult_value=hc_post_mult_value, sinkhorn_repeat=sinkhorn_repeat)
     layer_input = collapse(residual_cur, pre_gate, cd)
     if norm_weight is not None:
         layer_input = rms_norm(layer_input, norm_weight, norm_eps, cd)
