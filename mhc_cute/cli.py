@@ -96,6 +96,8 @@ def cmd_bench(args) -> int:
     dev = torch.device("cuda")
     gpu = torch.cuda.get_device_name(dev)
     bandwidth = bm.measure_copy_bandwidth(dev)
+    if args.model:
+        return _bench_model(args, bm, ms, dev, gpu, bandwidth)
     names = args.backends or [n for n in backends.available(dev) if n != "torch"]
     calls = {"auto": bm.mhc_cute_call("auto", args.precision)} if "auto" not in names else {}
     calls.update({n: bm.mhc_cute_call(n, args.precision) for n in names})
@@ -121,6 +123,22 @@ def cmd_bench(args) -> int:
     print(bm.auto_summary(results, names))
     if args.plot:
         bm.plot(results, args.plot, gpu)
+    return 0
+
+
+def _bench_model(args, bm, ms, dev, gpu, bandwidth) -> int:
+    """``bench --model``: the mHC time of one forward pass per M, beside TileKernels' (V4) and the torch reference."""
+    import json
+
+    def log(r):
+        print(f"  {r.model} M={r.m} {r.name}: {r.ms if r.error is None else r.error}", file=sys.stderr, flush=True)
+
+    results = bm.bench_model(args.model, ms, dev, bandwidth, names=args.backends, log=log)
+    print(bm.format_model_table(results, bandwidth, gpu))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=gpu, bandwidth=bandwidth, model=args.model, config=bm.MODELS[args.model]._asdict(),
+                           results=[r._asdict() for r in results]), f, indent=1)
     return 0
 
 
@@ -198,6 +216,8 @@ def main(argv=None) -> int:
     b.add_argument("--norm", action="store_true", help="fuse the next sublayer's RMSNorm (peers without it drop out)")
     b.add_argument("--no-peers", action="store_true")
     b.add_argument("--json", help="write the results here")
+    b.add_argument("--model", choices=["v4-pro", "v4-flash", "v4.1-flash"],
+                   help="time one forward pass's mHC ops instead (--backends: of auto, torch, tilekernels)")
     b.add_argument("--plot", help="write a PNG plot (time vs M) here")
     b.set_defaults(fn=cmd_bench)
     t = sub.add_parser("tune", help="time every valid tactic per M bucket and cache the winners")
