@@ -264,8 +264,29 @@ def check_op_output(op: str, out: torch.Tensor, inputs: dict, *, mix_tol: float 
     res = inputs["residual"]
     h = res.shape[-1]
     m = res.numel() // (HC_MULT * h)
-    flat_res = res.reshape(m, HC_MULT, h)
+    lead = res.dim() - 2
+    flat = {k: (v.reshape(m, *v.shape[lead:]) if isinstance(v, torch.Tensor) and k != "norm_weight"
+                and not k.startswith("head_") else v) for k, v in inputs.items()}
+    out = out.reshape(m, *out.shape[lead:])
     assert torch.isfinite(out.float()).all(), f"{op}: non-finite values (unwritten or broken)"
+    # the ops are row-wise: checked in chunks of rows, so that the float64 reference fits any M
+    chunk = max(1, CHECK_ELEMENTS // (HC_MULT * h))
+    errs: dict = {}
+    for b in range(0, m, chunk):
+        rows = {k: (v[b:b + chunk] if isinstance(v, torch.Tensor) and v.shape[:1] == (m,) and k != "norm_weight"
+                    and not k.startswith("head_") else v) for k, v in flat.items()}
+        for k, v in _check_op_rows(op, out[b:b + chunk], rows, mix_tol, li_ulps, **scalars).items():
+            errs[k] = max(errs.get(k, 0), v)
+    return errs
+
+
+CHECK_ELEMENTS = 1 << 24  # residual elements per chunk of ``check_op_output`` (a few float64 temporaries of each)
+
+
+def _check_op_rows(op: str, out: torch.Tensor, inputs: dict, mix_tol: float, li_ulps: float, **scalars) -> dict:
+    """``check_op_output`` on flat rows."""
+    flat_res = inputs["residual"]
+    m, _, h = flat_res.shape
     if op == "mhc_post":
         want = reference.post(inputs["x"].reshape(m, h), flat_res, inputs["post_mix"].reshape(m, HC_MULT),
                               inputs["comb_mix"].reshape(m, HC_MULT, HC_MULT))
@@ -280,7 +301,7 @@ def check_op_output(op: str, out: torch.Tensor, inputs: dict, *, mix_tol: float 
         pre64 = inputs["pre_mix"].reshape(m, HC_MULT).double()
         li64 = reference.collapse_norm(flat_res, pre64, norm_weight=norm_weight, norm_eps=norm_eps,
                                        compute_dtype=torch.float64)
-        gate_err = torch.zeros(m, 1, dtype=torch.float64, device=res.device)
+        gate_err = torch.zeros(m, 1, dtype=torch.float64, device=flat_res.device)
     else:
         rms_eps, hc_eps = scalars.get("rms_eps", 1e-6), scalars.get("hc_eps", 1e-6)
         head = (inputs["head_fn"], inputs["head_scale"], inputs["head_base"])
