@@ -317,7 +317,9 @@ def check_op(op: str, inputs: dict, backend: str, **scalars) -> dict:
     """Run ``op`` on ``backend`` twice into NaN-poisoned ``out=`` buffers, check the contract
     (``check_op_output``) and that the two runs are bit-identical; return the errors."""
     first = call_op(op, inputs, backend, op_output_like(op, inputs), **scalars)
-    errs = check_op_output(op, first, inputs, **scalars)
+    # mhc_head's "cute" backend is the seam's auto choice: the MMA paths' tolerance
+    tol = tolerances("half_mma", "fp32") if op == "mhc_head" and backend == "cute" else {}
+    errs = check_op_output(op, first, inputs, **tol, **scalars)
     again = call_op(op, inputs, backend, op_output_like(op, inputs), **scalars)
     assert torch.equal(_bits(first), _bits(again)), f"{op}: output differs between two runs"
     return errs

@@ -3,8 +3,9 @@
 
 Each op flattens its leading dims into M, checks every argument (errors name it), and runs one backend on the flat
 tensors: ``"torch"`` (the reference in fp32, any device), ``"triton"`` (``mhc_cute.triton.ops``: NVIDIA, ROCm, the
-CPU interpreter) or ``"cute"`` (``mhc_cute.kernels.post`` / ``collapse``: CuTe DSL on Hopper; ``mhc_head`` has no
-CuTe kernel). ``"auto"`` takes the first available of cute, triton, torch.
+CPU interpreter) or ``"cute"`` (``mhc_cute.kernels.post`` / ``collapse``: CuTe DSL on Hopper; ``mhc_head`` runs
+there as a seam without post, on ``mhc_fused_hc``'s kernels). ``"auto"`` takes the first available of cute, triton,
+torch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from . import backends, reference
 from .problem import ALIGN_BYTES, _aligned
-from .reference import HC_MULT
+from .reference import HC_MULT, N_MIXES
 
 BF16, F32 = (torch.bfloat16,), (torch.float32,)
 
@@ -42,6 +43,7 @@ OP_BACKENDS: dict[str, dict[str, OpBackend]] = {
         "torch": OpBackend("mhc_cute.ops:_collapse_torch", "reference"),
     },
     "mhc_head": {
+        "cute": OpBackend("mhc_cute.ops:_head_as_seam", "cute", 64),
         "triton": OpBackend("mhc_cute.triton.ops:run_head", "triton"),
         "torch": OpBackend("mhc_cute.ops:_head_torch", "reference"),
     },
@@ -100,6 +102,24 @@ def _collapse_torch(residual, pre_mix, norm_weight, norm_eps, out):
 def _head_torch(residual, head_fn, head_scale, head_base, norm_weight, rms_eps, hc_eps, norm_eps, out):
     out.copy_(reference.head(residual, head_fn, head_scale, head_base, rms_eps=rms_eps, hc_eps=hc_eps,
                              norm_weight=norm_weight, norm_eps=norm_eps))
+
+
+# --- mhc_head on the seam kernels ----------------------------------------------------------------------------
+
+def _head_as_seam(residual, head_fn, head_scale, head_base, norm_weight, rms_eps, hc_eps, norm_eps, out):
+    """``mhc_head`` as a seam without post (``mhc_fused_hc``'s CuTe paths, ``auto``): the head weight as the pre
+    rows of a 24-row weight (zero rows after them, ``head_scale`` for every group, zero bias), prepared once per
+    weight; the seam's pre gates and collapse (and norm) are then the head's. Its post gates and Sinkhorn are
+    computed on zero mixes and dropped (a few hundred bytes a token beside 10H)."""
+    from .api import mhc_fused_hc
+    from .weights import prepared
+
+    fn = prepared(head_fn, "head_as_seam", lambda f: torch.cat([f, f.new_zeros(N_MIXES - HC_MULT, f.shape[1])]))
+    scale = prepared(head_scale, "head_as_seam", lambda t: t.reshape(1).expand(3).contiguous())
+    base = prepared(head_base, "head_as_seam", lambda b: torch.cat([b, b.new_zeros(N_MIXES - HC_MULT)]))
+    seam = mhc_fused_hc(None, residual, None, None, fn, scale, base, rms_eps=rms_eps, hc_pre_eps=hc_eps,
+                        norm_weight=norm_weight, norm_eps=norm_eps)
+    out.copy_(seam.layer_input)
 
 
 # --- validation -------------------------------------------------------------------------------------------------

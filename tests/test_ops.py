@@ -33,7 +33,7 @@ def _op_backends(op, kinds):
 
 
 CPU_CASES = [c for op in STANDALONE_OPS for c in _op_backends(op, ("reference", "triton"))]
-GPU_CASES = [c for op in STANDALONE_OPS for c in ops.OP_BACKENDS[op].items()]
+GPU_CASES = [(op, b) for op in STANDALONE_OPS for b in ops.OP_BACKENDS[op]]
 
 
 @pytest.mark.parametrize("norm", [False, True])
@@ -77,7 +77,7 @@ def test_torch_backend_model_sizes(op):
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("h", GPU_HS)
 @pytest.mark.parametrize("m", GPU_MS)
-@pytest.mark.parametrize("op,backend", [(op, b) for op, b in GPU_CASES])
+@pytest.mark.parametrize("op,backend", GPU_CASES)
 def test_gpu_backends(op, backend, m, h, norm):
     if op == "mhc_post" and norm:
         pytest.skip("mhc_post has no norm")
@@ -114,6 +114,17 @@ def test_head_with_the_seam_weight_is_the_seam_collapse():
                    backend="torch")
     ref = mhc_fused_hc(**s, backend="torch")
     assert torch.equal(got, ref.layer_input)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_head_as_a_seam_without_post_is_the_head(norm):
+    """mhc_head's CuTe backend is a seam without post on the padded head weight: on the seam's torch backend that
+    composition gives the head's reference bits (needs mhc_fused_hc's no-post form)."""
+    inputs = make_op_inputs("mhc_head", 5, 64, seed=13, norm=norm)
+    out = torch.empty(5, 64, dtype=torch.bfloat16)
+    ops._head_as_seam(*(inputs[k] for k in ("residual", "head_fn", "head_scale", "head_base", "norm_weight")),
+                      1e-6, 1e-6, 1e-6, out)
+    assert torch.equal(out, mhc_head(**inputs, backend="torch"))
 
 
 def test_collapse_of_one_hot_gates_is_that_stream():
@@ -288,8 +299,8 @@ def test_inputs_requiring_grad_are_refused(op):
 
 def test_unknown_and_unavailable_backends():
     inputs = make_op_inputs("mhc_head", 2, 64)
-    with pytest.raises(ValueError, match="unknown backend 'cute'"):
-        mhc_head(**inputs, backend="cute")
+    with pytest.raises(ValueError, match="unknown backend 'half_fma'"):
+        mhc_head(**inputs, backend="half_fma")
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="unavailable"):
             mhc_post(**make_op_inputs("mhc_post", 2, 64), backend="cute")
