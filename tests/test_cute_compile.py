@@ -531,3 +531,43 @@ def test_big_fuse_barriers_reached_by_every_thread(tmp_path, cuobjdump, dump_env
     named = [line for line in lines if re.search(r"BAR\.SYNC\S* 0x1, ", line)]
     assert named, "the collapse's norm reduction syncs on the named barrier 1"
 
+
+# --- the standalone ops' kernels (mhc_post, mhc_collapse) ------------------------------------------------------
+
+OP_HIDDENS = (64, 512, 1088, 4096, 5120, 7168, 16384)
+
+
+@pytest.mark.parametrize("hidden", [512, 7168])
+def test_post_kernel_compiles(hidden):
+    from mhc_cute.kernels import post
+
+    assert post.compile_post(hidden, *post.spec_operands(hidden)) is not None  # running needs a GPU
+
+
+@pytest.mark.parametrize("hidden,norm", [(512, None), (7168, "bfloat16"), (1088, "float32")])
+def test_collapse_kernel_compiles(hidden, norm):
+    from mhc_cute.kernels import collapse
+
+    assert collapse.compile_collapse(*collapse.spec_operands(hidden, norm)) is not None
+
+
+@pytest.mark.slow
+def test_every_op_kernel_variant_compiles(tmp_path, monkeypatch):
+    from mhc_cute.kernels import KERNEL_CACHE_ENV, collapse, post
+
+    monkeypatch.setenv(KERNEL_CACHE_ENV, str(tmp_path))
+    assert sorted(post.precompile(OP_HIDDENS, processes=os.cpu_count())) == sorted(OP_HIDDENS)
+    specs = [(h, n) for h in OP_HIDDENS for n in NORMS]
+    assert len(collapse.precompile(specs, processes=os.cpu_count())) == len(specs)
+    assert len(list(tmp_path.glob("*.o"))) == len(OP_HIDDENS) * (1 + len(NORMS))
+
+
+@pytest.mark.parametrize("hidden", OP_HIDDENS)
+def test_collapse_shape_covers_the_row_in_one_batch(hidden):
+    """Each thread's 8-vectors of the row fit one batch of loads (one memory round trip), and the rounded row stays in
+    registers for the norm."""
+    from mhc_cute.kernels.collapse import BATCH, CollapseKernel
+
+    phase = CollapseKernel(hidden, None).phase
+    assert phase.batches == 1 and phase.slots <= BATCH and phase.keep_rounded
+    assert phase.threads * phase.slots * 8 >= hidden
