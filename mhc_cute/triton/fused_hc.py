@@ -388,15 +388,8 @@ def _reduce_kernel(
     if DELAYED:
         if HAS_NORM:
             # the RMSNorm of the main kernel's bf16 x1 (its sum of squares in column 25), in place
-            offs_h = tl.arange(0, BLOCK_H)[None, :]
-            li_row = rows[:, None] * H
-            sumsq_x1 = _split_sum(part_ptr, rows, tok_mask, M, split_k, S_POW2, 25, 1)
-            for h0 in range(0, H, BLOCK_H):
-                h = h0 + offs_h
-                mask = tok_mask[:, None] & (h < H)
-                li = tl.load(li_ptr + li_row + h, mask=mask, other=0.0).to(tl.float32)
-                tl.store(li_ptr + li_row + h, _bf16_rn(_rms_norm(li, sumsq_x1, norm_ptr, h, mask, H, norm_eps)),
-                         mask=mask)
+            _norm_in_place(li_ptr, norm_ptr, rows[:, None] * H, tok_mask, H, norm_eps,
+                           _split_sum(part_ptr, rows, tok_mask, M, split_k, S_POW2, 25, 1), BLOCK_H)
     else:
         _collapse_rows(res_cur_ptr, norm_ptr, li_ptr, rows, tok_mask, H, g0[:, None], g1[:, None], g2[:, None],
                        g3[:, None], norm_eps, BLOCK_T, BLOCK_H, SINGLE_TILE, HAS_NORM)
@@ -428,13 +421,19 @@ def _collapse_rows(res_cur_ptr, norm_ptr, li_ptr, rows, tok_mask, H, g0, g1, g2,
         if HAS_NORM:
             # second pass over the rounded values just stored (L1/L2 hot); the barrier orders them for the block
             tl.debug_barrier()
-            sumsq_li = tl.sum(li_sq, axis=1)[:, None]
-            for h0 in range(0, H, BLOCK_H):
-                h = h0 + offs_h
-                mask = tok_mask[:, None] & (h < H)
-                li = tl.load(li_ptr + li_row + h, mask=mask, other=0.0).to(tl.float32)
-                li = _rms_norm(li, sumsq_li, norm_ptr, h, mask, H, norm_eps)
-                tl.store(li_ptr + li_row + h, _bf16_rn(li), mask=mask)
+            _norm_in_place(li_ptr, norm_ptr, li_row, tok_mask, H, norm_eps, tl.sum(li_sq, axis=1)[:, None], BLOCK_H)
+
+
+@triton.jit
+def _norm_in_place(li_ptr, norm_ptr, li_row, tok_mask, H, norm_eps, sumsq, BLOCK_H: tl.constexpr):
+    """SPEC step 7 over the bf16 rows already stored in ``layer_input`` (their sums of squares ``sumsq``,
+    ``[BLOCK_T, 1]``), rewritten in place tile by tile."""
+    offs_h = tl.arange(0, BLOCK_H)[None, :]
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + offs_h
+        mask = tok_mask[:, None] & (h < H)
+        li = tl.load(li_ptr + li_row + h, mask=mask, other=0.0).to(tl.float32)
+        tl.store(li_ptr + li_row + h, _bf16_rn(_rms_norm(li, sumsq, norm_ptr, h, mask, H, norm_eps)), mask=mask)
 
 
 @triton.jit
