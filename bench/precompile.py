@@ -111,7 +111,15 @@ def main() -> int:
         ap.error("give --session, or --m and --hidden")
     from mhc_cute.kernels import fma, mma
 
-    for name, module, specs in (("FMA", fma, fma_specs), ("MMA", mma, mma_specs)):
+    jobs = [("FMA", fma, fma_specs), ("MMA", mma, mma_specs)]
+    if args.session:  # the standalone ops' kernels at every H of the GPU tests and the --model bench
+        from mhc_cute.kernels import collapse, post
+
+        from test_ops import GPU_HS as OP_HS
+        op_hs = sorted(set(OP_HS) | {4096, 5120, 7168})
+        jobs += [("mhc_post", post, op_hs), ("mhc_collapse", collapse,
+                                             [(h, n) for h in op_hs for n in (None, "bfloat16", "float32")])]
+    for name, module, specs in jobs:
         if specs:
             t0 = time.perf_counter()
             module.precompile(specs, processes=min(args.workers, len(specs)))

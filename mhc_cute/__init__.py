@@ -2,10 +2,11 @@
 delayed seam."""
 
 from .api import mhc_fused_hc, mhc_fused_hc_delayed
+from .ops import mhc_collapse, mhc_head, mhc_post
 from .problem import MhcFusedHcDelayedOutput, MhcFusedHcOutput
 from .backends import BACKENDS, available
 from .weights import clear as clear_prepared_weights
 
 __version__ = "0.2.0"
-__all__ = ["mhc_fused_hc", "mhc_fused_hc_delayed", "MhcFusedHcOutput", "MhcFusedHcDelayedOutput", "BACKENDS",
-           "available", "clear_prepared_weights", "__version__"]
+__all__ = ["mhc_fused_hc", "mhc_fused_hc_delayed", "mhc_post", "mhc_head", "mhc_collapse", "MhcFusedHcOutput",
+           "MhcFusedHcDelayedOutput", "BACKENDS", "available", "clear_prepared_weights", "__version__"]

@@ -12,6 +12,7 @@ import torch
 from . import reference
 from .api import _dispatch
 from .problem import MhcFusedHcDelayedOutput, MhcFusedHcOutput, Problem, Scalars
+from .reference import HC_MULT
 
 BF16_MANTISSA_BITS = 7
 FP32_SUM_ULPS = 8
@@ -178,25 +179,40 @@ def check_outputs(
     # except where the collapse cancels too.
     xf, fn = _projection64(residual_cur, problem)
     mix64 = _mixes64(residual_cur, problem)
+    gate_err = _gate_error(xf, fn[:4], mix64, problem.hc_scale[0], s.rms_eps, mix_tol)
     pre64 = torch.sigmoid(mix64[:, :4]) + s.hc_pre_eps
+    return _check_layer_input(out.layer_input, li64, residual_cur, pre64, gate_err, problem.norm_weight,
+                              s.norm_eps, li_ulps, errs)
+
+
+def _gate_error(xf, pre_fn, mix64, pre_scale, rms_eps, mix_tol) -> torch.Tensor:
+    """``[M, 1]``: how far a backend's pre gates may lie from float64 (the mixes ``mix64`` within ``mix_tol``
+    normwise, plus the projection's fp32 rounding, see ``check_outputs``); ``xf [M, K]`` and ``pre_fn [4, K]``:
+    the projection's operands in float64 (``_projection64``)."""
+    rstd64 = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + rms_eps)
+    dot_scale = (xf.abs() @ pre_fn.abs().t()) * rstd64 * pre_scale.double().abs()
+    mix_err = mix_tol * mix64.norm(dim=1, keepdim=True) + xf.shape[1] ** 0.5 * 2.0**-24 * dot_scale
+    return 0.25 * mix_err  # |sigmoid'| <= 1/4
+
+
+def _check_layer_input(li, li64, residual_cur, pre64, gate_err, norm_weight, norm_eps, li_ulps, errs) -> dict:
+    """``li``: within ``li_ulps`` bf16 ulp of ``li64`` plus the collapse's error bound (gates ``pre64`` off by up
+    to ``gate_err``, fp32 sums) and a rounding flip near a bf16 boundary (see ``check_outputs``); adds
+    ``layer_input_max_ulps`` to ``errs`` and returns it."""
     res = residual_cur.double()
     terms = pre64[:, :, None] * res
     collapse64 = terms.sum(1)
-    rstd64 = torch.rsqrt((xf * xf).mean(-1, keepdim=True) + s.rms_eps)
-    dot_scale = (xf.abs() @ fn[:4].abs().t()) * rstd64 * problem.hc_scale[0].double().abs()
-    mix_err = mix_tol * mix64.norm(dim=1, keepdim=True) + xf.shape[1] ** 0.5 * 2.0**-24 * dot_scale
-    gate_err = 0.25 * mix_err  # |sigmoid'| <= 1/4
     collapse_err = FP32_SUM_ULPS * 2.0**-24 * terms.abs().sum(1) + (gate_err[:, :, None] * res.abs()).sum(1)
     flip = near_bf16_midpoint(collapse64, collapse_err).double()
-    ulp = torch.maximum(bf16_ulp(li64), bf16_ulp(out.layer_input))  # the coarser one where they straddle a binade
-    if problem.norm_weight is None:
+    ulp = torch.maximum(bf16_ulp(li64), bf16_ulp(li))  # the coarser one where they straddle a binade
+    if norm_weight is None:
         allowed = (li_ulps + flip) * ulp + collapse_err
     else:
         li_pre = collapse64.bfloat16().double()
-        gain = torch.rsqrt((li_pre * li_pre).mean(-1, keepdim=True) + s.norm_eps) * problem.norm_weight.double().abs()
+        gain = torch.rsqrt((li_pre * li_pre).mean(-1, keepdim=True) + norm_eps) * norm_weight.double().abs()
         final_flip = near_bf16_midpoint(li_pre * gain).double()
         allowed = (li_ulps + final_flip) * ulp + (collapse_err + flip * bf16_ulp(collapse64)) * gain
-    err = (out.layer_input.double() - li64.double()).abs()
+    err = (li.double() - li64.double()).abs()
     errs["layer_input_max_ulps"] = (err / ulp).max().item() if err.numel() else 0.0
     bad = (err > allowed).sum().item()
     assert bad == 0, f"layer_input: {bad} elements beyond {li_ulps} bf16 ulp (max {errs['layer_input_max_ulps']})"
@@ -210,7 +226,7 @@ def _check_delayed(out: MhcFusedHcDelayedOutput, problem: Problem, residual_cur,
         residual_cur, problem.fn, problem.hc_scale, problem.hc_base, broadcast=problem.broadcast,
         compute_dtype=torch.float64, **{k: v for k, v in s.as_kwargs().items() if k != "norm_eps"},
     )
-    errs = {"post_mix": normwise(out.post_mix_cur, post64), "comb_mix": normwise(out.comb_mix_cur, comb64),
+    errs = {"post_mix": normwise(out.post_mix_cur, post64[:, :, None]), "comb_mix": normwise(out.comb_mix_cur, comb64),
             "pre_mix": normwise(out.pre_mix_cur, pre64)}
     for name in ("post_mix", "comb_mix", "pre_mix"):
         assert errs[name] <= mix_tol, f"{name}_cur normwise error {errs[name]:.3e} > {mix_tol:.0e}"
@@ -282,3 +298,111 @@ def failure_of(problem: Problem, backend: str, tactic=None) -> str | None:
     except AssertionError as e:
         return str(e).splitlines()[0][:200]
     return None
+
+
+# --- the standalone ops (``mhc_cute.ops``) --------------------------------------------------------------------
+
+STANDALONE_OPS = ("mhc_post", "mhc_collapse", "mhc_head")
+
+
+def make_op_inputs(op: str, m: int, h: int, *, seed: int = 0, device="cpu", norm: bool = False, lead=None) -> dict:
+    """Keyword inputs of a standalone op, drawn as ``make_inputs`` draws the seam's (the head weight is a seam
+    weight's pre rows; the carried gates of ``mhc_collapse`` are sigmoid gates + 1e-6, like a seam's)."""
+    s = make_inputs(m, h, seed=seed, device=device, norm=norm, lead=lead)
+    lead = tuple(s["x_prev"].shape[:-1])
+    if op == "mhc_post":
+        return dict(x=s["x_prev"], residual=s["residual_prev"], post_mix=s["post_mix_prev"],
+                    comb_mix=s["comb_mix_prev"])
+    if op == "mhc_collapse":
+        g = torch.Generator().manual_seed(seed + 1)
+        pre_mix = torch.sigmoid(torch.randn(*lead, HC_MULT, generator=g)) + 1e-6
+        return dict(residual=s["residual_prev"], pre_mix=pre_mix.to(device), norm_weight=s["norm_weight"])
+    if op == "mhc_head":
+        return dict(residual=s["residual_prev"], head_fn=s["fn"][:HC_MULT].contiguous(),
+                    head_scale=s["hc_scale"][:1].clone(), head_base=s["hc_base"][:HC_MULT].clone(),
+                    norm_weight=s["norm_weight"])
+    raise ValueError(f"unknown op {op!r}; one of {STANDALONE_OPS}")
+
+
+def call_op(op: str, inputs: dict, backend: str = "auto", out=None, **kw) -> torch.Tensor:
+    from . import ops
+
+    return getattr(ops, op)(**inputs, backend=backend, out=out, **kw)
+
+
+def op_output_like(op: str, inputs: dict) -> torch.Tensor:
+    """A NaN-filled output buffer of ``op`` (an element a kernel fails to write fails the check)."""
+    res = inputs["residual"]
+    shape = res.shape if op == "mhc_post" else res.shape[:-2] + res.shape[-1:]
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=res.device)
+
+
+def check_op_output(op: str, out: torch.Tensor, inputs: dict, *, mix_tol: float = 1e-5, li_ulps: float = 1.0,
+                    **scalars) -> dict:
+    """The contract of a standalone op on its output ``out`` (``scalars``: the op's keyword scalars as called):
+    ``mhc_post`` bit-identical to SPEC step 1's fp32 FMA chain; ``mhc_collapse`` and ``mhc_head`` within the
+    layer_input bound of ``check_outputs`` against float64 (exact gates for ``mhc_collapse``; for ``mhc_head`` gates
+    from mixes within ``mix_tol``). Raise AssertionError with the numbers if off; return the errors."""
+    res = inputs["residual"]
+    h = res.shape[-1]
+    m = res.numel() // (HC_MULT * h)
+    lead = res.dim() - 2
+    flat = {k: (v.reshape(m, *v.shape[lead:]) if isinstance(v, torch.Tensor) and k != "norm_weight"
+                and not k.startswith("head_") else v) for k, v in inputs.items()}
+    out = out.reshape(m, *out.shape[lead:])
+    assert torch.isfinite(out.float()).all(), f"{op}: non-finite values (unwritten or broken)"
+    # the ops are row-wise: checked in chunks of rows, so that the float64 reference fits any M
+    chunk = max(1, CHECK_ELEMENTS // (HC_MULT * h))
+    errs: dict = {}
+    for b in range(0, m, chunk):
+        rows = {k: (v[b:b + chunk] if isinstance(v, torch.Tensor) and v.shape[:1] == (m,) and k != "norm_weight"
+                    and not k.startswith("head_") else v) for k, v in flat.items()}
+        for k, v in _check_op_rows(op, out[b:b + chunk], rows, mix_tol, li_ulps, **scalars).items():
+            errs[k] = max(errs.get(k, 0), v)
+    return errs
+
+
+CHECK_ELEMENTS = 1 << 24  # residual elements per chunk of ``check_op_output`` (a few float64 temporaries of each)
+
+
+def _check_op_rows(op: str, out: torch.Tensor, inputs: dict, mix_tol: float, li_ulps: float, **scalars) -> dict:
+    """``check_op_output`` on flat rows."""
+    flat_res = inputs["residual"]
+    m, _, h = flat_res.shape
+    if op == "mhc_post":
+        want = reference.post(inputs["x"].reshape(m, h), flat_res, inputs["post_mix"].reshape(m, HC_MULT),
+                              inputs["comb_mix"].reshape(m, HC_MULT, HC_MULT))
+        mism = (out.reshape(m, HC_MULT, h).view(torch.int16) != want.view(torch.int16)).sum().item()
+        assert mism == 0, f"mhc_post: {mism} elements differ bitwise from the fp32 FMA chain"
+        return {"mismatches": mism}
+    li = out.reshape(m, h)
+    norm_weight = inputs.get("norm_weight")
+    norm_eps = scalars.get("norm_eps", 1e-20 if op == "mhc_collapse" else 1e-6)
+    errs: dict = {}
+    if op == "mhc_collapse":
+        pre64 = inputs["pre_mix"].reshape(m, HC_MULT).double()
+        li64 = reference.collapse_norm(flat_res, pre64, norm_weight=norm_weight, norm_eps=norm_eps,
+                                       compute_dtype=torch.float64)
+        gate_err = torch.zeros(m, 1, dtype=torch.float64, device=flat_res.device)
+    else:
+        rms_eps, hc_eps = scalars.get("rms_eps", 1e-6), scalars.get("hc_eps", 1e-6)
+        head = (inputs["head_fn"], inputs["head_scale"], inputs["head_base"])
+        mix64 = reference.head_mixes(flat_res, *head, rms_eps, torch.float64)
+        pre64 = torch.sigmoid(mix64) + hc_eps
+        gate_err = _gate_error(flat_res.flatten(1).double(), inputs["head_fn"].double(), mix64, inputs["head_scale"][0],
+                               rms_eps, mix_tol)
+        li64 = reference.head(flat_res, *head, rms_eps=rms_eps, hc_eps=hc_eps, norm_weight=norm_weight,
+                              norm_eps=norm_eps, compute_dtype=torch.float64)
+    return _check_layer_input(li, li64, flat_res, pre64, gate_err, norm_weight, norm_eps, li_ulps, errs)
+
+
+def check_op(op: str, inputs: dict, backend: str, **scalars) -> dict:
+    """Run ``op`` on ``backend`` twice into NaN-poisoned ``out=`` buffers, check the contract
+    (``check_op_output``) and that the two runs are bit-identical; return the errors."""
+    first = call_op(op, inputs, backend, op_output_like(op, inputs), **scalars)
+    # mhc_head's "cute" backend is the seam's auto choice: the MMA paths' tolerance
+    tol = tolerances("half_mma", "fp32") if op == "mhc_head" and backend == "cute" else {}
+    errs = check_op_output(op, first, inputs, **tol, **scalars)
+    again = call_op(op, inputs, backend, op_output_like(op, inputs), **scalars)
+    assert torch.equal(_bits(first), _bits(again)), f"{op}: output differs between two runs"
+    return errs

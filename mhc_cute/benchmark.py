@@ -476,3 +476,180 @@ def write_json(results: list[Result], path: str, bandwidth: float, gpu: str, met
     with open(path, "w") as f:
         json.dump(dict(gpu=gpu, copy_bandwidth=bandwidth, meta=meta, results=[asdict(r) for r in results]), f,
                   indent=1)
+
+
+# --- one forward pass of a model (``mhc-cute bench --model``) ---------------------------------------------------
+
+class ModelConfig(NamedTuple):
+    """The mHC shape of a DeepSeek model: H, layers (2 sublayers each), Engram layers, V4.1's delayed seams.
+    Sources: ``../shared/SPEC.md`` (H) and ``../shared/research/v41_delayed.md`` section 1 (layers: V4-Pro 61,
+    V4-Flash 43, V4.1-Flash 40; Engram layers {1, 14} of V4.1-Flash's released config)."""
+
+    hidden: int
+    layers: int
+    engram_layers: tuple = ()
+    delayed: bool = False
+
+
+MODELS = {
+    "v4-pro": ModelConfig(7168, 61),
+    "v4-flash": ModelConfig(4096, 43),
+    "v4.1-flash": ModelConfig(5120, 40, (1, 14), delayed=True),
+}
+MODEL_OUTPUT_BYTES = 16 << 30  # at most this much of distinct precomputed sublayer outputs (reused cyclically)
+
+
+def op_floor_bytes(op: str, m: int, h: int) -> int:
+    """SPEC's cost model of one call of ``op`` on ``m`` tokens (bytes read + written; weights once per call)."""
+    per_token, weight = {
+        "seam": (20 * h + 160, 384 * h),  # mhc_fused_hc
+        "delayed_seam": (20 * h + 192, 384 * h),
+        "entry": (12 * h + 80, 96 * h),  # broadcast entry: read 2H, write 8H + 2H; fn summed over streams [24, H]
+        "delayed_entry": (12 * h + 96, 96 * h),
+        "no_post_delayed_seam": (10 * h + 112, 384 * h),  # read 8H, write 2H; pre in, post, comb, pre out
+        "post": (18 * h + 80, 0),
+        "collapse": (10 * h + 16, 2 * h),
+        "head": (18 * h, 64 * h),  # its collapse re-reads the 8H of streams (the gates need the full reduction)
+    }[op]
+    return per_token * m + weight
+
+
+def model_ops(config: ModelConfig) -> list[str]:
+    """The mHC ops of one forward pass of ``config`` (``op_floor_bytes`` names), in order."""
+    n = 2 * config.layers
+    if not config.delayed:
+        return ["entry"] + ["seam"] * (n - 1) + ["post", "head"]
+    engram_seams = sum(1 for layer in config.engram_layers if 0 < layer < config.layers)
+    return (["delayed_entry"] + ["delayed_seam"] * (n - 1 - engram_seams)
+            + ["post", "no_post_delayed_seam"] * engram_seams + ["post", "collapse"])
+
+
+def model_floor_bytes(config: ModelConfig, m: int) -> int:
+    return sum(op_floor_bytes(op, m, config.hidden) for op in model_ops(config))
+
+
+def model_inputs(config: ModelConfig, m: int, device, seed: int = 0) -> dict:
+    """Random inputs of one forward: the embedding, per-sublayer weights (each seam its own), precomputed sublayer
+    outputs (distinct up to ``MODEL_OUTPUT_BYTES``, then reused cyclically), the head weights and the final norm."""
+    from .model import HeadWeights, SublayerWeights
+
+    h, n = config.hidden, 2 * config.layers
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*s):
+        return torch.randn(*s, generator=g, device=device)
+
+    n_outputs = max(2, min(n, MODEL_OUTPUT_BYTES // (2 * m * h)))
+    outputs = [randn(m, h).bfloat16() for _ in range(n_outputs)]
+    return dict(
+        embedding=randn(m, h).bfloat16(),
+        weights=[SublayerWeights(randn(24, 4 * h) / math.sqrt(4 * h), torch.rand(3, generator=g, device=device) + 0.5,
+                                 randn(24) * 0.5, (1 + 0.1 * randn(h)).bfloat16()) for _ in range(n)],
+        sublayers=[lambda _x, y=outputs[i % n_outputs]: y for i in range(n)],
+        head=HeadWeights(randn(4, 4 * h) / math.sqrt(4 * h), torch.rand(1, generator=g, device=device) + 0.5,
+                         randn(4) * 0.5, (1 + 0.1 * randn(h)).bfloat16()),
+        engram={layer: (lambda r: r) for layer in config.engram_layers},  # the Engram module is not mHC: identity
+    )
+
+
+def model_forward_calls(config: ModelConfig) -> dict[str, Callable[[dict], object]]:
+    """The forwards timed for ``config``: mhc_cute's ``auto`` and ``torch`` (the reference, fp32) through
+    ``mhc_cute.model``, and for V4 the same forward on DeepSeek's TileKernels (when importable): its ``mhc_post``,
+    ``mhc_pre_big_fuse`` (no fused RMSNorm: it runs without the sublayer norms, favouring it) and ``mhc_head``."""
+    from .model import mhc_forward_v4, mhc_forward_v41
+
+    def ours(backend):
+        if config.delayed:
+            return lambda s: mhc_forward_v41(s["embedding"], s["weights"], s["sublayers"], s["head"].norm_weight,
+                                             engram=s["engram"], backend=backend)
+        return lambda s: mhc_forward_v4(s["embedding"], s["weights"], s["sublayers"], s["head"], backend=backend)
+
+    calls = {"auto": ours("auto"), "torch": ours("torch")}
+    if not config.delayed:
+        tile_kernels = tilekernels_forward_v4()
+        if tile_kernels is not None:
+            calls["tilekernels"] = tile_kernels
+    return calls
+
+
+def tilekernels_forward_v4():
+    """The V4 forward on TileKernels 1.0.0's ops (None when not importable): the entry's 4 copies written by torch,
+    then ``mhc_pre_big_fuse``; per seam ``mhc_post`` + ``mhc_pre_big_fuse``; the end ``mhc_post`` + ``mhc_head``."""
+    try:
+        from tile_kernels.modeling.mhc import mhc_head
+        from tile_kernels.modeling.mhc.ops.post import mhc_post
+        from tile_kernels.modeling.mhc.ops.pre_big_fuse import mhc_pre_big_fuse
+    except Exception:  # not installed (or its TileLang cannot load): the table says the peer is missing
+        return None
+
+    def forward(s):
+        e = s["embedding"]
+        residual = e[:, None, :].expand(e.shape[0], 4, e.shape[1]).contiguous()
+        post = comb = y = None
+        for i, (w, sublayer) in enumerate(zip(s["weights"], s["sublayers"])):
+            if i:
+                residual = mhc_post(y[None], residual[None], post[None], comb[None])[0]
+            post, comb, li = mhc_pre_big_fuse(residual, w.fn, w.hc_scale, w.hc_base, 1e-6, 1e-6, 1e-6, 2.0, 20)
+            y = sublayer(li)
+        residual = mhc_post(y[None], residual[None], post[None], comb[None])[0]
+        head = s["head"]
+        return mhc_head(residual[None], head.fn, head.scale, head.base, norm_eps=1e-6, pre_eps=1e-6)[0]
+    return forward
+
+
+class ModelResult(NamedTuple):
+    model: str
+    name: str
+    m: int
+    ms: float | None  # per forward (CUDA-graph replay)
+    floor_frac: float | None
+    error: str | None = None
+
+
+def bench_model(model: str, ms, device, bandwidth: float, names=None, log=None) -> list[ModelResult]:
+    """Time one forward of ``model``'s mHC ops per M (one CUDA graph per M and forward, replayed)."""
+    config = MODELS[model]
+    calls = model_forward_calls(config)
+    results = []
+    for m in ms:
+        inputs = model_inputs(config, m, device)
+        floor_s = model_floor_bytes(config, m) / bandwidth
+        for name, call in calls.items():
+            if names and name not in names:
+                continue
+            try:
+                t_us = time_graph(call, [inputs], reps=10)
+                results.append(ModelResult(model, name, m, t_us / 1e3, floor_s * 1e6 / t_us))
+            except Exception as e:  # a failing forward is reported in the table, not fatal to the run
+                results.append(ModelResult(model, name, m, None, None,
+                                           f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"))
+            if log:
+                log(results[-1])
+            torch.cuda.empty_cache()
+        del inputs
+        torch.cuda.empty_cache()
+    return results
+
+
+def format_model_table(results: list[ModelResult], bandwidth: float, gpu: str) -> str:
+    """Per M: the floor (ms), then per forward ms / forward, µs / token and % of the floor."""
+    model = results[0].model if results else "?"
+    config = MODELS.get(model)
+    names = list(dict.fromkeys(r.name for r in results))
+    lines = [f"mHC ops of one {model} forward ({config.layers if config else '?'} layers, H = "
+             f"{config.hidden if config else '?'}) on {gpu}; copy bandwidth {bandwidth / 1e9:.0f} GB/s; "
+             "CUDA-graph replay; cells: ms / forward, µs / token, % of the floor"]
+    lines.append(f"{'M':>6} {'floor ms':>9} " + " ".join(f"{n:>26}" for n in names))
+    for m in sorted({r.m for r in results}):
+        floor_ms = model_floor_bytes(config, m) / bandwidth * 1e3 if config else float("nan")
+        cells = []
+        for n in names:
+            r = next((r for r in results if r.m == m and r.name == n), None)
+            if r is None or r.ms is None:
+                cells.append(f"{'failed' if r else '-':>26}")
+            else:
+                cells.append(f"{r.ms:9.3f} {1e3 * r.ms / m:9.3f} {100 * r.floor_frac:5.0f}%")
+        lines.append(f"{m:>6} {floor_ms:9.3f} " + " ".join(cells))
+    errors = {(r.name, r.error) for r in results if r.error}
+    lines += [f"  {n}: {e}" for n, e in sorted(errors)]
+    return "\n".join(lines)

@@ -96,6 +96,8 @@ def cmd_bench(args) -> int:
     dev = torch.device("cuda")
     gpu = torch.cuda.get_device_name(dev)
     bandwidth = bm.measure_copy_bandwidth(dev)
+    if args.model:
+        return _bench_model(args, bm, ms, dev, gpu, bandwidth)
     if args.delayed:  # the delayed seam, with mhc_fused_hc's auto as the comparison column; no peers
         names = args.backends or [n for n in backends.available(dev, "fused_hc_delayed") if n != "torch"]
         calls = bm.delayed_calls([n for n in names if n != "auto"], args.precision)
@@ -129,6 +131,22 @@ def cmd_bench(args) -> int:
     print(bm.auto_summary(results, names))
     if args.plot:
         bm.plot(results, args.plot, gpu)
+    return 0
+
+
+def _bench_model(args, bm, ms, dev, gpu, bandwidth) -> int:
+    """``bench --model``: the mHC time of one forward pass per M, beside TileKernels' (V4) and the torch reference."""
+    import json
+
+    def log(r):
+        print(f"  {r.model} M={r.m} {r.name}: {r.ms if r.error is None else r.error}", file=sys.stderr, flush=True)
+
+    results = bm.bench_model(args.model, ms, dev, bandwidth, names=args.backends, log=log)
+    print(bm.format_model_table(results, bandwidth, gpu))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=gpu, bandwidth=bandwidth, model=args.model, config=bm.MODELS[args.model]._asdict(),
+                           results=[r._asdict() for r in results]), f, indent=1)
     return 0
 
 
@@ -209,6 +227,8 @@ def main(argv=None) -> int:
                    help="time V4.1's delayed seam (mhc_fused_hc_delayed; floor (20H + 192) M + 384H bytes) against "
                         "mhc_fused_hc's auto on the same inputs")
     b.add_argument("--json", help="write the results here")
+    b.add_argument("--model", choices=["v4-pro", "v4-flash", "v4.1-flash"],
+                   help="time one forward pass's mHC ops instead (--backends: of auto, torch, tilekernels)")
     b.add_argument("--plot", help="write a PNG plot (time vs M) here")
     b.set_defaults(fn=cmd_bench)
     t = sub.add_parser("tune", help="time every valid tactic per M bucket and cache the winners")

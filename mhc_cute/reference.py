@@ -17,6 +17,9 @@ projection runs over H with ``broadcast_fn(fn)``).
 
 The delayed seam (SPEC "V4.1"): ``fused_hc_delayed``. Its collapse with the carried gates (step 3) is an fp32 FMA
 chain like step 1, so its bf16 ``x1`` (``layer_input`` without a norm) is exact whatever ``compute_dtype`` is.
+
+The standalone ops (SPEC "The op family"): ``post`` (``mhc_post``), ``head`` (``mhc_head``) and ``collapse_norm``
+(``mhc_collapse``).
 """
 
 from __future__ import annotations
@@ -102,9 +105,9 @@ def sinkhorn(c: torch.Tensor, eps: float, repeat: int) -> torch.Tensor:
 
 def gates(residual_cur, fn, hc_scale, hc_base, *, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
           sinkhorn_repeat, broadcast=False, compute_dtype=torch.float32):
-    """SPEC steps 2-5 on the bf16 ``residual_cur [M, 4, H]``: ``(pre [M, 4], post_mix [M, 4, 1], comb_mix
-    [M, 4, 4])`` in ``compute_dtype``. ``broadcast``: the 4 streams are equal, the projection and the RMS run over
-    stream 0 (H values) with ``broadcast_fn(fn)``."""
+    """SPEC steps 2-5 on the bf16 ``residual_cur [M, 4, H]``: ``(pre [M, 4], post [M, 4], comb [M, 4, 4])`` in
+    ``compute_dtype``. ``broadcast``: the 4 streams are equal, the projection and the RMS run over stream 0
+    (H values) with ``broadcast_fn(fn)``."""
     cd = compute_dtype
     if broadcast:
         residual_cur, fn = residual_cur[:, :1], broadcast_fn(fn)
@@ -112,15 +115,7 @@ def gates(residual_cur, fn, hc_scale, hc_base, *, rms_eps, hc_pre_eps, hc_sinkho
     pre_gate = torch.sigmoid(mix[:, 0:4]) + hc_pre_eps
     post_mix = torch.sigmoid(mix[:, 4:8]) * hc_post_mult_value
     comb_mix = sinkhorn(mix[:, 8:24].reshape(-1, 4, 4), hc_sinkhorn_eps, sinkhorn_repeat)
-    return pre_gate, post_mix[:, :, None], comb_mix
-
-
-def rms_norm(li: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, cd) -> torch.Tensor:
-    """SPEC step 7 (and the delayed seam's step 4) on the bf16 ``li [M, H]``: ``bf16(li * rsqrt(mean(li^2) + eps)
-    * w)`` in ``cd``."""
-    li = li.to(cd)
-    r = torch.rsqrt((li * li).mean(-1, keepdim=True) + norm_eps)
-    return (li * r * norm_weight.to(cd)).to(torch.bfloat16)
+    return pre_gate, post_mix, comb_mix
 
 
 def pre(
@@ -148,14 +143,10 @@ def pre(
     pre_gate, post_mix, comb_mix = gates(
         residual_cur, fn, hc_scale, hc_base, rms_eps=rms_eps, hc_pre_eps=hc_pre_eps, hc_sinkhorn_eps=hc_sinkhorn_eps,
         hc_post_mult_value=hc_post_mult_value, sinkhorn_repeat=sinkhorn_repeat, broadcast=broadcast, compute_dtype=cd)
-    res = residual_cur.to(cd)
-    acc = pre_gate[:, 0:1] * res[:, 0]
-    for j in range(1, HC_MULT):  # fixed order j = 0..3
-        acc = acc + pre_gate[:, j : j + 1] * res[:, j]
-    layer_input = acc.to(torch.bfloat16)
+    layer_input = collapse(residual_cur, pre_gate, cd)
     if norm_weight is not None:
         layer_input = rms_norm(layer_input, norm_weight, norm_eps, cd)
-    return post_mix, comb_mix, layer_input
+    return post_mix[:, :, None], comb_mix, layer_input
 
 
 def collapse_carried(residual_cur: torch.Tensor, pre_mix: torch.Tensor | None) -> torch.Tensor:
@@ -168,6 +159,24 @@ def collapse_carried(residual_cur: torch.Tensor, pre_mix: torch.Tensor | None) -
     for j in range(1, HC_MULT):
         acc = fma_f32(p[:, j : j + 1], residual_cur[:, j].float(), acc)
     return acc.to(torch.bfloat16)
+
+
+def collapse(residual_cur: torch.Tensor, gates: torch.Tensor, cd) -> torch.Tensor:
+    """SPEC step 6: ``bf16(sum_j gates[j] * residual_cur[j])`` in ``cd``, j in order 0..3; ``gates [M, 4]``."""
+    res = residual_cur.to(cd)
+    gates = gates.to(cd)
+    acc = gates[:, 0:1] * res[:, 0]
+    for j in range(1, HC_MULT):  # fixed order j = 0..3
+        acc = acc + gates[:, j : j + 1] * res[:, j]
+    return acc.to(torch.bfloat16)
+
+
+def rms_norm(layer_input: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float, cd) -> torch.Tensor:
+    """SPEC step 7 (and the delayed seam's step 4) on the bf16 ``layer_input [M, H]``: ``bf16(li * rsqrt(mean(li^2)
+    + eps) * w)`` in ``cd``."""
+    li = layer_input.to(cd)
+    r = torch.rsqrt((li * li).mean(-1, keepdim=True) + norm_eps)
+    return (li * r * norm_weight.to(cd)).to(torch.bfloat16)
 
 
 def fused_hc(
@@ -214,4 +223,30 @@ def fused_hc_delayed(
     layer_input = collapse_carried(residual_cur, pre_mix)
     if norm_weight is not None:
         layer_input = rms_norm(layer_input, norm_weight, norm_eps, compute_dtype)
-    return residual_cur, post_cur, comb_cur, layer_input, pre_cur
+    return residual_cur, post_cur[:, :, None], comb_cur, layer_input, pre_cur
+
+
+# --- the standalone ops of a forward pass (SPEC, "The op family") ------------------------------------------------
+
+def head_mixes(residual, head_fn, head_scale, head_base, rms_eps: float, cd) -> torch.Tensor:
+    """``mhc_head``'s 4 mixes ``[M, 4]`` in ``cd``: SPEC steps 2-3 with ``head_fn [4, 4H]`` as the pre rows of a
+    24-row weight and ``head_scale [1]`` for every group."""
+    pad = N_MIXES - HC_MULT
+    fn = torch.cat([head_fn, head_fn.new_zeros(pad, head_fn.shape[1])])
+    base = torch.cat([head_base, head_base.new_zeros(pad)])
+    return mixes(residual, fn, head_scale.reshape(1).expand(3), base, rms_eps, cd)[:, :HC_MULT]
+
+
+def head(residual, head_fn, head_scale, head_base, *, rms_eps: float = 1e-6, hc_eps: float = 1e-6,
+         norm_weight=None, norm_eps: float = 1e-6, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``mhc_head`` (V4's ``hc_head``, optionally with the final RMSNorm) on ``residual [M, 4, H]``: ``[M, H]`` bf16."""
+    gates = torch.sigmoid(head_mixes(residual, head_fn, head_scale, head_base, rms_eps, compute_dtype)) + hc_eps
+    return collapse_norm(residual, gates, norm_weight=norm_weight, norm_eps=norm_eps, compute_dtype=compute_dtype)
+
+
+def collapse_norm(residual, pre_mix, *, norm_weight=None, norm_eps: float = 1e-20,
+                  compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``mhc_collapse`` (V4.1's final collapse with the carried gates ``pre_mix [M, 4]``, then optionally the final
+    RMSNorm, SPEC steps 6-7): ``[M, H]`` bf16."""
+    li = collapse(residual, pre_mix, compute_dtype)
+    return li if norm_weight is None else rms_norm(li, norm_weight, norm_eps, compute_dtype)

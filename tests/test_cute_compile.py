@@ -532,3 +532,44 @@ def test_big_fuse_barriers_count_the_threads_that_reach_them(tmp_path, cuobjdump
     assert {b for b in barriers if " 0x1, " in b} == {f"BAR.SYNC.DEFER_BLOCKING 0x1, {hex(threads - 32)} ;"}, barriers
     assert sorted(b for b in barriers if " 0x2, " in b) == [f"BAR.ARV 0x2, {hex(threads)} ;",
                                                               f"BAR.SYNC.DEFER_BLOCKING 0x2, {hex(threads)} ;"]
+
+
+# --- the standalone ops' kernels (mhc_post, mhc_collapse) ------------------------------------------------------
+
+OP_HIDDENS = (64, 512, 1088, 4096, 5120, 7168, 16384)
+
+
+@pytest.mark.parametrize("hidden", [512, 7168])
+def test_post_kernel_compiles(hidden):
+    from mhc_cute.kernels import post
+
+    assert post.compile_post(hidden, *post.spec_operands(hidden)) is not None  # running needs a GPU
+
+
+@pytest.mark.parametrize("hidden,norm", [(512, None), (7168, "bfloat16"), (1088, "float32")])
+def test_collapse_kernel_compiles(hidden, norm):
+    from mhc_cute.kernels import collapse
+
+    assert collapse.compile_collapse(*collapse.spec_operands(hidden, norm)) is not None
+
+
+@pytest.mark.slow
+def test_every_op_kernel_variant_compiles(tmp_path, monkeypatch):
+    from mhc_cute.kernels import KERNEL_CACHE_ENV, collapse, post
+
+    monkeypatch.setenv(KERNEL_CACHE_ENV, str(tmp_path))
+    assert sorted(post.precompile(OP_HIDDENS, processes=os.cpu_count())) == sorted(OP_HIDDENS)
+    specs = [(h, n) for h in OP_HIDDENS for n in NORMS]
+    assert len(collapse.precompile(specs, processes=os.cpu_count())) == len(specs)
+    assert len(list(tmp_path.glob("*.o"))) == len(OP_HIDDENS) * (1 + len(NORMS))
+
+
+@pytest.mark.parametrize("hidden", OP_HIDDENS)
+def test_collapse_shape_covers_the_row_in_one_batch(hidden):
+    """Each thread's 8-vectors of the row fit one batch of loads (one memory round trip), and the rounded row stays in
+    registers for the norm."""
+    from mhc_cute.kernels.collapse import BATCH, CollapseKernel
+
+    phase = CollapseKernel(hidden, None).phase
+    assert phase.batches == 1 and phase.slots <= BATCH and phase.keep_rounded
+    assert phase.threads * phase.slots * 8 >= hidden

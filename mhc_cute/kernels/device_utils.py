@@ -224,6 +224,17 @@ def _column_step(c: cute.Tensor, scale: _SinkhornScales, eps: Float32, pair: cut
         scale.s[k] = cute.arch.rcp_approx(total)
 
 
+def post_element(post_j, x_e, comb_col, res_e) -> Float32:
+    """SPEC step 1 for one element of output stream j, unrounded: ``post[j] * x``, then one FMA per source stream
+    k = 0..3 in order, ``comb_col[k] = comb[k][j]`` weighing ``res_e[k]``. Every kernel's post-map (the seam paths,
+    ``mhc_post``) runs this chain, so ``residual_cur`` has the same bits everywhere. Plain Python: call it from device
+    code."""
+    acc = post_j * x_e
+    for k in range(len(res_e)):
+        acc = cute.math.fma(comb_col[k], res_e[k], acc)
+    return acc
+
+
 @cute.jit
 def sum_squares(v) -> Float32:
     """``v[0]^2 + ... + v[n-1]^2`` of a small fp32 vector: a product, then an FMA chain."""

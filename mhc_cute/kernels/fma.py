@@ -350,11 +350,9 @@ class FmaFusedHc:
                     res = [raw[r, 1 + k, None].load().to(Float32) for k in range(HC_MULT)]
                     for j in cutlass.range_constexpr(HC_MULT):
                         out = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
+                        comb_col = [coefs[r, HC_MULT + HC_MULT * k + j] for k in range(HC_MULT)]
                         for e in cutlass.range_constexpr(du.VEC_BF16):
-                            chain = xv[e] * coefs[r, j]  # a plain fp32 product first, then the FMA chain
-                            for k in cutlass.range_constexpr(HC_MULT):
-                                chain = cute.math.fma(coefs[r, HC_MULT + HC_MULT * k + j], res[k][e], chain)
-                            out[e] = chain
+                            out[e] = du.post_element(coefs[r, j], xv[e], comb_col, [res[k][e] for k in range(HC_MULT)])
                         rounded = du.store_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (j * octets_h + vec,)),
                                                   out.load())
                         cute.local_tile(sAct[t, j, None], (du.VEC_BF16,), (o,)).store(rounded)

@@ -447,10 +447,8 @@ class MmaFusedHcKernel:
             for r in cutlass.range_constexpr(2):
                 # SPEC step 1: acc = post[j] x[h]; acc = fma(comb[k][j], res[k][h], acc), k = 0..3
                 for e in cutlass.range_constexpr(VEC):
-                    a = ctx.post[r, j] * xv[r, e]
-                    for k in cutlass.range_constexpr(HC_MULT):
-                        a = cute.math.fma(ctx.comb[r, k, j], rv[r, k, e], a)
-                    out[e] = a.to(BFloat16)
+                    out[e] = du.post_element(ctx.post[r, j], xv[r, e], [ctx.comb[r, k, j] for k in range(HC_MULT)],
+                                             [rv[r, k, e] for k in range(HC_MULT)]).to(BFloat16)
                 m = m_tile * self.tile_m + ctx.rows[r]
                 if m < m_total:
                     cute.autovec_copy(out, self._vec(mResOut[(m, j, None)], vec_idx))

@@ -74,6 +74,34 @@ def _load_inputs(x_ptr, res_ptr, x_row, res_row, h, mask, H):
 
 
 @triton.jit
+def _post_coefficients(post_ptr, comb_ptr, rows, tok_mask):
+    """SPEC step 1's coefficients of these tokens as ``[BLOCK_M, 1]`` columns: ``post[j]`` (4), then ``comb[k][j]``
+    row-major (16)."""
+    p0 = _token_col(post_ptr, rows, tok_mask, 4, 0)
+    p1 = _token_col(post_ptr, rows, tok_mask, 4, 1)
+    p2 = _token_col(post_ptr, rows, tok_mask, 4, 2)
+    p3 = _token_col(post_ptr, rows, tok_mask, 4, 3)
+    # comb[k][j] weighs source stream k into output stream j
+    c00 = _token_col(comb_ptr, rows, tok_mask, 16, 0)
+    c01 = _token_col(comb_ptr, rows, tok_mask, 16, 1)
+    c02 = _token_col(comb_ptr, rows, tok_mask, 16, 2)
+    c03 = _token_col(comb_ptr, rows, tok_mask, 16, 3)
+    c10 = _token_col(comb_ptr, rows, tok_mask, 16, 4)
+    c11 = _token_col(comb_ptr, rows, tok_mask, 16, 5)
+    c12 = _token_col(comb_ptr, rows, tok_mask, 16, 6)
+    c13 = _token_col(comb_ptr, rows, tok_mask, 16, 7)
+    c20 = _token_col(comb_ptr, rows, tok_mask, 16, 8)
+    c21 = _token_col(comb_ptr, rows, tok_mask, 16, 9)
+    c22 = _token_col(comb_ptr, rows, tok_mask, 16, 10)
+    c23 = _token_col(comb_ptr, rows, tok_mask, 16, 11)
+    c30 = _token_col(comb_ptr, rows, tok_mask, 16, 12)
+    c31 = _token_col(comb_ptr, rows, tok_mask, 16, 13)
+    c32 = _token_col(comb_ptr, rows, tok_mask, 16, 14)
+    c33 = _token_col(comb_ptr, rows, tok_mask, 16, 15)
+    return (p0, p1, p2, p3, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33)
+
+
+@triton.jit
 def _post_stream(xf, r0, r1, r2, r3, p, c0, c1, c2, c3):
     """SPEC step 1 for one output stream: ``post * x``, then one FMA per source stream k = 0..3, in order."""
     acc = p * xf
@@ -166,31 +194,12 @@ def _main_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, 32)
 
-    p0 = _token_col(post_ptr, rows, tok_mask, 4, 0)
-    p1 = _token_col(post_ptr, rows, tok_mask, 4, 1)
-    p2 = _token_col(post_ptr, rows, tok_mask, 4, 2)
-    p3 = _token_col(post_ptr, rows, tok_mask, 4, 3)
+    (p0, p1, p2, p3, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32,
+     c33) = _post_coefficients(post_ptr, comb_ptr, rows, tok_mask)
     q0 = _token_col(carried_ptr, rows, tok_mask, 4, 0)
     q1 = _token_col(carried_ptr, rows, tok_mask, 4, 1)
     q2 = _token_col(carried_ptr, rows, tok_mask, 4, 2)
     q3 = _token_col(carried_ptr, rows, tok_mask, 4, 3)
-    # comb[k][j] weighs source stream k into output stream j
-    c00 = _token_col(comb_ptr, rows, tok_mask, 16, 0)
-    c01 = _token_col(comb_ptr, rows, tok_mask, 16, 1)
-    c02 = _token_col(comb_ptr, rows, tok_mask, 16, 2)
-    c03 = _token_col(comb_ptr, rows, tok_mask, 16, 3)
-    c10 = _token_col(comb_ptr, rows, tok_mask, 16, 4)
-    c11 = _token_col(comb_ptr, rows, tok_mask, 16, 5)
-    c12 = _token_col(comb_ptr, rows, tok_mask, 16, 6)
-    c13 = _token_col(comb_ptr, rows, tok_mask, 16, 7)
-    c20 = _token_col(comb_ptr, rows, tok_mask, 16, 8)
-    c21 = _token_col(comb_ptr, rows, tok_mask, 16, 9)
-    c22 = _token_col(comb_ptr, rows, tok_mask, 16, 10)
-    c23 = _token_col(comb_ptr, rows, tok_mask, 16, 11)
-    c30 = _token_col(comb_ptr, rows, tok_mask, 16, 12)
-    c31 = _token_col(comb_ptr, rows, tok_mask, 16, 13)
-    c32 = _token_col(comb_ptr, rows, tok_mask, 16, 14)
-    c33 = _token_col(comb_ptr, rows, tok_mask, 16, 15)
 
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, 32], dtype=tl.float32)
@@ -376,24 +385,25 @@ def _reduce_kernel(
     col16 = tl.arange(0, 16)[None, :]
     tl.store(comb_out_ptr + rows[:, None] * 16 + col16, tl.reshape(comb, [BLOCK_T, 16]), mask=tok_mask[:, None])
 
-    g0 = g0[:, None]
-    g1 = g1[:, None]
-    g2 = g2[:, None]
-    g3 = g3[:, None]
-    offs_h = tl.arange(0, BLOCK_H)[None, :]
-    res_row = rows[:, None] * (4 * H)
-    li_row = rows[:, None] * H
     if DELAYED:
         if HAS_NORM:
             # the RMSNorm of the main kernel's bf16 x1 (its sum of squares in column 25), in place
-            sumsq_x1 = _split_sum(part_ptr, rows, tok_mask, M, split_k, S_POW2, 25, 1)
-            for h0 in range(0, H, BLOCK_H):
-                h = h0 + offs_h
-                mask = tok_mask[:, None] & (h < H)
-                li = tl.load(li_ptr + li_row + h, mask=mask, other=0.0).to(tl.float32)
-                tl.store(li_ptr + li_row + h, _bf16_rn(_rms_norm(li, sumsq_x1, norm_ptr, h, mask, H, norm_eps)),
-                         mask=mask)
-    elif SINGLE_TILE:
+            _norm_in_place(li_ptr, norm_ptr, rows[:, None] * H, tok_mask, H, norm_eps,
+                           _split_sum(part_ptr, rows, tok_mask, M, split_k, S_POW2, 25, 1), BLOCK_H)
+    else:
+        _collapse_rows(res_cur_ptr, norm_ptr, li_ptr, rows, tok_mask, H, g0[:, None], g1[:, None], g2[:, None],
+                       g3[:, None], norm_eps, BLOCK_T, BLOCK_H, SINGLE_TILE, HAS_NORM)
+
+
+@triton.jit
+def _collapse_rows(res_cur_ptr, norm_ptr, li_ptr, rows, tok_mask, H, g0, g1, g2, g3, norm_eps,
+                   BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, SINGLE_TILE: tl.constexpr, HAS_NORM: tl.constexpr):
+    """SPEC steps 6-7 for the tokens ``rows`` (gates ``g0..g3``: ``[BLOCK_T, 1]``): the collapse of
+    ``residual_cur`` into ``layer_input``, then the optional RMSNorm over the rounded values."""
+    offs_h = tl.arange(0, BLOCK_H)[None, :]
+    res_row = rows[:, None] * (4 * H)
+    li_row = rows[:, None] * H
+    if SINGLE_TILE:
         # the whole row fits one tile: keep it in registers for the norm
         mask = tok_mask[:, None] & (offs_h < H)
         li = _collapse_tile(res_cur_ptr, res_row, offs_h, H, mask, g0, g1, g2, g3)
@@ -411,13 +421,19 @@ def _reduce_kernel(
         if HAS_NORM:
             # second pass over the rounded values just stored (L1/L2 hot); the barrier orders them for the block
             tl.debug_barrier()
-            sumsq_li = tl.sum(li_sq, axis=1)[:, None]
-            for h0 in range(0, H, BLOCK_H):
-                h = h0 + offs_h
-                mask = tok_mask[:, None] & (h < H)
-                li = tl.load(li_ptr + li_row + h, mask=mask, other=0.0).to(tl.float32)
-                li = _rms_norm(li, sumsq_li, norm_ptr, h, mask, H, norm_eps)
-                tl.store(li_ptr + li_row + h, _bf16_rn(li), mask=mask)
+            _norm_in_place(li_ptr, norm_ptr, li_row, tok_mask, H, norm_eps, tl.sum(li_sq, axis=1)[:, None], BLOCK_H)
+
+
+@triton.jit
+def _norm_in_place(li_ptr, norm_ptr, li_row, tok_mask, H, norm_eps, sumsq, BLOCK_H: tl.constexpr):
+    """SPEC step 7 over the bf16 rows already stored in ``layer_input`` (their sums of squares ``sumsq``,
+    ``[BLOCK_T, 1]``), rewritten in place tile by tile."""
+    offs_h = tl.arange(0, BLOCK_H)[None, :]
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + offs_h
+        mask = tok_mask[:, None] & (h < H)
+        li = tl.load(li_ptr + li_row + h, mask=mask, other=0.0).to(tl.float32)
+        tl.store(li_ptr + li_row + h, _bf16_rn(_rms_norm(li, sumsq, norm_ptr, h, mask, H, norm_eps)), mask=mask)
 
 
 @triton.jit

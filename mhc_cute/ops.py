@@ -1,0 +1,367 @@
+"""The standalone ops of a forward pass (``../shared/SPEC.md``, *The op family*): ``mhc_post``, ``mhc_head``,
+``mhc_collapse``; their validation, backends, and ``torch.library`` registration for ``torch.compile``.
+
+Each op flattens its leading dims into M, checks every argument (errors name it), and runs one backend on the flat
+tensors: ``"torch"`` (the reference in fp32, any device), ``"triton"`` (``mhc_cute.triton.ops``: NVIDIA, ROCm, the
+CPU interpreter) or ``"cute"`` (``mhc_cute.kernels.post`` / ``collapse``: CuTe DSL on Hopper; ``mhc_head`` runs
+there as a seam without post, on ``mhc_fused_hc``'s kernels). ``"auto"`` takes the first available of cute, triton,
+torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from . import backends, reference
+from .problem import ALIGN_BYTES, _aligned
+from .reference import HC_MULT, N_MIXES
+
+BF16, F32 = (torch.bfloat16,), (torch.float32,)
+
+
+class OpBackend(NamedTuple):
+    entry: str  # "module:function" running the op on flat tensors into the flat ``out``
+    kind: str  # "reference" | "triton" | "cute": availability as the seam backends of that kind
+    h_multiple: int = 1
+
+
+# the seam backend whose availability stands for a kind (same device, GPU and module requirements)
+_KIND_PROBE = {"triton": "triton", "cute": "half_fma"}
+
+OP_BACKENDS: dict[str, dict[str, OpBackend]] = {
+    "mhc_post": {
+        "cute": OpBackend("mhc_cute.kernels.post:run_post", "cute", 8),
+        "triton": OpBackend("mhc_cute.triton.ops:run_post", "triton"),
+        "torch": OpBackend("mhc_cute.ops:_post_torch", "reference"),
+    },
+    "mhc_collapse": {
+        "cute": OpBackend("mhc_cute.kernels.collapse:run_collapse", "cute", 8),
+        "triton": OpBackend("mhc_cute.triton.ops:run_collapse", "triton"),
+        "torch": OpBackend("mhc_cute.ops:_collapse_torch", "reference"),
+    },
+    "mhc_head": {
+        "cute": OpBackend("mhc_cute.ops:_head_as_seam", "cute", 64),
+        "triton": OpBackend("mhc_cute.triton.ops:run_head", "triton"),
+        "torch": OpBackend("mhc_cute.ops:_head_torch", "reference"),
+    },
+}
+
+
+def unavailable_reason(op: str, backend: str, device: torch.device) -> str | None:
+    """None if ``backend`` can run ``op`` on ``device``, else a short reason."""
+    b = OP_BACKENDS[op][backend]
+    return None if b.kind == "reference" else backends.unavailable_reason(_KIND_PROBE[b.kind], device)
+
+
+def available(op: str, device: torch.device) -> list[str]:
+    return [n for n in OP_BACKENDS[op] if unavailable_reason(op, n, device) is None]
+
+
+def _resolve(op: str, backend: str, device: torch.device, hidden: int) -> OpBackend:
+    if backend == "auto":
+        backend = next(n for n in OP_BACKENDS[op] if unavailable_reason(op, n, device) is None
+                       and hidden % OP_BACKENDS[op][n].h_multiple == 0 and (n == "torch" or device.type == "cuda"))
+    if backend not in OP_BACKENDS[op]:
+        raise ValueError(f"{op}: unknown backend {backend!r}; available here: {['auto'] + available(op, device)}")
+    why = unavailable_reason(op, backend, device)
+    if why is not None:
+        raise RuntimeError(f"{op}: backend {backend!r} is unavailable on {device} ({why}); "
+                           f"available here: {['auto'] + available(op, device)}")
+    b = OP_BACKENDS[op][backend]
+    if hidden % b.h_multiple:
+        raise ValueError(f"{op}: backend {backend!r} needs H % {b.h_multiple} == 0; got H = {hidden}")
+    return b
+
+
+def _dispatch(op: str, backend: str, device: torch.device, hidden: int, m: int, args: tuple, out: torch.Tensor):
+    """Run ``backend`` (resolved) on the flat ``args`` into the flat ``out``; nothing to do for M = 0."""
+    if m == 0:
+        return out
+    run = backends._load_entry(_resolve(op, backend, device, hidden).entry)
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            run(*args, out)
+    else:
+        run(*args, out)
+    return out
+
+
+# --- the torch backend (the reference in fp32) ----------------------------------------------------------------
+
+def _post_torch(x, residual, post_mix, comb_mix, out):
+    out.copy_(reference.post(x, residual, post_mix, comb_mix))
+
+
+def _collapse_torch(residual, pre_mix, norm_weight, norm_eps, out):
+    out.copy_(reference.collapse_norm(residual, pre_mix, norm_weight=norm_weight, norm_eps=norm_eps))
+
+
+def _head_torch(residual, head_fn, head_scale, head_base, norm_weight, rms_eps, hc_eps, norm_eps, out):
+    out.copy_(reference.head(residual, head_fn, head_scale, head_base, rms_eps=rms_eps, hc_eps=hc_eps,
+                             norm_weight=norm_weight, norm_eps=norm_eps))
+
+
+# --- mhc_head on the seam kernels ----------------------------------------------------------------------------
+
+def _head_as_seam(residual, head_fn, head_scale, head_base, norm_weight, rms_eps, hc_eps, norm_eps, out):
+    """``mhc_head`` as a seam without post (``mhc_fused_hc`` on ``auto``: its pick for that form, the Triton kernels
+    on a GPU, as the CuTe paths run the regular form only): the head weight as the pre rows of a 24-row weight (zero
+    rows after them, ``head_scale`` for every group, zero bias), prepared once per weight; the seam's pre gates and
+    collapse (and norm) are then the head's. Its post gates and Sinkhorn are
+    computed on zero mixes and dropped (a few hundred bytes a token beside 10H)."""
+    from .api import mhc_fused_hc
+    from .weights import prepared
+
+    fn = prepared(head_fn, "head_as_seam", lambda f: torch.cat([f, f.new_zeros(N_MIXES - HC_MULT, f.shape[1])]))
+    scale = prepared(head_scale, "head_as_seam", lambda t: t.reshape(1).expand(3).contiguous())
+    base = prepared(head_base, "head_as_seam", lambda b: torch.cat([b, b.new_zeros(N_MIXES - HC_MULT)]))
+    seam = mhc_fused_hc(None, residual, None, None, fn, scale, base, rms_eps=rms_eps, hc_pre_eps=hc_eps,
+                        norm_weight=norm_weight, norm_eps=norm_eps)
+    out.copy_(seam.layer_input)
+
+
+# --- validation -------------------------------------------------------------------------------------------------
+
+def _fail(op: str, name: str, expected: str, got) -> None:
+    raise ValueError(f"{op}: `{name}` must be {expected}; got {got}")
+
+
+class _Checker:
+    """Argument checks of one op: every error names the op and the argument."""
+
+    def __init__(self, op: str, first: str, t, trailing: int):
+        self.op = op
+        if not isinstance(t, torch.Tensor):
+            _fail(op, first, "a torch.Tensor", type(t).__name__)
+        if t.dim() < trailing or t.shape[-1] <= 0:
+            _fail(op, first, "of shape [..., H] with H > 0" if trailing == 1 else "of shape [..., 4, H] with H > 0",
+                  list(t.shape))
+        self.device = t.device
+        self.hidden = t.shape[-1]
+        self.lead = tuple(t.shape[:-trailing])
+        self.m = math.prod(self.lead)
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+
+    def tensor(self, name, t, dtypes, shapes, *, optional=False):
+        """``t`` of one of ``dtypes`` and one of the ``shapes`` (tuples), on the first argument's device."""
+        if t is None and optional:
+            return None
+        if not isinstance(t, torch.Tensor):
+            _fail(self.op, name, "a torch.Tensor", type(t).__name__)
+        if t.dtype not in dtypes:
+            _fail(self.op, name, " or ".join(str(d) for d in dtypes), t.dtype)
+        if t.device != self.device:
+            _fail(self.op, name, f"on the same device as the first argument ({self.device})", t.device)
+        if tuple(t.shape) not in shapes:
+            _fail(self.op, name, "of shape " + " or ".join(str(list(s)) for s in shapes), list(t.shape))
+        if torch.is_grad_enabled() and t.requires_grad:
+            _fail(self.op, name, "a tensor that does not require grad (the op is inference-only, with no backward: "
+                  f"call it under torch.inference_mode() or torch.no_grad(), or pass {name}.detach())",
+                  "requires_grad=True")
+        self.tensors.append((name, t))
+        return t
+
+    def scalar(self, name, v, *, positive: bool):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
+                v <= 0 if positive else v < 0):
+            _fail(self.op, name, "a finite float " + ("> 0" if positive else ">= 0"), repr(v))
+        return float(v)
+
+    def flat(self, t, *shape):
+        """``t`` reshaped to the flat ``shape``, contiguous and 16-byte aligned (copied when it is not)."""
+        if t is None:
+            return None
+        t = t.reshape(shape).contiguous()
+        return t if torch.compiler.is_compiling() else _aligned(t)
+
+    def out(self, out, shape: tuple, flat_shape: tuple):
+        """The caller's output buffer: a bf16 tensor of ``shape``, contiguous, on the device; viewed flat."""
+        name = "out"
+        if not isinstance(out, torch.Tensor):
+            _fail(self.op, name, "a torch.Tensor", type(out).__name__)
+        if out.dtype != torch.bfloat16:
+            _fail(self.op, name, str(torch.bfloat16), out.dtype)
+        if out.device != self.device:
+            _fail(self.op, name, f"on the same device as the inputs ({self.device})", out.device)
+        if tuple(out.shape) != shape:
+            _fail(self.op, name, f"of shape {list(shape)}", list(out.shape))
+        if not out.is_contiguous():
+            _fail(self.op, name, "contiguous (the op writes it in place)", f"strides {list(out.stride())}")
+        return out.view(flat_shape)
+
+    def out_memory(self, out: torch.Tensor) -> None:
+        """``out``: 16-byte aligned, sharing no byte with any input (real tensors only)."""
+        p, n = out.data_ptr(), out.nbytes
+        if p % ALIGN_BYTES:
+            _fail(self.op, "out", f"{ALIGN_BYTES}-byte aligned", f"data_ptr % {ALIGN_BYTES} == {p % ALIGN_BYTES}")
+        for name, t in self.tensors:
+            q, k = t.data_ptr(), t.nbytes
+            if n and k and q < p + n and p < q + k:
+                _fail(self.op, "out", f"a buffer that shares no memory with {name}", "overlapping memory")
+
+
+def _lead_shapes(lead, *tails):
+    return [tuple(lead) + tuple(t) for t in tails]
+
+
+# --- mhc_post ---------------------------------------------------------------------------------------------------
+
+def mhc_post(x, residual, post_mix, comb_mix, *, backend: str = "auto", out=None) -> torch.Tensor:
+    """SPEC step 1 alone (the post of a sublayer; the same bits as the seams' post): ``residual_cur [..., 4, H]`` bf16
+    from ``x [..., H]`` bf16, ``residual [..., 4, H]`` bf16, ``post_mix [..., 4(, 1)]`` fp32 and ``comb_mix
+    [..., 4, 4]`` (or ``[..., 16]``) fp32. ``out``: the caller's ``[..., 4, H]`` bf16 buffer (contiguous, 16-byte
+    aligned, sharing no memory with the inputs), written and returned. Inference only."""
+    op = "mhc_post"
+    c = _Checker(op, "x", x, 1)
+    h, lead, m = c.hidden, c.lead, c.m
+    c.tensor("x", x, BF16, [tuple(x.shape)])
+    c.tensor("residual", residual, BF16, _lead_shapes(lead, (HC_MULT, h)))
+    c.tensor("post_mix", post_mix, F32, _lead_shapes(lead, (HC_MULT,), (HC_MULT, 1)))
+    c.tensor("comb_mix", comb_mix, F32, _lead_shapes(lead, (HC_MULT, HC_MULT), (HC_MULT * HC_MULT,)))
+    args = (c.flat(x, m, h), c.flat(residual, m, HC_MULT, h), c.flat(post_mix, m, HC_MULT),
+            c.flat(comb_mix, m, HC_MULT, HC_MULT))
+    shape = lead + (HC_MULT, h)
+    flat_out = None if out is None else c.out(out, shape, (m, HC_MULT, h))
+    if torch.compiler.is_compiling():
+        if flat_out is not None:
+            torch.ops.mhc_cute.post_out(flat_out, *args, backend)
+            return out
+        return torch.ops.mhc_cute.post(*args, backend).view(shape)
+    if flat_out is None:
+        flat_out = torch.empty_like(args[1])
+    else:
+        c.out_memory(flat_out)
+    _dispatch(op, backend, c.device, h, m, args, flat_out)
+    return out if out is not None else flat_out.view(shape)
+
+
+# --- mhc_collapse -----------------------------------------------------------------------------------------------
+
+def mhc_collapse(residual, pre_mix, *, norm_weight=None, norm_eps: float = 1e-20, backend: str = "auto",
+                 out=None) -> torch.Tensor:
+    """V4.1's final collapse with the carried gates (SPEC step 6 with the given ``pre_mix``, then with
+    ``norm_weight`` step 7, the final RMSNorm): ``[..., H]`` bf16 from ``residual [..., 4, H]`` bf16 and ``pre_mix
+    [..., 4(, 1)]`` fp32; ``norm_weight [H]`` bf16 or fp32. ``out``: the caller's ``[..., H]`` bf16 buffer."""
+    op = "mhc_collapse"
+    c = _Checker(op, "residual", residual, 2)
+    h, lead, m = c.hidden, c.lead, c.m
+    c.tensor("residual", residual, BF16, _lead_shapes(lead, (HC_MULT, h)))
+    c.tensor("pre_mix", pre_mix, F32, _lead_shapes(lead, (HC_MULT,), (HC_MULT, 1)))
+    c.tensor("norm_weight", norm_weight, BF16 + F32, [(h,)], optional=True)
+    norm_eps = c.scalar("norm_eps", norm_eps, positive=True)
+    args = (c.flat(residual, m, HC_MULT, h), c.flat(pre_mix, m, HC_MULT), c.flat(norm_weight, h), norm_eps)
+    return _run_collapsing(op, c, args, out, torch.ops.mhc_cute.collapse, torch.ops.mhc_cute.collapse_out, backend)
+
+
+def _run_collapsing(op, c: _Checker, args, out, custom_op, custom_out_op, backend):
+    """The end of ``mhc_collapse`` and ``mhc_head`` (``[..., H]`` output)."""
+    h, lead, m = c.hidden, c.lead, c.m
+    shape = lead + (h,)
+    flat_out = None if out is None else c.out(out, shape, (m, h))
+    if torch.compiler.is_compiling():
+        if flat_out is not None:
+            custom_out_op(flat_out, *args, backend)
+            return out
+        return custom_op(*args, backend).view(shape)
+    if flat_out is None:
+        flat_out = args[0].new_empty((m, h))
+    else:
+        c.out_memory(flat_out)
+    _dispatch(op, backend, c.device, h, m, args, flat_out)
+    return out if out is not None else flat_out.view(shape)
+
+
+# --- mhc_head ---------------------------------------------------------------------------------------------------
+
+def mhc_head(residual, head_fn, head_scale, head_base, *, rms_eps: float = 1e-6, hc_eps: float = 1e-6,
+             norm_weight=None, norm_eps: float = 1e-6, backend: str = "auto", out=None) -> torch.Tensor:
+    """V4's ``hc_head`` (SPEC steps 2-3 with the 4 head columns, ``pre = sigmoid(mix) + hc_eps``, step 6; with
+    ``norm_weight`` also step 7, the model's final RMSNorm): ``[..., H]`` bf16 from ``residual [..., 4, H]`` bf16,
+    ``head_fn [4, 4H]``, ``head_scale [1]``, ``head_base [4]`` fp32. ``out``: the caller's ``[..., H]`` bf16
+    buffer."""
+    op = "mhc_head"
+    c = _Checker(op, "residual", residual, 2)
+    h, lead, m = c.hidden, c.lead, c.m
+    c.tensor("residual", residual, BF16, _lead_shapes(lead, (HC_MULT, h)))
+    c.tensor("head_fn", head_fn, F32, [(HC_MULT, HC_MULT * h)])
+    c.tensor("head_scale", head_scale, F32, [(1,)])
+    c.tensor("head_base", head_base, F32, [(HC_MULT,)])
+    c.tensor("norm_weight", norm_weight, BF16 + F32, [(h,)], optional=True)
+    rms_eps = c.scalar("rms_eps", rms_eps, positive=True)
+    hc_eps = c.scalar("hc_eps", hc_eps, positive=False)
+    norm_eps = c.scalar("norm_eps", norm_eps, positive=True)
+    args = (c.flat(residual, m, HC_MULT, h), c.flat(head_fn, HC_MULT, HC_MULT * h), c.flat(head_scale, 1),
+            c.flat(head_base, HC_MULT), c.flat(norm_weight, h), rms_eps, hc_eps, norm_eps)
+    return _run_collapsing(op, c, args, out, torch.ops.mhc_cute.head, torch.ops.mhc_cute.head_out, backend)
+
+
+# --- torch.compile: custom ops on the flat tensors, with fakes -----------------------------------------------------
+
+def _flat_run(op, out, *args):
+    """A custom op's body: ``out`` checked against the inputs' memory (real tensors here), then the backend."""
+    *args, backend = args
+    residual = args[1] if op == "mhc_post" else args[0]
+    c = _Checker(op, "x" if op == "mhc_post" else "residual", residual, 2)
+    c.tensors = [(f"input {i}", t) for i, t in enumerate(args) if isinstance(t, torch.Tensor)]
+    c.out_memory(out)
+    return _dispatch(op, backend, residual.device, residual.shape[-1], residual.shape[0], tuple(args), out)
+
+
+@torch.library.custom_op("mhc_cute::post", mutates_args=())
+def _post_op(x: torch.Tensor, residual: torch.Tensor, post_mix: torch.Tensor, comb_mix: torch.Tensor,
+             backend: str) -> torch.Tensor:
+    return _flat_run("mhc_post", torch.empty_like(residual), x, residual, post_mix, comb_mix, backend)
+
+
+@_post_op.register_fake
+def _(x, residual, post_mix, comb_mix, backend):
+    return torch.empty_like(residual)
+
+
+@torch.library.custom_op("mhc_cute::post_out", mutates_args=("out",))
+def _post_out_op(out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, post_mix: torch.Tensor,
+                 comb_mix: torch.Tensor, backend: str) -> None:
+    _flat_run("mhc_post", out, x, residual, post_mix, comb_mix, backend)
+
+
+@torch.library.custom_op("mhc_cute::collapse", mutates_args=())
+def _collapse_op(residual: torch.Tensor, pre_mix: torch.Tensor, norm_weight: torch.Tensor | None, norm_eps: float,
+                 backend: str) -> torch.Tensor:
+    out = residual.new_empty(residual.shape[0], residual.shape[2])
+    return _flat_run("mhc_collapse", out, residual, pre_mix, norm_weight, norm_eps, backend)
+
+
+@_collapse_op.register_fake
+def _(residual, pre_mix, norm_weight, norm_eps, backend):
+    return residual.new_empty(residual.shape[0], residual.shape[2])
+
+
+@torch.library.custom_op("mhc_cute::collapse_out", mutates_args=("out",))
+def _collapse_out_op(out: torch.Tensor, residual: torch.Tensor, pre_mix: torch.Tensor,
+                     norm_weight: torch.Tensor | None, norm_eps: float, backend: str) -> None:
+    _flat_run("mhc_collapse", out, residual, pre_mix, norm_weight, norm_eps, backend)
+
+
+@torch.library.custom_op("mhc_cute::head", mutates_args=())
+def _head_op(residual: torch.Tensor, head_fn: torch.Tensor, head_scale: torch.Tensor, head_base: torch.Tensor,
+             norm_weight: torch.Tensor | None, rms_eps: float, hc_eps: float, norm_eps: float,
+             backend: str) -> torch.Tensor:
+    out = residual.new_empty(residual.shape[0], residual.shape[2])
+    return _flat_run("mhc_head", out, residual, head_fn, head_scale, head_base, norm_weight, rms_eps, hc_eps,
+                     norm_eps, backend)
+
+
+@_head_op.register_fake
+def _(residual, *args):
+    return residual.new_empty(residual.shape[0], residual.shape[2])
+
+
+@torch.library.custom_op("mhc_cute::head_out", mutates_args=("out",))
+def _head_out_op(out: torch.Tensor, residual: torch.Tensor, head_fn: torch.Tensor, head_scale: torch.Tensor,
+                 head_base: torch.Tensor, norm_weight: torch.Tensor | None, rms_eps: float, hc_eps: float,
+                 norm_eps: float, backend: str) -> None:
+    _flat_run("mhc_head", out, residual, head_fn, head_scale, head_base, norm_weight, rms_eps, hc_eps, norm_eps,
+              backend)

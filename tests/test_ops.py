@@ -1,0 +1,331 @@
+"""The standalone ops (``mhc_post``, ``mhc_collapse``, ``mhc_head``): the shared suite against the float64 reference on
+every backend, the API (leading dims, M = 0, out=, torch.compile) and bad input."""
+
+import math
+
+import pytest
+import torch
+
+import mhc_cute
+from mhc_cute import mhc_collapse, mhc_fused_hc, mhc_head, mhc_post, ops
+from mhc_cute.accuracy import (
+    STANDALONE_OPS, call_op, check_op, check_op_output, make_inputs, make_op_inputs, op_output_like,
+)
+
+GPU_MS = [1, 2, 3, 16, 17, 64, 100, 1000, 4096, 8192, 100_003]
+GPU_HS = [512, 4096, 5120, 7168]
+
+
+def _skip_if_unavailable(op, backend, device):
+    why = ops.unavailable_reason(op, backend, torch.device(device))
+    if why is not None:
+        pytest.skip(f"{op} on {backend} unavailable: {why}")
+
+
+def _run_and_check(op, backend, m, h, norm, device, lead=None):
+    _skip_if_unavailable(op, backend, device)
+    inputs = make_op_inputs(op, m, h, seed=m + h, device=device, norm=norm, lead=lead)
+    check_op(op, inputs, backend)
+
+
+def _op_backends(op, kinds):
+    return [(op, b) for b, spec in ops.OP_BACKENDS[op].items() if spec.kind in kinds]
+
+
+CPU_CASES = [c for op in STANDALONE_OPS for c in _op_backends(op, ("reference", "triton"))]
+GPU_CASES = [(op, b) for op in STANDALONE_OPS for b in ops.OP_BACKENDS[op]]
+
+
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("h", [64, 256])
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("op,backend", CPU_CASES)
+def test_cpu_backends(op, backend, m, h, norm):
+    if op == "mhc_post" and norm:
+        pytest.skip("mhc_post has no norm")
+    _run_and_check(op, backend, m, h, norm, "cpu")
+
+
+@pytest.mark.parametrize("op,h", [("mhc_head", 1088), ("mhc_collapse", 8256), ("mhc_post", 1088)])
+def test_triton_multi_tile_rows(op, h):
+    """Rows longer than one tile (the head's and the collapse's H loop with a partial last tile, and the norm's
+    second pass over the stored row)."""
+    _run_and_check(op, "triton", 2, h, op != "mhc_post", "cpu")
+
+
+def test_check_in_row_chunks(monkeypatch):
+    """The check of many rows runs in chunks (any M fits the float64 reference) and still finds a wrong row."""
+    import mhc_cute.accuracy as acc
+
+    monkeypatch.setattr(acc, "CHECK_ELEMENTS", 3 * 4 * 64)
+    for op in STANDALONE_OPS:
+        inputs = make_op_inputs(op, 10, 64, seed=12, norm=op != "mhc_post", lead=(2, 5))
+        out = call_op(op, inputs, "torch")
+        check_op_output(op, out, inputs)
+        out.view(-1)[-1] = out.view(-1)[-1] * 1.5
+        with pytest.raises(AssertionError):
+            check_op_output(op, out, inputs)
+
+
+@pytest.mark.parametrize("op", STANDALONE_OPS)
+def test_torch_backend_model_sizes(op):
+    for h in (4096, 7168):
+        _run_and_check(op, "torch", 3, h, True, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("h", GPU_HS)
+@pytest.mark.parametrize("m", GPU_MS)
+@pytest.mark.parametrize("op,backend", GPU_CASES)
+def test_gpu_backends(op, backend, m, h, norm):
+    if op == "mhc_post" and norm:
+        pytest.skip("mhc_post has no norm")
+    if m * h > 100_003 * 4096:
+        pytest.skip("inputs drawn on the host: the largest M at the two small H only (2^31 offsets: their own test)")
+    _run_and_check(op, backend, m, h, norm, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", STANDALONE_OPS)
+def test_gpu_past_2_31_elements(op):
+    """Offsets past 2^31 elements (residual [M, 4, H] at M = 74,899, H = 7168): 64-bit row offsets."""
+    m, h = 75_000, 7168
+    for backend in ops.available(op, torch.device("cuda")):
+        if backend != "torch":
+            _run_and_check(op, backend, m, h, op != "mhc_post", "cuda")
+
+
+# --- the ops against the seams ------------------------------------------------------------------------------------
+
+def test_post_same_bits_as_the_seam():
+    s = make_inputs(7, 128, seed=3)
+    seam = mhc_fused_hc(**s, backend="torch")
+    got = mhc_post(s["x_prev"], s["residual_prev"], s["post_mix_prev"], s["comb_mix_prev"])
+    assert torch.equal(got.view(torch.int16), seam.residual_cur.view(torch.int16))
+
+
+def test_head_with_the_seam_weight_is_the_seam_collapse():
+    """A head whose weight, scale and base are the pre rows of a seam's: its output is the seam's layer_input on the
+    same residual (the same gates, the same collapse), with or without the norm."""
+    s = make_inputs(5, 64, seed=9, norm=True)
+    seam = mhc_fused_hc(**s, backend="torch")
+    got = mhc_head(seam.residual_cur, s["fn"][:4], s["hc_scale"][:1], s["hc_base"][:4], norm_weight=s["norm_weight"],
+                   backend="torch")
+    ref = mhc_fused_hc(**s, backend="torch")
+    assert torch.equal(got, ref.layer_input)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_head_as_a_seam_without_post_is_the_head(norm):
+    """mhc_head's CuTe backend is a seam without post on the padded head weight: on the seam's torch backend that
+    composition gives the head's reference bits (needs mhc_fused_hc's no-post form)."""
+    inputs = make_op_inputs("mhc_head", 5, 64, seed=13, norm=norm)
+    out = torch.empty(5, 64, dtype=torch.bfloat16)
+    ops._head_as_seam(*(inputs[k] for k in ("residual", "head_fn", "head_scale", "head_base", "norm_weight")),
+                      1e-6, 1e-6, 1e-6, out)
+    assert torch.equal(out, mhc_head(**inputs, backend="torch"))
+
+
+def test_collapse_of_one_hot_gates_is_that_stream():
+    inputs = make_op_inputs("mhc_collapse", 4, 64, seed=2)
+    for j in range(4):
+        gates = torch.zeros(4, 4)
+        gates[:, j] = 1
+        for backend in ops.available("mhc_collapse", torch.device("cpu")):
+            got = mhc_collapse(inputs["residual"], gates, backend=backend)
+            assert torch.equal(got, inputs["residual"][:, j]), (j, backend)
+
+
+# --- API: leading dims, M = 0, out=, compile -------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", STANDALONE_OPS)
+@pytest.mark.parametrize("lead", [(2, 3), (1, 1, 4)])
+def test_leading_dims(op, lead):
+    inputs = make_op_inputs(op, 0, 64, seed=4, norm=op != "mhc_post", lead=lead)
+    got = call_op(op, inputs)
+    flat = {k: (v.reshape(math.prod(lead), *v.shape[len(lead):]) if isinstance(v, torch.Tensor) and v.dim() > 1
+                and tuple(v.shape[:len(lead)]) == lead else v) for k, v in inputs.items()}
+    want = call_op(op, flat)
+    assert got.shape == lead + want.shape[1:]
+    assert torch.equal(got.reshape(want.shape), want)
+
+
+def test_alternative_mix_shapes():
+    inputs = make_op_inputs("mhc_post", 3, 64)
+    want = mhc_post(**inputs)
+    got = mhc_post(inputs["x"], inputs["residual"], inputs["post_mix"].reshape(3, 4),
+                   inputs["comb_mix"].reshape(3, 16))
+    assert torch.equal(got, want)
+    c = make_op_inputs("mhc_collapse", 3, 64)
+    assert torch.equal(mhc_collapse(c["residual"], c["pre_mix"][..., None]), mhc_collapse(**c))
+
+
+@pytest.mark.parametrize("op", STANDALONE_OPS)
+def test_zero_tokens(op):
+    inputs = make_op_inputs(op, 0, 64, lead=(0, 3))
+    got = call_op(op, inputs)
+    assert got.shape[:2] == (0, 3) and got.dtype == torch.bfloat16
+    buf = op_output_like(op, inputs)
+    assert call_op(op, inputs, out=buf) is buf
+
+
+@pytest.mark.parametrize("op", STANDALONE_OPS)
+def test_out_is_written_and_returned(op):
+    inputs = make_op_inputs(op, 6, 64, seed=6, norm=op != "mhc_post", lead=(2, 3))
+    want = call_op(op, inputs)
+    buf = op_output_like(op, inputs)
+    assert call_op(op, inputs, out=buf) is buf
+    assert torch.equal(buf, want)
+
+
+@pytest.mark.parametrize("op", STANDALONE_OPS)
+def test_outputs_fresh_and_inputs_untouched(op):
+    inputs = make_op_inputs(op, 5, 64, norm=op != "mhc_post")
+    before = {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    out = call_op(op, inputs)
+    for k, v in before.items():
+        assert torch.equal(inputs[k], v), f"{k} was modified"
+        assert out.untyped_storage().data_ptr() != inputs[k].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("op", STANDALONE_OPS)
+def test_non_contiguous_inputs(op):
+    inputs = make_op_inputs(op, 4, 64, norm=op != "mhc_post")
+    want = call_op(op, inputs)
+    nc = dict(inputs, residual=inputs["residual"].transpose(0, 1).contiguous().transpose(0, 1))
+    assert not nc["residual"].is_contiguous()
+    assert torch.equal(call_op(op, nc), want)
+
+
+@pytest.mark.parametrize("op", STANDALONE_OPS)
+def test_torch_compile_fullgraph(op):
+    inputs = make_op_inputs(op, 6, 64, seed=7, norm=op != "mhc_post", lead=(2, 3))
+    want = call_op(op, inputs)
+    got = torch.compile(lambda i: call_op(op, i) * 2, fullgraph=True)(inputs)
+    assert torch.equal(got, want * 2)
+    buf = op_output_like(op, inputs)
+    got = torch.compile(lambda i, o: call_op(op, i, out=o), fullgraph=True, backend="eager")(inputs, buf)
+    assert torch.equal(buf, want)
+
+
+def test_exported():
+    for name in ("mhc_post", "mhc_head", "mhc_collapse"):
+        assert name in mhc_cute.__all__ and callable(getattr(mhc_cute, name))
+
+
+# --- bad input --------------------------------------------------------------------------------------------------
+
+def _misaligned(t):
+    raw = torch.empty(t.numel() * t.element_size() + 16, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % 16 + 2
+    return raw[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+
+
+BAD_INPUTS = {
+    "mhc_post": {
+        "x not a tensor": (lambda i: dict(i, x=1.0), "x"),
+        "x dtype": (lambda i: dict(i, x=i["x"].float()), "x"),
+        "residual shape": (lambda i: dict(i, residual=i["residual"][:, :3]), "residual"),
+        "residual tokens": (lambda i: dict(i, residual=i["residual"][:2]), "residual"),
+        "post_mix dtype": (lambda i: dict(i, post_mix=i["post_mix"].double()), "post_mix"),
+        "post_mix shape": (lambda i: dict(i, post_mix=i["post_mix"].reshape(3, 2, 2)), "post_mix"),
+        "comb_mix shape": (lambda i: dict(i, comb_mix=i["comb_mix"][:, :3]), "comb_mix"),
+        "comb_mix device": (lambda i: dict(i, comb_mix=torch.empty(3, 4, 4, device="meta")), "comb_mix"),
+    },
+    "mhc_collapse": {
+        "residual 1-D": (lambda i: dict(i, residual=i["residual"][0, 0]), "residual"),
+        "residual dtype": (lambda i: dict(i, residual=i["residual"].float()), "residual"),
+        "pre_mix shape": (lambda i: dict(i, pre_mix=i["pre_mix"][:, :3]), "pre_mix"),
+        "pre_mix dtype": (lambda i: dict(i, pre_mix=i["pre_mix"].bfloat16()), "pre_mix"),
+        "norm_weight shape": (lambda i: dict(i, norm_weight=i["norm_weight"][:32]), "norm_weight"),
+        "norm_eps": (lambda i: dict(i, norm_eps=0.0), "norm_eps"),
+    },
+    "mhc_head": {
+        "residual shape": (lambda i: dict(i, residual=i["residual"][:, :2]), "residual"),
+        "head_fn shape": (lambda i: dict(i, head_fn=i["head_fn"][:, :64]), "head_fn"),
+        "head_fn dtype": (lambda i: dict(i, head_fn=i["head_fn"].bfloat16()), "head_fn"),
+        "head_scale shape": (lambda i: dict(i, head_scale=torch.ones(3)), "head_scale"),
+        "head_base shape": (lambda i: dict(i, head_base=torch.ones(24)), "head_base"),
+        "norm_weight dtype": (lambda i: dict(i, norm_weight=i["norm_weight"].half()), "norm_weight"),
+        "rms_eps": (lambda i: dict(i, rms_eps=-1.0), "rms_eps"),
+        "hc_eps": (lambda i: dict(i, hc_eps=float("nan")), "hc_eps"),
+    },
+}
+BAD_CASES = [(op, case) for op, cases in BAD_INPUTS.items() for case in cases]
+
+
+@pytest.mark.parametrize("op,case", BAD_CASES)
+def test_bad_input_names_the_argument(op, case):
+    make_bad, name = BAD_INPUTS[op][case]
+    inputs = make_bad(make_op_inputs(op, 3, 64, norm=True if op != "mhc_post" else False))
+    with pytest.raises(ValueError, match=f"{op}: `{name}`"):
+        call_op(op, inputs)
+
+
+BAD_OUT = {
+    "not a tensor": lambda o, i: (o,),
+    "dtype": lambda o, i: o.float(),
+    "shape": lambda o, i: o[..., :32],
+    "device": lambda o, i: torch.empty(o.shape, dtype=o.dtype, device="meta"),
+    "non-contiguous": lambda o, i: o.transpose(0, -1).contiguous().transpose(0, -1),
+    "misaligned": lambda o, i: _misaligned(o),
+    "overlaps an input": lambda o, i: i["residual"].view(-1)[:o.numel()].view(o.shape),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_OUT))
+@pytest.mark.parametrize("op", STANDALONE_OPS)
+def test_bad_out_is_refused(op, case):
+    inputs = make_op_inputs(op, 3, 64, seed=8)
+    bad = BAD_OUT[case](op_output_like(op, inputs), inputs)
+    before = {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=f"{op}: `out`"):
+        call_op(op, inputs, out=bad)
+    for k, v in before.items():
+        assert torch.equal(inputs[k], v)
+
+
+@pytest.mark.parametrize("op", STANDALONE_OPS)
+def test_inputs_requiring_grad_are_refused(op):
+    inputs = make_op_inputs(op, 3, 64)
+    name = "residual"
+    inputs[name] = inputs[name].float().requires_grad_().bfloat16()
+    with pytest.raises(ValueError, match=f"`{name}`.*inference-only"):
+        call_op(op, inputs)
+    with torch.no_grad():
+        call_op(op, inputs)
+
+
+def test_unknown_and_unavailable_backends():
+    inputs = make_op_inputs("mhc_head", 2, 64)
+    with pytest.raises(ValueError, match="unknown backend 'half_fma'"):
+        mhc_head(**inputs, backend="half_fma")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="unavailable"):
+            mhc_post(**make_op_inputs("mhc_post", 2, 64), backend="cute")
+
+
+def test_cute_needs_h_multiple_of_8():
+    if ops.unavailable_reason("mhc_post", "cute", torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+        pytest.skip("no CuTe here")
+    with pytest.raises(ValueError, match="H % 8"):
+        mhc_post(**make_op_inputs("mhc_post", 2, 60, device="cuda"), backend="cute")
+
+
+# --- the checker can fail ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", STANDALONE_OPS)
+def test_checker_catches_a_one_ulp_error(op):
+    inputs = make_op_inputs(op, 4, 64, seed=11, norm=op != "mhc_post")
+    out = call_op(op, inputs, "torch")
+    check_op_output(op, out, inputs)
+    bad = out.clone()
+    bits = bad.view(torch.int16).view(-1)
+    bits[5] += 2  # two bf16 ulps off in one element
+    with pytest.raises(AssertionError):
+        check_op_output(op, bad, inputs)
+    bad = out.clone()
+    bad.view(-1)[0] = float("nan")
+    with pytest.raises(AssertionError, match="non-finite"):
+        check_op_output(op, bad, inputs)
