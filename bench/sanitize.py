@@ -296,22 +296,17 @@ def select(cases: list[Case], ops=None, backends=None, shard: str | None = None)
 # --- the worker (one process, optionally under the sanitizer) -----------------------------------------------------
 
 def _graph_call(spec: OpSpec, case: Case, inputs: dict, check: bool):
-    """Capture one call in a CUDA graph (after an eager call on a side stream: compile, prepared weights, scratch)
-    and replay it on two new sets of activations copied into the captured ones; with ``check``, each replay equals
-    an eager call bit for bit."""
+    """Capture one call in a CUDA graph (``benchmark.capture``: an eager call first, for compiles, prepared weights
+    and scratch) and replay it on two new sets of activations copied into the captured ones; with ``check``, each
+    replay equals an eager call on its inputs bit for bit."""
     import torch
 
     from mhc_cute.accuracy import same_bits
+    from mhc_cute.benchmark import capture
 
     static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        spec.call(case, static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = spec.call(case, static)
+    captured = []
+    graph = capture(lambda s: captured.append(spec.call(case, s)), [static])
     for i in range(2):
         fresh = spec.inputs(replace(case, label=f"{case.label}-replay{i}"), "cuda")
         for k in spec.activations:
@@ -319,9 +314,8 @@ def _graph_call(spec: OpSpec, case: Case, inputs: dict, check: bool):
         graph.replay()
         torch.cuda.synchronize()
         if check:
-            want = spec.call(case, static)
-            assert same_bits(captured, want), "a replay differs from the eager call on its inputs"
-    return captured
+            assert same_bits(captured[-1], spec.call(case, static)), "a replay differs from the eager call"
+    return captured[-1]
 
 
 def run_case(case: Case, check: bool, device: str = "cuda") -> str:
