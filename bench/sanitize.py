@@ -12,8 +12,8 @@ x H in {512, 4096, 5120, 7168} with its default tactic (the norm on where the in
 parity, so each M and each H runs with and without it), plus the extreme explicit tactics: the most K splits, the
 FMA paths' projection on warp MMA (each tile shape), a pipelined FFMA tactic, ``one_per_sm`` flipped, each shape
 of the standalone big fuse (``lat``, ``bw``, ``latp``, ``bwp``, at every H), the tensor-core paths with one
-K split, the other M tile and TF32, Triton chunked, and one call per backend captured in a CUDA graph and replayed
-on new inputs. Ops that this checkout may not have yet (``mhc_fused_hc_delayed``, ``mhc_post``,
+K split, the other M tile and TF32, Triton chunked, one call per backend captured in a CUDA graph and replayed
+on new inputs, and one with a NaN in one token (checked against the non-finite policy). Ops that this checkout may not have yet (``mhc_fused_hc_delayed``, ``mhc_post``,
 ``mhc_collapse``, ``mhc_head``) have entries that run once ``mhc_cute`` exports them; a new op is one more entry.
 
 How it runs: (1) the CuTe kernels of the selected cases are compiled in parallel processes into
@@ -184,6 +184,7 @@ def fused_hc_cases() -> list[Case]:
             out += [Case("mhc_fused_hc", b, 130, 7168, True, "max-split", "split_k=1048576"),
                     Case("mhc_fused_hc", b, 1031, 4096, True, "chunked", "chunk_m=256")]
         out.append(Case("mhc_fused_hc", b, 17, 4096, True, "graph", graph=True))
+        out.append(Case("mhc_fused_hc", b, 17, 4096, True, "nonfinite"))
     return out
 
 
@@ -197,10 +198,17 @@ def triton_tactic(case: Case):
     return replace(t, **{k: int(v) for k, v in (kv.split("=") for kv in case.tactic.split("+"))})
 
 
-def fused_hc_inputs(case: Case, device: str) -> dict:
-    from mhc_cute.accuracy import make_inputs
+NONFINITE_TOKEN = 5  # the "nonfinite" cases: NaN in one value of x_prev of this token
 
-    return make_inputs(case.m, case.h, seed=case.seed, device=device, norm=case.norm)
+
+def fused_hc_inputs(case: Case, device: str, clean: bool = False) -> dict:
+    from mhc_cute.accuracy import gpu_nan, make_inputs
+
+    inputs = make_inputs(case.m, case.h, seed=case.seed, device=device, norm=case.norm)
+    if case.label == "nonfinite" and not clean:
+        x = inputs["x_prev"]
+        x[NONFINITE_TOKEN, case.h // 3] = gpu_nan(x.dtype).to(device)
+    return inputs
 
 
 def fused_hc_call(case: Case, inputs: dict):
@@ -213,9 +221,15 @@ def fused_hc_call(case: Case, inputs: dict):
 
 
 def fused_hc_check(case: Case, inputs: dict, out) -> None:
-    from mhc_cute.accuracy import check_outputs, problem_of, tolerances
+    """The float64 contract; for the "nonfinite" cases the non-finite policy against the same call without the NaN."""
+    from mhc_cute.accuracy import check_outputs, check_poisoned_token, problem_of, tolerances
 
-    check_outputs(out, problem_of(inputs, case.precision), **tolerances(case.backend, case.precision))
+    problem = problem_of(inputs, case.precision)
+    if case.label == "nonfinite":
+        clean = fused_hc_call(case, fused_hc_inputs(case, str(inputs["x_prev"].device), clean=True))
+        check_poisoned_token(out, clean, problem, NONFINITE_TOKEN)
+    else:
+        check_outputs(out, problem, **tolerances(case.backend, case.precision))
 
 
 # Ops this checkout may not have yet: their cases run once ``mhc_cute`` exports them, on every kernel backend name

@@ -13,9 +13,11 @@ the most K splits, for Triton other K splits and chunks), the norm (none, bf16 o
 inputs' scale (1e-20 to 1e10) with outlier channels (x100) and exact zeros (channels, tokens, post gates), the
 gates' saturation (``hc_base`` up to 100), leading dims, non-contiguous or misaligned inputs, ``out=`` buffers
 (poisoned with NaN; the flat alternative shapes too), and on a GPU a second stream, or a CUDA graph captured and
-replayed on two new sets of activations. On a GPU most draws reuse the kernel configuration of an earlier one
-(its backend, H, norm, precision and resolved tactic) with new sizes and data, so that compiling new kernel variants
-takes a bounded share of the run (``$MHC_CUTE_KERNEL_CACHE``, default /tmp/mhc-kcache, keeps them for later runs).
+replayed on two new sets of activations. Now and then the call is made again with a NaN or an infinity in one value
+of one token, against the non-finite policy (``accuracy.check_poisoned_token``). On a GPU most draws reuse the
+kernel configuration of an earlier one (its backend, H, norm, precision and resolved tactic) with new sizes and
+data, so that compiling new kernel variants takes a bounded share of the run (``$MHC_CUTE_KERNEL_CACHE``, default
+/tmp/mhc-kcache, keeps them for later runs).
 A call's draw is a JSON object; the i-th draw depends only on ``--seed`` and i. A new op is one entry of ``OPS``
 (its draw and its run).
 """
@@ -40,6 +42,8 @@ MAX_M_GPU = 65536
 CPU_LIMITS = {"torch": (32, 768), "triton": (6, 256)}  # (largest M, largest H) without a GPU: seconds per call
 NEW_CONFIG_GPU = 0.02  # share of GPU draws with a new kernel configuration (a compile, seconds, for most)
 SCALES = (1e-20, 1e-4, 1.0, 1e3, 1e10)  # the activations' scale; with x100 outliers every fp32 sum stays finite
+POISON = 0.05  # share of calls made again with a NaN or an infinity in one token (``accuracy.check_poisoned_token``)
+POISON_TAILS = {"x_prev": (0,), "residual_prev": (4, 0), "post_mix_prev": (4, 1), "comb_mix_prev": (4, 4)}  # 0: H
 DEFAULT_KERNEL_CACHE = "/tmp/mhc-kcache"
 
 
@@ -170,6 +174,11 @@ def draw_fused_hc(rng: random.Random, env: Env) -> dict:
         if env.new_config < 1:
             env.history.append(dict(config, tactic=_resolved_tactic(config["backend"], config["tactic"], m, h, env)))
     graph = gpu and m > 0 and rng.random() < 0.07
+    poison = None
+    if m and not graph and rng.random() < POISON:  # one value of one token: the non-finite policy
+        name, tail = rng.choice(list(POISON_TAILS.items()))
+        poison = dict(name=name, token=rng.randrange(m), at=[rng.randrange(n if n else h) for n in tail],
+                      value=rng.choice(["nan", "inf", "-inf"]))
     return dict(
         op="mhc_fused_hc", **config, m=m, lead=_draw_lead(rng, m), seed=rng.randrange(1 << 31),
         scale=rng.choice(SCALES), outliers=rng.choice([0, 0, 1, 3]),
@@ -177,7 +186,7 @@ def draw_fused_hc(rng: random.Random, env: Env) -> dict:
         gate_scale=rng.choice([0.5, 0.5, 0.5, 3.0, 100.0]),
         layout=rng.choice(["contiguous", "contiguous", "strided", "misaligned"]),
         out=rng.choice(["none", "none", "out", "flat-out"]),
-        stream=gpu and not graph and rng.random() < 0.2, graph=graph,
+        stream=gpu and not graph and rng.random() < 0.2, graph=graph, poison=poison,
     )
 
 
@@ -210,10 +219,22 @@ def fused_hc_inputs(d: dict, seed: int, device: str) -> dict:
     inputs = dict(
         x_prev=x.bfloat16().reshape(*lead, h), residual_prev=res.bfloat16().reshape(*lead, 4, h),
         post_mix_prev=post.reshape(*lead, 4, 1), comb_mix_prev=s["comb_mix_prev"].reshape(*lead, 4, 4),
-        fn=s["fn"], hc_scale=s["hc_scale"], hc_base=s["hc_base"] / 0.5 * d["gate_scale"],
+        fn=s["fn"], hc_scale=s["hc_scale"], hc_base=_gate_bases(s["hc_base"] / 0.5, d["gate_scale"]),
         norm_weight=None if d["norm"] is None else s["norm_weight"].to(getattr(torch, d["norm"])),
     )
     return _layout(inputs, d["layout"])
+
+
+def _gate_bases(base, scale: float):
+    """``hc_base`` (standard normal) times ``scale``; past 10, with signs alternating by column, as in the saturated
+    gates test: every group keeps gates near 1 (a group whose gates all sit near 0 has a norm too small in fp32 for
+    the contract's normwise comparison)."""
+    import torch
+
+    if scale <= 10:
+        return base * scale
+    signs = torch.tensor([1.0, -1.0] * 12, device=base.device)
+    return base.abs() * scale * signs
 
 
 def _layout(inputs: dict, layout: str) -> dict:
@@ -267,7 +288,7 @@ def run_fused_hc(d: dict, env: Env) -> None:
     import torch
 
     import mhc_cute
-    from mhc_cute.accuracy import check_outputs, problem_of, tolerances
+    from mhc_cute.accuracy import check_outputs, check_poisoned_token, problem_of, tolerances
 
     device, m, h = env.device, d["m"], d["h"]
     inputs = fused_hc_inputs(d, d["seed"], device)
@@ -313,6 +334,23 @@ def run_fused_hc(d: dict, env: Env) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
     check(out, inputs)
+    if d.get("poison"):
+        clean = _flat([t.clone() for t in out], m, h)
+        bad = _poisoned(inputs, d["poison"], m)
+        check_poisoned_token(_flat(call(bad), m, h), clean, problem_of(bad, d["precision"]), d["poison"]["token"])
+
+
+def _poisoned(inputs: dict, p: dict, m: int) -> dict:
+    """``inputs`` with one value of one token non-finite (``gpu_nan`` for NaN)."""
+    import torch
+
+    from mhc_cute.accuracy import gpu_nan
+
+    t = inputs[p["name"]]
+    flat = t.reshape(m, *t.shape[len(t.shape) - len(POISON_TAILS[p["name"]]):]).clone()
+    value = gpu_nan(t.dtype) if p["value"] == "nan" else torch.tensor(float(p["value"]), dtype=t.dtype)
+    flat[(p["token"], *p["at"])] = value.to(t.device)
+    return dict(inputs, **{p["name"]: flat.reshape(t.shape)})
 
 
 def label_fused_hc(d: dict) -> str:
@@ -332,8 +370,9 @@ def make_env(device: str | None, backends: list | None, new_config: float | None
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when Triton kernels are decorated (first use)
-        # saturated gates: the interpreter's numpy exp overflows to inf as IEEE says (the sigmoid is then 0)
-        warnings.filterwarnings("ignore", "overflow encountered in exp", RuntimeWarning)
+        # saturated gates and non-finite inputs: the interpreter's numpy warns where IEEE arithmetic gives an infinity
+        # or NaN, as intended
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton|numpy")
     from mhc_cute import available
 
     here = available(torch.device(device)) + (["auto"] if device == "cuda" else [])

@@ -183,6 +183,15 @@ def same_bits(a: MhcFusedHcOutput, b: MhcFusedHcOutput) -> bool:
     return all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b))
 
 
+def gpu_nan(dtype: torch.dtype) -> torch.Tensor:
+    """NaN as an NVIDIA GPU computes it, every mantissa bit set (0x7FFFFFFF in fp32, 0x7FFF in bf16): a rounding done
+    on the bits can carry its payload into the sign or the exponent (zero, or an infinity), where the quiet NaN that
+    torch writes (``float("nan")``, 0x7FC00000) survives. The value the non-finite tests poison with."""
+    if dtype == torch.bfloat16:
+        return torch.tensor(0x7FFF, dtype=torch.int16).view(torch.bfloat16)
+    return torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(dtype)
+
+
 def check_poisoned_token(out: MhcFusedHcOutput, clean: MhcFusedHcOutput, problem: Problem, token: int) -> None:
     """The non-finite policy for a NaN or infinity in the activations of one token (``x``, ``residual``,
     ``post_mix`` or ``comb_mix`` of ``problem``, flattened), against ``clean``, the same call without it: every other

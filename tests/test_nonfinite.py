@@ -6,32 +6,25 @@ and tokens stay independent.
 * a NaN in a weight reaches every token, in exactly the outputs that depend on it (the others keep their bits);
 * an infinite weight saturates as IEEE says: the same NaN and infinity pattern as the torch reference.
 
-NaN is written as a GPU computes it (every mantissa bit set): a rounding done on the bits can turn that one into
-zero or infinity, where the quiet NaN torch writes (``float("nan")``) survives.
+NaN is written as a GPU computes it (``accuracy.gpu_nan``: a rounding done on the bits can turn that one into zero or
+an infinity, where the quiet NaN torch writes survives).
 """
 
 import pytest
 import torch
 
 from mhc_cute import backends, mhc_fused_hc
-from mhc_cute.accuracy import check_poisoned_token, make_inputs, problem_of
+from mhc_cute.accuracy import check_poisoned_token, gpu_nan, make_inputs, problem_of
 
 KERNEL_BACKENDS = ["triton", "half_fma", "all_fma", "half_mma", "all_mma"]
 ACTIVATIONS = ("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev")
 AT = {"x_prev": (37,), "residual_prev": (2, 37), "post_mix_prev": (1, 0), "comb_mix_prev": (3, 1)}  # in a token
 
 
-def nan_of(dtype) -> torch.Tensor:
-    """The NaN a GPU computes: 0x7FFFFFFF (fp32), 0x7FFF (bf16)."""
-    if dtype == torch.bfloat16:
-        return torch.tensor(0x7FFF, dtype=torch.int16).view(torch.bfloat16)
-    return torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
-
-
 def poison(inputs: dict, name: str, index: tuple, value: str) -> dict:
     """``inputs`` with ``inputs[name][index]`` set to ``value`` ("nan", "inf" or "-inf"), the rest shared."""
     t = inputs[name].clone()
-    v = nan_of(t.dtype) if value == "nan" else torch.tensor(float(value), dtype=t.dtype)
+    v = gpu_nan(t.dtype) if value == "nan" else torch.tensor(float(value), dtype=t.dtype)
     t[index] = v.to(t.device)
     return dict(inputs, **{name: t})
 
@@ -162,7 +155,7 @@ def test_weight_splits_keep_infinities_and_nan():
     NaN), and NaN, as a GPU computes it, stays NaN in every part."""
     from mhc_cute.weights import bf16_terms
 
-    w = torch.stack([torch.tensor(float("inf")), torch.tensor(-float("inf")), nan_of(torch.float32),
+    w = torch.stack([torch.tensor(float("inf")), torch.tensor(-float("inf")), gpu_nan(torch.float32),
                      torch.tensor(1.0 + 2.0**-20)])
     terms = bf16_terms(w)
     assert [t[0].item() for t in terms] == [float("inf"), 0.0, 0.0]
