@@ -84,11 +84,10 @@ class Case:
 
 
 class OpSpec(NamedTuple):
-    """An op of the sweep: its ``mhc_cute`` attribute, its grid, its inputs (keyword arguments on a device), the
-    call, the contract check of the unsanitized pass (None: the call only has to run), and the inputs a CUDA graph
-    case copies new values into before each replay."""
+    """An op of the sweep (``OPS``, keyed by its ``mhc_cute`` name): its grid, its inputs (keyword arguments on a
+    device), the call, the contract check of the unsanitized pass (None: the call only has to run), and the inputs a
+    CUDA graph case copies new values into before each replay."""
 
-    attr: str
     cases: Callable[[], list]
     inputs: Callable[[Case, str], dict]
     call: Callable[[Case, dict], object]
@@ -244,7 +243,7 @@ def future_cases(attr: str, norm_applies: bool) -> Callable[[], list]:
     return cases
 
 
-def _pre_mix(inputs: dict) -> "object":
+def _pre_mix(inputs: dict):
     import torch
 
     g = torch.Generator().manual_seed(1)
@@ -280,13 +279,12 @@ def plain_call(case: Case, inputs: dict):
 
 
 OPS: dict[str, OpSpec] = {
-    "mhc_fused_hc": OpSpec("mhc_fused_hc", fused_hc_cases, fused_hc_inputs, fused_hc_call, fused_hc_check,
-                           ("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev")),
-    "mhc_fused_hc_delayed": OpSpec("mhc_fused_hc_delayed", future_cases("mhc_fused_hc_delayed", True),
-                                   delayed_inputs, plain_call),
-    "mhc_post": OpSpec("mhc_post", future_cases("mhc_post", False), post_inputs, plain_call),
-    "mhc_collapse": OpSpec("mhc_collapse", future_cases("mhc_collapse", True), collapse_inputs, plain_call),
-    "mhc_head": OpSpec("mhc_head", future_cases("mhc_head", True), head_inputs, plain_call),
+    "mhc_fused_hc": OpSpec(fused_hc_cases, fused_hc_inputs, fused_hc_call, fused_hc_check,
+                           activations=("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev")),
+    "mhc_fused_hc_delayed": OpSpec(future_cases("mhc_fused_hc_delayed", True), delayed_inputs, plain_call),
+    "mhc_post": OpSpec(future_cases("mhc_post", False), post_inputs, plain_call),
+    "mhc_collapse": OpSpec(future_cases("mhc_collapse", True), collapse_inputs, plain_call),
+    "mhc_head": OpSpec(future_cases("mhc_head", True), head_inputs, plain_call),
 }
 
 
