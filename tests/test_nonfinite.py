@@ -226,3 +226,8 @@ def test_explicit_tactics_gpu(tactic, m):
     check_token(tactic.path, m, 4096, "cuda", "residual_prev", [("nan", m - 1), ("inf", 0)], tactic=tactic)
     check_weight_nan(tactic.path, m, 4096, "cuda", tactic)
     check_weight_inf(tactic.path, m, 4096, "cuda", tactic)
+
+
+def test_explicit_tactics_are_valid():
+    for t in _explicit_tactics():
+        assert t.invalid_reason(4096) is None, t.name
