@@ -280,6 +280,36 @@ def same_bits(a: MhcFusedHcOutput, b: MhcFusedHcOutput) -> bool:
                for x, y in zip(a, b))
 
 
+def gpu_nan(dtype: torch.dtype) -> torch.Tensor:
+    """NaN as an NVIDIA GPU computes it, every mantissa bit set (0x7FFFFFFF in fp32, 0x7FFF in bf16): a rounding done
+    on the bits can carry its payload into the sign or the exponent (zero, or an infinity), where the quiet NaN that
+    torch writes (``float("nan")``, 0x7FC00000) survives. The value the non-finite tests poison with."""
+    if dtype == torch.bfloat16:
+        return torch.tensor(0x7FFF, dtype=torch.int16).view(torch.bfloat16)
+    return torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(dtype)
+
+
+def check_poisoned_token(out: MhcFusedHcOutput, clean: MhcFusedHcOutput, problem: Problem, token: int) -> None:
+    """The non-finite policy for a NaN or infinity in the activations of one token (``x``, ``residual``,
+    ``post_mix`` or ``comb_mix`` of ``problem``, flattened), against ``clean``, the same call without it: every other
+    token's outputs are ``clean``'s bit for bit; the token's ``residual_cur`` is the fp32 FMA chain of SPEC step 1
+    (NaN exactly where the chain gives NaN, the same bits elsewhere, infinities included), and as its RMS and
+    projection then see a non-finite value, its ``post_mix_cur``, ``comb_mix_cur`` and ``layer_input`` are NaN.
+    Raises AssertionError naming what is off."""
+    others = torch.arange(problem.m, device=problem.x.device) != token
+    for name, a, b in zip(out._fields, out, clean):
+        assert torch.equal(_bits(a[others]), _bits(b[others])), f"{name}: a token other than {token} changed"
+    one = slice(token, token + 1)
+    want = reference.post(problem.x[one], problem.residual[one], problem.post_mix[one], problem.comb_mix[one])[0]
+    got = out.residual_cur[token]
+    nan = want.isnan()
+    assert not torch.isfinite(want).all(), "the poisoned value does not reach residual_cur (not a non-finite input?)"
+    assert torch.equal(got.isnan(), nan), "residual_cur: NaN elsewhere than where the fp32 FMA chain gives NaN"
+    assert torch.equal(_bits(got[~nan]), _bits(want[~nan])), "residual_cur: differs from the fp32 FMA chain"
+    for name in ("post_mix_cur", "comb_mix_cur", "layer_input"):
+        assert getattr(out, name)[token].isnan().all(), f"{name}: not NaN in the poisoned token {token}"
+
+
 def check_backend(problem: Problem, backend: str, tactic=None) -> dict:
     """Run ``backend`` twice on ``problem`` (outputs poisoned), check the contract and that the two runs are
     bit-identical; return the errors of ``check_outputs``, raise AssertionError with the first failure."""

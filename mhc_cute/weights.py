@@ -18,12 +18,14 @@ _cache: dict = {}  # insertion-ordered: the oldest entry goes first when full
 
 def bf16_terms(w: torch.Tensor, count: int = 3) -> list[torch.Tensor]:
     """``w`` as ``count`` bf16 terms, each the rest so far rounded to nearest: two carry 16 of fp32's 24 significand
-    bits, three all of them (their sum is ``w`` exactly for weights between about 2^-100 and bf16's largest)."""
+    bits, three all of them (their sum is ``w`` exactly for weights between about 2^-100 and bf16's largest). An
+    infinite weight is its first term, the others zero (inf - inf would make them NaN, and its products NaN where
+    IEEE gives an infinity); NaN stays NaN in every term."""
     terms, rest = [], w.float()
     for i in range(count):
         terms.append(rest.to(torch.bfloat16))
         if i + 1 < count:
-            rest = rest - terms[-1].float()
+            rest = torch.where(torch.isinf(terms[-1]), 0.0, rest - terms[-1].float())
     return terms
 
 

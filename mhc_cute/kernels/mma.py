@@ -96,9 +96,10 @@ def _tf32_rn(v: torch.Tensor) -> torch.Tensor:
 
 
 def split_tf32(fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fn = hi + lo`` (to about 2^-22 relative) with both parts exactly representable in TF32."""
+    """``fn = hi + lo`` (to about 2^-22 relative) with both parts exactly representable in TF32. An infinite weight
+    is ``hi`` alone (``lo`` 0: inf - inf would make its products NaN where IEEE gives an infinity); NaN stays NaN."""
     hi = _tf32_rn(fn.float())
-    lo = _tf32_rn(fn.float() - hi)
+    lo = _tf32_rn(torch.where(torch.isinf(hi), 0.0, fn.float() - hi))
     return hi, lo
 
 

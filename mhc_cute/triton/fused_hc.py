@@ -47,10 +47,11 @@ _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 @triton.jit
 def _bf16_rn(x):
-    """Round fp32 to the nearest bf16, ties to even (inputs here are finite)."""
+    """Round fp32 to the nearest bf16, ties to even; infinities stay, NaN stays NaN."""
     if _INTERPRET:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        bits = tl.where(x == x, bits, 0x7FC0)  # a NaN's payload can carry into the sign bit
         return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(tl.bfloat16)
@@ -168,10 +169,11 @@ def _emit_stream(res_out_ptr, out_offs, mask, out, sq, acc, fn_ptr, fn_offs, fn_
 @triton.jit
 def _kahan_add(total, comp, value):
     """Compensated ``total + value``: the K loop adds hundreds of steps, and the gates need the mixes to about
-    1e-7 relative (plain fp32 accumulation over K = 4H loses ~1e-6)."""
+    1e-7 relative (plain fp32 accumulation over K = 4H loses ~1e-6). A total that is no longer finite drops the
+    compensation (which would be inf - inf, NaN): an infinite sum stays infinite, as IEEE addition has it."""
     y = value - comp
     t = total + y
-    return t, (t - total) - y
+    return t, tl.where(tl.abs(t) < float("inf"), (t - total) - y, 0.0)
 
 
 # M and the loop counts are not specialised on (Triton would compile again for M == 1 or M % 16 == 0)

@@ -1,0 +1,63 @@
+"""bench/soak.py without a GPU: a short run on the torch backend and Triton's interpreter, and how a failure is
+reported (its reproducer replays the same call)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "soak.py"
+
+
+@pytest.fixture(scope="module")
+def soak():
+    spec = importlib.util.spec_from_file_location("soak", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = module  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["soak"]
+
+
+def test_short_soak_on_the_cpu(soak, capsys):
+    assert soak.main(["--seconds", "3", "--seed", "7", "--device", "cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "soak seed 7 on cpu: torch, triton"
+    last = lines[-1].split()
+    assert last[0] == "soak:" and last[2:] == ["calls,", "0", "failures"] and int(last[1]) >= 1, lines[-1]
+
+
+def test_draws_depend_only_on_the_seed(soak):
+    env_a, env_b = (soak.make_env("cpu", None, None) for _ in range(2))
+    draws = [[soak.draw_fused_hc(soak.call_rng(3, i), env) for i in range(30)] for env in (env_a, env_b)]
+    assert draws[0] == draws[1]
+    assert json.loads(json.dumps(draws[0])) == draws[0]  # a reproducer carries a draw as JSON
+    assert {d["backend"] for d in draws[0]} == {"torch", "triton"}
+
+
+def test_a_failure_is_reported_with_a_reproducer(soak, capsys, monkeypatch):
+    """A call off the contract: the soak goes on, prints the failure and a command that replays that very call, and
+    exits 1; the replay fails the same way."""
+    real = soak.OPS["mhc_fused_hc"]
+
+    def run(d, env):
+        if d["m"] % 2:
+            raise AssertionError(f"odd M = {d['m']}")
+        real.run(d, env)
+
+    monkeypatch.setitem(soak.OPS, "mhc_fused_hc", real._replace(run=run, draw=lambda rng, env: dict(
+        real.draw(rng, env), backend="torch", h=64)))
+    assert soak.main(["--seconds", "1.5", "--seed", "3", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    n, failures = int(out[-1].split()[1]), int(out[-1].split()[3])
+    assert 0 < failures < n
+    repro = [line for line in out if "reproduce:" in line]
+    assert len(repro) == failures
+    draw = json.loads(repro[0].split("--replay ", 1)[1].strip("'"))
+    assert draw["m"] % 2 == 1
+    assert soak.main(["--device", "cpu", "--replay", json.dumps(draw)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "soak: 1 calls, 1 failures"
+    draw["m"], draw["lead"] = 2, [2]
+    assert soak.main(["--device", "cpu", "--replay", json.dumps(draw)]) == 0
