@@ -82,7 +82,7 @@ class TailBigFuse(BigFuseKernel):
                                sinkhorn_warp=p.sinkhorn_warp, pair_sinkhorn=p.pair_sinkhorn)
 
     @cute.kernel
-    def kernel(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars):
+    def kernel(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, mPreOut):
         bidx, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         phase = self.phase
@@ -98,7 +98,7 @@ class TailBigFuse(BigFuseKernel):
             stamps[slot + 1] = cute.arch.globaltimer_lo()
             stamps[slot + 2] = Int32(cute.arch.clock64())
         phase.run(storage, bidx * phase.tokens, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars,
-                  norm_w)
+                  norm_w, mPreOut)
         cute.arch.sync_threads()
         if tidx == 0:
             stamps[slot + 7] = cute.arch.globaltimer_lo()
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
                                   s["hc_scale"], s["hc_base"], None, Scalars(sinkhorn_repeat=repeat), "fp32")
             out = problem.empty_outputs()
             fn(problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, problem.hc_scale,
-               problem.hc_base, None, *out, ws, None, *scalar_args(problem.scalars))
+               problem.hc_base, None, *out, ws, None, None, None, *scalar_args(problem.scalars))
 
         for s in sets[:2]:
             call(s)

@@ -400,7 +400,7 @@ class MmaFusedHcKernel:
     def consume(self, ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mPre, mResOut, mLayerIn, mPartials, tidx,
                 m_tile, split, blk_begin, n_blk):
         m_total = mResOut.shape[0]
-        ctx = self.consumer_setup(tiled_mma, sW, mPost, mComb, mPre, m_total, tidx, m_tile)
+        ctx = self.consumer_setup(tiled_mma, sW, mPost, mComb, m_total, tidx, m_tile, mPre)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for i in cutlass.range(n_blk, unroll=1):
             ab_pipeline.consumer_wait(state)
@@ -413,7 +413,7 @@ class MmaFusedHcKernel:
         self.store_partials(ctx, mPartials, split, m_tile, m_total)
 
     @cute.jit
-    def consumer_setup(self, tiled_mma, sW, mPost, mComb, mPre, m_total, tidx, m_tile) -> "_Consumer":
+    def consumer_setup(self, tiled_mma, sW, mPost, mComb, m_total, tidx, m_tile, mPre=None) -> "_Consumer":
         """A consumer thread's fragments, accumulators and mixing coefficients (``_Consumer``)."""
         wg = tidx // WG_THREADS
         wg_tid = tidx % WG_THREADS
@@ -461,7 +461,7 @@ class MmaFusedHcKernel:
 
     @cute.jit
     def project_block(self, ctx: "_Consumer", tiled_mma, sX, sRes, si, vec_in_row, wi, mResOut, blk, m_tile,
-                      m_total, mLayerIn):
+                      m_total, mLayerIn=None):
         """One 32-wide block of H: the thread's 8-vectors (``vec_in_row`` of its rows in the activation stage
         ``si``), the post-map into ``residual_cur`` (H block ``blk``), the squares and the A fragment, then the
         stage's MMAs against weight stage ``wi``, waited for (the A registers are rewritten next). The delayed
