@@ -18,6 +18,10 @@ Two ways in:
   two-launch paths (E in ``fma.py``, B in ``mma.py``) from their compiled call.
 
 Partials are summed in a fixed order (split s round-robin over warps, then warps in order): deterministic.
+
+The delayed seam (``delayed``, compile-time): kernel 1 already wrote the collapse with the carried gates (x1) to
+``layer_input`` and, with the norm, x1's sums of squares to partial column 25; the phase writes the gates (the pre
+gates too: ``pre_mix_cur``) and the Sinkhorn, and normalises ``layer_input`` in place (``norm_in_place``).
 """
 
 import os
