@@ -79,7 +79,7 @@ class TailBigFuse(BigFuseKernel):
     def __init__(self, reference: BigFuseKernel):
         p = reference.phase
         self.phase = TailPhase(p.hidden, p.split_k, p.tokens, p.threads, p.norm_dtype, p.batch,
-                               sinkhorn_warp=p.sinkhorn_warp, pair_sinkhorn=p.pair_sinkhorn)
+                               sinkhorn_warp=p.sinkhorn_warp, pair_sinkhorn=p.pair_sinkhorn, delayed=p.delayed)
 
     @cute.kernel
     def kernel(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, mPreOut):
@@ -107,9 +107,10 @@ class TailBigFuse(BigFuseKernel):
 class TailProbe(fma.FmaFusedHc):
     """Path E with ``TailBigFuse`` and a globaltimer stamp at the end of every kernel-1 CTA."""
 
-    def __init__(self, tactic, hidden, norm_dtype):
-        super().__init__(tactic, hidden, norm_dtype)
-        self.big_fuse = TailBigFuse(standalone_big_fuse(hidden, tactic.split_k, norm_dtype, tactic.fuse))
+    def __init__(self, tactic, hidden, norm_dtype, delayed=None):
+        super().__init__(tactic, hidden, norm_dtype, delayed)
+        self.big_fuse = TailBigFuse(standalone_big_fuse(hidden, tactic.split_k, norm_dtype, tactic.fuse,
+                                                        delayed is not None))
 
     @cute.jit
     def store_partials(self, m0, split, sRed, mPartials):
