@@ -10,8 +10,11 @@ same checkout (the file names carry a digest of the kernel sources and the CuTe 
 
 ``--session`` compiles every variant one device session reaches (``bench/device_session.sh``'s warm stage runs
 it): the GPU tests' default tactics over their grid (fp32 and tf32) and their explicit tactics (the big-fuse
-shapes, the warp-MMA tactics), the bench grid's defaults and the shipped tables' tactics, with and without the norm.
-About 400 variants, 15-20 minutes on a 2-core CPU machine; packed for the device (2-4 MB):
+shapes, the warp-MMA tactics), the bench grid's defaults and the shipped tables' tactics, with and without the norm;
+and the delayed seam's (``mhc_fused_hc_delayed``: tests/test_delayed.py's GPU grid and the bench grid, carried and
+identity gates, with and without the norm; ``--delayed`` compiles only those). About 400 + 490 variants: 15-20
+minutes on a 2-core CPU machine for the first, about as long again for the delayed ones (estimated from single
+compiles of 5-15 s); packed for the device (2-4 MB, more with the delayed ones):
 
     MHC_CUTE_KERNEL_CACHE=/tmp/kc python bench/precompile.py --session
     mkdir -p .kcarry && tar -C /tmp/kc -cJf .kcarry/kcache.tar.xz .   # carry=[".devbundle", ".kcarry"]
@@ -26,27 +29,45 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def split_specs(pairs, norms, precisions):
-    """(FMA specs, MMA specs) of (H, tactic) ``pairs``, each with every norm (and, for MMA, every precision)."""
+def split_specs(pairs, norms, precisions, seams=(None,)):
+    """(FMA specs, MMA specs) of (H, tactic) ``pairs``, each with every norm (and, for MMA, every precision) and
+    seam (None: ``mhc_fused_hc``; "carried" / "identity": the delayed seam's gates)."""
     from mhc_cute import tactics
 
     fma, mma = [], []
     for h, t in pairs:
         for norm in norms:
-            if t.path in tactics.FMA_PATHS:
-                fma.append((t.name, h, norm))
-            else:
-                mma += [(t.name, h, p, norm) for p in precisions]
+            for seam in seams:
+                tail = () if seam is None else (seam,)
+                if t.path in tactics.FMA_PATHS:
+                    fma.append((t.name, h, norm, *tail))
+                else:
+                    mma += [(t.name, h, p, norm, *tail) for p in precisions]
     return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
 
 
-def specs_for(backends, ms, hiddens, norms, precisions, sm_count):
+def specs_for(backends, ms, hiddens, norms, precisions, sm_count, seams=(None,)):
     """The default tactics of these backends at these M and H."""
     from mhc_cute import tactics
 
     pairs = [(h, tactics.default_tactic(b, m, h, sm_count)) for h in hiddens for m in ms for b in backends
              if b in tactics.FMA_PATHS + tactics.MMA_PATHS]
-    return split_specs(pairs, norms, precisions)
+    return split_specs(pairs, norms, precisions, seams)
+
+
+def delayed_session_specs(sm_count):
+    """(FMA specs, MMA specs) of the delayed seam's variants a device session reaches: tests/test_delayed.py's GPU
+    grid (and its M = 4096 and 33-token cases) and ``mhc-cute bench --delayed``'s grid at H = 4096, 5120, 7168."""
+    sys.path[:0] = [os.path.join(HERE, "..", "tests")]
+    from test_delayed import GPU_HS, GPU_MS
+
+    from mhc_cute import tactics
+    from mhc_cute.benchmark import BENCH_MS
+
+    ms = sorted(set(GPU_MS) | set(BENCH_MS) | {33, 4096})
+    hiddens = sorted(set(GPU_HS) | {4096, 5120, 7168})
+    return specs_for(tactics.FMA_PATHS + tactics.MMA_PATHS, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count,
+                     ("carried", "identity"))
 
 
 def tune_specs(backends, ms, hiddens, norms, precisions, sm_count):
@@ -89,6 +110,8 @@ def session_specs(sm_count):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--session", action="store_true", help="every variant of a device session (no --m/--hidden)")
+    ap.add_argument("--delayed", action="store_true",
+                    help="the delayed seam's variants: alone, or with --m/--hidden those of the default tactics there")
     ap.add_argument("--tune", action="store_true", help="the tuner's candidates at --m/--hidden, not the defaults")
     ap.add_argument("--m", type=int, nargs="+")
     ap.add_argument("--hidden", type=int, nargs="+")
@@ -101,14 +124,21 @@ def main() -> int:
     if not os.environ.get("MHC_CUTE_KERNEL_CACHE"):
         print("set MHC_CUTE_KERNEL_CACHE to the folder to fill", file=sys.stderr)
         return 2
-    if args.session:
-        fma_specs, mma_specs = session_specs(args.sm_count)
+    if args.session or (args.delayed and not (args.m or args.hidden)):
+        fma_specs, mma_specs = delayed_session_specs(args.sm_count)
+        if not args.delayed:
+            v4 = session_specs(args.sm_count)
+            fma_specs, mma_specs = v4[0] + fma_specs, v4[1] + mma_specs
     elif args.m and args.hidden:
         norms = {"off": [None], "on": ["bfloat16"], "both": [None, "bfloat16"]}[args.norm]
-        specs = tune_specs if args.tune else specs_for
-        fma_specs, mma_specs = specs(args.backends, args.m, args.hidden, norms, args.precision, args.sm_count)
+        if args.delayed:
+            fma_specs, mma_specs = specs_for(args.backends, args.m, args.hidden, norms, args.precision,
+                                             args.sm_count, ("carried", "identity"))
+        else:
+            specs = tune_specs if args.tune else specs_for
+            fma_specs, mma_specs = specs(args.backends, args.m, args.hidden, norms, args.precision, args.sm_count)
     else:
-        ap.error("give --session, or --m and --hidden")
+        ap.error("give --session, --delayed, or --m and --hidden")
     from mhc_cute.kernels import fma, mma
 
     jobs = [("FMA", fma, fma_specs), ("MMA", mma, mma_specs)]

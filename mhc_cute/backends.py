@@ -49,6 +49,11 @@ def _every_form(entry: str) -> tuple:
     return tuple(((op, form), entry) for op in OPS for form in SEAM_FORMS if (op, form) != ("fused_hc", "regular"))
 
 
+def _delayed_regular(entry: str) -> tuple:
+    """``entry`` for mhc_fused_hc_delayed's regular form (the kernels take the seam as a compile-time flag)."""
+    return ((("fused_hc_delayed", "regular"), entry),)
+
+
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
@@ -58,13 +63,17 @@ BACKENDS: dict[str, Backend] = {
                 "Triton main + reduce kernels (ROCm gfx950 design; NVIDIA; CPU interpreter)", 64,
                 entries=_every_form("mhc_cute.triton.fused_hc:run")),
         Backend("half_fma", "mhc_cute.kernels.fma:run_half_fma", "cute",
-                "path E: CuTe DSL, FFMA projection + big-fuse kernel (2 launches)", 64),
+                "path E: CuTe DSL, FFMA projection + big-fuse kernel (2 launches)", 64,
+                entries=_delayed_regular("mhc_cute.kernels.fma:run_half_fma")),
         Backend("all_fma", "mhc_cute.kernels.fma:run_all_fma", "cute",
-                "path F: CuTe DSL, FFMA projection, last-CTA big fuse (1 launch)", 64),
+                "path F: CuTe DSL, FFMA projection, last-CTA big fuse (1 launch)", 64,
+                entries=_delayed_regular("mhc_cute.kernels.fma:run_all_fma")),
         Backend("half_mma", "mhc_cute.kernels.mma:run_half_mma", "cute",
-                "path B: CuTe DSL, TF32 wgmma projection + big-fuse kernel (2 launches)", 64),
+                "path B: CuTe DSL, TF32 wgmma projection + big-fuse kernel (2 launches)", 64,
+                entries=_delayed_regular("mhc_cute.kernels.mma:run_half_mma")),
         Backend("all_mma", "mhc_cute.kernels.mma:run_all_mma", "cute",
-                "path D: CuTe DSL, TF32 wgmma projection, last-CTA big fuse (1 launch)", 64),
+                "path D: CuTe DSL, TF32 wgmma projection, last-CTA big fuse (1 launch)", 64,
+                entries=_delayed_regular("mhc_cute.kernels.mma:run_all_mma")),
     )
 }
 
@@ -162,7 +171,8 @@ def pick_auto(device: torch.device, m: int, hidden: int) -> str:
 
 def pick_auto_for(device: torch.device, m: int, hidden: int, op: str, form: str) -> str:
     """``backend="auto"`` for an (op, form) other than mhc_fused_hc's regular one (no tuned table yet): the order of
-    ``pick_auto``, among the backends that implement it."""
+    ``pick_auto``, among the backends that implement it (on Hopper the CuTe paths E and B for the delayed seam's
+    regular form, Triton for the entry forms)."""
     if device.type == "cuda" and hidden % 64 == 0:
         if _is_rocm():
             order = ("triton",)

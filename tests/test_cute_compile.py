@@ -573,3 +573,42 @@ def test_collapse_shape_covers_the_row_in_one_batch(hidden):
     phase = CollapseKernel(hidden, None).phase
     assert phase.batches == 1 and phase.slots <= BATCH and phase.keep_rounded
     assert phase.threads * phase.slots * 8 >= hidden
+
+
+# --- the delayed seam (mhc_fused_hc_delayed): the same kernels with its compile-time flag -------------------------
+
+# (family, tactic, H, norm, seam): both families, one- and two-launch paths, norm on and off, carried and identity
+# gates, the FFMA and warp-MMA projections and both big-fuse shapes of the two-launch paths
+DELAYED_VARIANTS = [
+    ("fma", "half_fma:k8:t32:n6:w256:s1:b1:flat:mma:o1", 512, "bfloat16", "carried"),
+    ("fma", "all_fma:k8:t8:n6:w256:s1:b1:fbw", 512, None, "identity"),
+    ("mma", "all_mma:k2:m64:s4:fbw", 512, "float32", "carried"),
+    ("mma", "half_mma:k16:m64:s5:flat", 512, None, "identity"),
+]
+
+
+@pytest.mark.parametrize("family, tactic, hidden, norm, seam", DELAYED_VARIANTS,
+                         ids=[f"{v[1].split(':')[0]}-{v[3]}-{v[4]}" for v in DELAYED_VARIANTS])
+def test_delayed_variants_compile(family, tactic, hidden, norm, seam):
+    from mhc_cute.kernels import fma, mma, spec_problem
+
+    problem = spec_problem(hidden, "fp32", norm, seam)
+    assert problem.op == "fused_hc_delayed" and (problem.pre_mix is None) == (seam == "identity")
+    compile_fn = fma.compile_fma if family == "fma" else mma.compile_mma
+    assert compile_fn(tac.parse_tactic(tactic), problem, problem.empty_outputs()) is not None  # running needs a GPU
+
+
+def test_compiled_kernels_are_keyed_by_the_seam(monkeypatch):
+    """mhc_fused_hc and the delayed seam's carried and identity gates are three compiled kernels of one tactic."""
+    from mhc_cute.kernels import fma, mma, spec_problem
+
+    for module, compile_name, compiled, tactic in (
+            (fma, "compile_fma", fma.compiled_fma, tac.parse_tactic("all_fma:k8:t8:n6:w256:s1:b1:fbw")),
+            (mma, "compile_mma", mma.compiled_mma, tac.parse_tactic("all_mma:k2:m64:s4:fbw"))):
+        monkeypatch.setattr(module, "_compiled", type(module._compiled)("test"))
+        monkeypatch.setattr(module, compile_name, lambda tactic, problem, out: object())
+        fns = [compiled(tactic, p, p.empty_outputs()) for seam in (None, "carried", "identity")
+               for p in [spec_problem(512, "fp32", None, seam)]]
+        assert len({id(f) for f in fns}) == 3
+        p = spec_problem(512, "fp32", None, "carried")
+        assert compiled(tactic, p, p.empty_outputs()) is fns[1]

@@ -312,12 +312,30 @@ def test_v4_seam_refuses_carried_gates_and_half_posts():
 
 
 def test_backend_without_the_form_is_refused():
-    inputs = make_inputs(5, 64, pre="carried")
-    missing = [n for n, b in backends.BACKENDS.items() if b.entry_for("fused_hc_delayed", "regular") is None]
+    inputs = make_inputs(5, 64, form="broadcast", pre="identity")
+    missing = [n for n, b in backends.BACKENDS.items() if b.entry_for("fused_hc_delayed", "broadcast") is None]
+    assert missing  # the CuTe paths run the regular form only
     for name in missing:
         with pytest.raises(ValueError, match=rf"mhc_fused_hc_delayed: backend '{name}' does not implement"):
             mhc_fused_hc_delayed(**inputs, backend=name)
     assert "torch" in backends.available(torch.device("cpu"), "fused_hc_delayed", "broadcast")
+
+
+def test_cute_paths_run_the_delayed_seam():
+    for name in ("half_fma", "all_fma", "half_mma", "all_mma"):
+        b = backends.BACKENDS[name]
+        assert b.entry_for("fused_hc_delayed", "regular") == b.entry
+        assert b.entry_for("fused_hc_delayed", "no_post") is None
+
+
+def test_auto_on_hopper_prefers_the_cute_paths_for_the_delayed_seam(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, d: None)
+    dev = torch.device("cuda", 0)
+    picks = [backends.pick_auto_for(dev, m, 5120, "fused_hc_delayed", "regular") for m in (1, 128, 129, 8192)]
+    assert picks == ["half_fma", "half_fma", "half_mma", "half_mma"]
+    # the entry forms: the CuTe paths do not run them
+    assert backends.pick_auto_for(dev, 1, 5120, "fused_hc_delayed", "broadcast") == "triton"
 
 
 @pytest.mark.parametrize("pre", [None, "carried"])

@@ -79,10 +79,10 @@ class TailBigFuse(BigFuseKernel):
     def __init__(self, reference: BigFuseKernel):
         p = reference.phase
         self.phase = TailPhase(p.hidden, p.split_k, p.tokens, p.threads, p.norm_dtype, p.batch,
-                               sinkhorn_warp=p.sinkhorn_warp, pair_sinkhorn=p.pair_sinkhorn)
+                               sinkhorn_warp=p.sinkhorn_warp, pair_sinkhorn=p.pair_sinkhorn, delayed=p.delayed)
 
     @cute.kernel
-    def kernel(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars):
+    def kernel(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, mPreOut):
         bidx, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         phase = self.phase
@@ -98,7 +98,7 @@ class TailBigFuse(BigFuseKernel):
             stamps[slot + 1] = cute.arch.globaltimer_lo()
             stamps[slot + 2] = Int32(cute.arch.clock64())
         phase.run(storage, bidx * phase.tokens, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars,
-                  norm_w)
+                  norm_w, mPreOut)
         cute.arch.sync_threads()
         if tidx == 0:
             stamps[slot + 7] = cute.arch.globaltimer_lo()
@@ -107,9 +107,10 @@ class TailBigFuse(BigFuseKernel):
 class TailProbe(fma.FmaFusedHc):
     """Path E with ``TailBigFuse`` and a globaltimer stamp at the end of every kernel-1 CTA."""
 
-    def __init__(self, tactic, hidden, norm_dtype):
-        super().__init__(tactic, hidden, norm_dtype)
-        self.big_fuse = TailBigFuse(standalone_big_fuse(hidden, tactic.split_k, norm_dtype, tactic.fuse))
+    def __init__(self, tactic, hidden, norm_dtype, delayed=None):
+        super().__init__(tactic, hidden, norm_dtype, delayed)
+        self.big_fuse = TailBigFuse(standalone_big_fuse(hidden, tactic.split_k, norm_dtype, tactic.fuse,
+                                                        delayed is not None))
 
     @cute.jit
     def store_partials(self, m0, split, sRed, mPartials):
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
                                   s["hc_scale"], s["hc_base"], None, Scalars(sinkhorn_repeat=repeat), "fp32")
             out = problem.empty_outputs()
             fn(problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, problem.hc_scale,
-               problem.hc_base, None, *out, ws, None, *scalar_args(problem.scalars))
+               problem.hc_base, None, *out, ws, None, None, None, *scalar_args(problem.scalars))
 
         for s in sets[:2]:
             call(s)

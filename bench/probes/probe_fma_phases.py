@@ -50,7 +50,7 @@ class PhaseProbe(fma.FmaFusedHc):
             fma.FmaFusedHc.load_weights(self, weights, mFn, row0, row_step, fn_quad)
 
     @cute.jit
-    def post_map(self, m0, h0, coefs: cute.Tensor, mX, mRes, mResCur, sAct: cute.Tensor):
+    def post_map(self, m0, h0, coefs: cute.Tensor, mX, mRes, mResCur, sAct: cute.Tensor, mLayerIn, x1_sumsq):
         if cutlass.const_expr("post" in self.SKIP):
             tidx, _, _ = cute.arch.thread_idx()
             for r in cutlass.range_constexpr(self.post_rounds):
@@ -60,7 +60,7 @@ class PhaseProbe(fma.FmaFusedHc):
                     for j in cutlass.range_constexpr(fma.HC_MULT):
                         cute.local_tile(sAct[t, j, None], (8,), (o,)).fill(Float32(task + h0) * Float32(1e-3))
         else:
-            fma.FmaFusedHc.post_map(self, m0, h0, coefs, mX, mRes, mResCur, sAct)
+            fma.FmaFusedHc.post_map(self, m0, h0, coefs, mX, mRes, mResCur, sAct, mLayerIn, x1_sumsq)
 
     @cute.jit
     def write_partials(self, m0, split, acc: cute.Tensor, sumsq: cute.Tensor, sRed: cute.Tensor,

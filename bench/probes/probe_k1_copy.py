@@ -35,8 +35,8 @@ class CopyOnlyKernel(mma.MmaFusedHcKernel):
     """Kernel 1 whose consumers only copy the stage's residual tile out (same rows, streams and vectors)."""
 
     @cute.jit
-    def consume(self, ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mResOut, mPartials, tidx, m_tile, split,
-                blk_begin, n_blk):
+    def consume(self, ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mPre, mResOut, mLayerIn, mPartials, tidx,
+                m_tile, split, blk_begin, n_blk):
         m_total = mResOut.shape[0]
         wg, wg_tid, lane = tidx // MMA_WG_THREADS, tidx % MMA_WG_THREADS, tidx % 32
         quad = lane % 4
@@ -67,7 +67,7 @@ def compile_variant(make_kernel, problem, out):
     weight, = fake_tensors(torch.empty(h // MMA_BLOCK_H, HC_MULT, kernel.n, MMA_BLOCK_H))
     scale, base = fake_tensors(problem.hc_scale, problem.hc_base, align=4)
     return compile_kernel(kernel, *tokens, weight, scale, base, None, *fake_tensors(*out, tokens=m),
-                          fake_buffer(Float32), fake_buffer(Int32))
+                          fake_buffer(Float32), fake_buffer(Int32), None, None)
 
 
 def launcher(tactic, problem, make_kernel):
@@ -82,7 +82,7 @@ def launcher(tactic, problem, make_kernel):
         parts = ws.partials(tactic.split_k * p.m * PARTIAL_COLS)
         counters = ws.counters(-(-p.m // tactic.tile_m))
         fn(p.x, p.residual, p.post_mix, p.comb_mix, mma.cached_weight(p.fn, p.precision), p.hc_scale, p.hc_base,
-           p.norm_weight, *out, parts, counters, *scalar_args(p.scalars))
+           p.norm_weight, *out, parts, counters, None, None, *scalar_args(p.scalars))
         return out
     return call
 

@@ -58,6 +58,7 @@ class WideBoxKernel(mma.MmaFusedHcKernel):
     def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor, mW: cute.Tensor,
                  mScale: cute.Tensor, mBase: cute.Tensor, mNormW, mResOut: cute.Tensor, mPostOut: cute.Tensor,
                  mCombOut: cute.Tensor, mLayerIn: cute.Tensor, workspace: cute.Tensor, counters: cute.Tensor,
+                 mPre, mPreCur,  # kernel 1's arguments of the delayed seam: None here (mhc_fused_hc only)
                  rms_eps: Float32, hc_pre_eps: Float32, hc_sinkhorn_eps: Float32, hc_post_mult_value: Float32,
                  sinkhorn_repeat: Int32, norm_eps: Float32, stream):
         tile_m, wide, raw_stages, stages = self.tile_m, self.wide, self.raw_stages, self.stages

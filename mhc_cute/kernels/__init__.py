@@ -197,8 +197,17 @@ def resolve_tactic(path: str, tactic, problem, tactic_type, parse, default):
     return tactic
 
 
-def spec_problem(hidden: int, precision: str, norm: str | None):
-    """A one-token CPU ``Problem`` with the dtypes of a variant: enough to compile it (no GPU needed)."""
+def delayed_mode(problem) -> str | None:
+    """The compile-time seam flag of a problem: None (``mhc_fused_hc``), or for ``mhc_fused_hc_delayed``
+    ``"carried"`` (the collapse with ``pre_mix_prev``) or ``"identity"`` (``pre_mix_prev`` None: stream 0)."""
+    if not problem.delayed:
+        return None
+    return "identity" if problem.pre_mix is None else "carried"
+
+
+def spec_problem(hidden: int, precision: str, norm: str | None, delayed: str | None = None):
+    """A one-token CPU ``Problem`` with the dtypes of a variant (``delayed``: as ``delayed_mode`` names it): enough
+    to compile it (no GPU needed)."""
     import torch
 
     from ..problem import Problem, Scalars
@@ -206,11 +215,25 @@ def spec_problem(hidden: int, precision: str, norm: str | None):
 
     bf16 = torch.bfloat16
     norm_weight = None if norm is None else torch.empty(hidden, dtype=getattr(torch, norm.removeprefix("torch.")))
+    pre_mix = torch.empty(1, HC_MULT) if delayed == "carried" else None
     return Problem(
         torch.empty(1, hidden, dtype=bf16), torch.empty(1, HC_MULT, hidden, dtype=bf16), torch.empty(1, HC_MULT),
         torch.empty(1, HC_MULT, HC_MULT), torch.empty(N_MIXES, HC_MULT * hidden), torch.empty(3),
-        torch.empty(N_MIXES), norm_weight, Scalars(), precision,
+        torch.empty(N_MIXES), norm_weight, Scalars(), precision, pre_mix, delayed is not None,
     )
+
+
+def seam_fakes(problem, out, tokens) -> tuple:
+    """The fake ``pre_mix_prev`` and ``pre_mix_cur`` a kernel of the delayed seam is compiled against (None, None
+    for ``mhc_fused_hc``; ``pre_mix_prev`` None for the identity)."""
+    if not problem.delayed:
+        return None, None
+    return tuple(fake_tensors(problem.pre_mix, out.pre_mix_cur, tokens=tokens))
+
+
+def seam_args(problem, out) -> tuple:
+    """The runtime ``pre_mix_prev`` and ``pre_mix_cur`` arguments (see ``seam_fakes``)."""
+    return (problem.pre_mix, out.pre_mix_cur) if problem.delayed else (None, None)
 
 
 def compile_in_processes(worker, specs, processes: int | None = None) -> list:

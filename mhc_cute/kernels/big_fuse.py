@@ -18,6 +18,10 @@ Two ways in:
   two-launch paths (E in ``fma.py``, B in ``mma.py``) from their compiled call.
 
 Partials are summed in a fixed order (split s round-robin over warps, then warps in order): deterministic.
+
+The delayed seam (``delayed``, compile-time): kernel 1 already wrote the collapse with the carried gates (x1) to
+``layer_input`` and, with the norm, x1's sums of squares to partial column 25; the phase writes the gates (the pre
+gates too: ``pre_mix_cur``) and the Sinkhorn, and normalises ``layer_input`` in place (``norm_in_place``).
 """
 
 import os
@@ -34,6 +38,7 @@ from ..tactics import HC_MULT, N_MIXES, PARTIAL_COLS  # noqa: E402
 from . import device_utils as du  # noqa: E402
 
 SUMSQ_COL = N_MIXES  # column of the sum of squares in a partial row
+X1_SUMSQ_COL = SUMSQ_COL + 1  # the delayed seam with the norm: the sum of squares of the bf16 collapse x1
 SCALE_AT = N_MIXES  # hc_scale's place in the constants (after hc_base)
 SOFTMAX_LANES = HC_MULT * HC_MULT  # lanes per token of the Sinkhorn warp's lane-parallel softmax
 COLLAPSE_BARRIER = 1  # named barrier of the collapse warps when the Sinkhorn has a warp of its own
@@ -71,7 +76,8 @@ class BigFusePhase:
     """
 
     def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4,
-                 sinkhorn_last: bool = False, sinkhorn_warp: bool = False, pair_sinkhorn: bool = False):
+                 sinkhorn_last: bool = False, sinkhorn_warp: bool = False, pair_sinkhorn: bool = False,
+                 delayed: bool = False):
         assert hidden % du.VEC_BF16 == 0 and threads % du.WARP == 0 and tokens <= threads
         self.hidden = hidden
         self.split_k = split_k
@@ -79,6 +85,9 @@ class BigFusePhase:
         self.threads = threads
         self.warps = threads // du.WARP
         self.norm_dtype = norm_dtype  # None, BFloat16 or Float32 (compile-time)
+        # the delayed seam (``finish``): no collapse (kernel 1 wrote x1 to layer_input, and with the norm its sum of
+        # squares to partial column ``X1_SUMSQ_COL``); the pre gates are an output, and the norm runs in place
+        self.delayed = delayed
         # ``sinkhorn_warp``: the last warp runs the Sinkhorn and no collapse, so that no collapse work waits behind
         # that chain (else the first warp's collapse starts after it), and the post gates leave it for the collapse
         self.sinkhorn_warp = sinkhorn_warp
@@ -102,9 +111,10 @@ class BigFusePhase:
         self.collapse_threads = collapse_warps * du.WARP
         # with the norm, the rounded collapse is kept in registers for the second pass when it fits, else it
         # is stored (bf16, exact) and read back by the same thread
-        self.keep_rounded = self.slots <= 8 and self.batches <= 2  # (compile-time slot indices)
+        slots_static = self.slots <= 8 and self.batches <= 2  # (compile-time slot indices)
+        self.keep_rounded = slots_static and not delayed
         # then the thread's norm-weight vectors (the same for every token) also stay in registers, loaded first
-        self.prefetch_norm = norm_dtype is not None and self.keep_rounded
+        self.prefetch_norm = norm_dtype is not None and slots_static
 
     def smem_bytes(self) -> int:
         return 4 * (self.warps * self.tokens * PARTIAL_COLS + self.tokens * PARTIAL_COLS + self.warps + 32) + 64
@@ -143,9 +153,10 @@ class BigFusePhase:
         mCombOut: cute.Tensor,
         mLayerIn: cute.Tensor,
         scalars: BigFuseScalars,
+        mPreOut=None,
     ):
         norm_w = self.prefetch(storage, mScale, mBase, mNormW)
-        self.run(storage, m0, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, norm_w)
+        self.run(storage, m0, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, norm_w, mPreOut)
 
     @cute.jit
     def prefetch(self, storage: BigFuseStorage, mScale: cute.Tensor, mBase: cute.Tensor, mNormW):
@@ -167,9 +178,10 @@ class BigFusePhase:
         mLayerIn: cute.Tensor,
         scalars: BigFuseScalars,
         norm_w=None,
+        mPreOut=None,
     ):
         """The phase after ``prefetch`` (its first barrier publishes the constants); ``norm_w``: what ``prefetch``
-        returned.
+        returned; ``mPreOut``: the delayed seam's ``pre_mix_cur`` [M, 4].
 
         Each barrier instruction is reached by exactly the threads it counts. With ``sinkhorn_warp`` the collapse
         warps sum the partials among themselves (``collapse_barrier``) and then signal ``MIXES_READY``, which the last
@@ -182,18 +194,18 @@ class BigFusePhase:
                 self.sinkhorn(storage, m0, mCombOut, scalars)
             else:
                 self.sum_and_collapse(storage, m0, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars,
-                                      norm_w)
+                                      norm_w, mPreOut)
         else:
             self.sum_and_collapse(storage, m0, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars,
-                                  norm_w)
+                                  norm_w, mPreOut)
 
     @cute.jit
     def sum_and_collapse(self, storage: BigFuseStorage, m0: Int32, mPartials: cute.Tensor, mNormW,
                          mResCur: cute.Tensor, mPostOut: cute.Tensor, mCombOut: cute.Tensor, mLayerIn: cute.Tensor,
-                         scalars: BigFuseScalars, norm_w):
-        """``sum_partials`` then ``collapse``, by the threads that collapse."""
+                         scalars: BigFuseScalars, norm_w, mPreOut):
+        """``sum_partials`` then ``finish``, by the threads that collapse."""
         first = None
-        if cutlass.const_expr(self.batches <= 2):
+        if cutlass.const_expr(self.batches <= 2 and not self.delayed):
             # residual_cur does not depend on the partials: the first batch of the collapse loads while the
             # partials are summed (two memory round trips overlap)
             gtid, _, row = self.round_token(0, m0, mLayerIn.shape[0])
@@ -201,7 +213,7 @@ class BigFusePhase:
         self.sum_partials(storage, m0, mPartials)
         if cutlass.const_expr(self.sinkhorn_warp):
             du.named_barrier_arrive(MIXES_READY, self.threads)
-        self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
+        self.finish(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w, mPreOut)
 
     @cute.jit
     def round_token(self, r, m0: Int32, m_total):
@@ -257,6 +269,40 @@ class BigFusePhase:
         return du.rsqrt(mean_sq + rms_eps)
 
     @cute.jit
+    def finish(self, storage: BigFuseStorage, m0: Int32, mNormW, mResCur: cute.Tensor, mPostOut: cute.Tensor,
+               mCombOut: cute.Tensor, mLayerIn: cute.Tensor, scalars: BigFuseScalars, first, norm_w, mPreOut):
+        """The work after the partials are summed, by the threads that collapse: ``collapse`` (the V4 seam), or
+        ``norm_in_place`` (the delayed seam)."""
+        if cutlass.const_expr(self.delayed):
+            self.norm_in_place(storage, m0, mNormW, mPostOut, mCombOut, mLayerIn, mPreOut, scalars, norm_w)
+        else:
+            self.collapse(storage, m0, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, first, norm_w)
+
+    @cute.jit
+    def norm_in_place(self, storage: BigFuseStorage, m0: Int32, mNormW, mPostOut: cute.Tensor, mCombOut: cute.Tensor,
+                      mLayerIn: cute.Tensor, mPreOut: cute.Tensor, scalars: BigFuseScalars, norm_w):
+        """The delayed seam's phase (SPEC "V4.1: the delayed seam"): the post and pre gates (``post_gates``), the
+        Sinkhorn (unless its warp runs it), and with the norm ``layer_input = bf16(x1 * r * w)`` in place, x1 being
+        kernel 1's collapse already in ``layer_input`` and r from its sum of squares (``X1_SUMSQ_COL``): no row
+        reduction here, and each element is read and written by the same thread (``normalise_batch``)."""
+        self.post_gates(storage, m0, mPostOut, scalars, mPreOut)
+        if cutlass.const_expr(self.norm_dtype is not None):
+            for r in cutlass.range_constexpr(self.rounds):
+                gtid, valid, tc = self.round_token(r, m0, mLayerIn.shape[0])
+                if valid:
+                    mean_sq = storage.mixes[tc, X1_SUMSQ_COL] * Float32(1.0 / self.hidden)
+                    r_norm = du.rsqrt(mean_sq + scalars.norm_eps)
+                    row_out = du.token_row(mLayerIn, m0 + tc)
+                    if cutlass.const_expr(self.batches <= 2):
+                        for b in cutlass.range_constexpr(self.batches):
+                            self.normalise_batch(b, gtid, r_norm, mNormW, row_out, None, norm_w)
+                    else:
+                        for b in cutlass.range(self.batches, unroll=1):
+                            self.normalise_batch(b, gtid, r_norm, mNormW, row_out, None, None)
+        if cutlass.const_expr(not self.sinkhorn_warp):
+            self.sinkhorn(storage, m0, mCombOut, scalars)
+
+    @cute.jit
     def collapse(
         self,
         storage: BigFuseStorage,
@@ -281,7 +327,7 @@ class BigFusePhase:
             sumsq = Float32(0.0)
             rounded = cute.make_rmem_tensor((self.slots if self.keep_rounded else 1, du.VEC_BF16), Float32)
             rstd = self.rstd(storage, tc, scalars.rms_eps)
-            pre = [du.sigmoid(self.mix(storage, tc, j, rstd, 0)) + scalars.hc_pre_eps for j in range(HC_MULT)]
+            pre = [self.pre_gate(storage, tc, j, rstd, scalars) for j in range(HC_MULT)]
             row_res, row_out = du.token_row(mResCur, m0 + tc), du.token_row(mLayerIn, m0 + tc)
             if cutlass.const_expr(self.batches <= 2):
                 for b in cutlass.range_constexpr(self.batches):
@@ -385,10 +431,10 @@ class BigFusePhase:
                 if cutlass.const_expr(self.keep_rounded):  # slots <= 8: b and u are compile-time
                     if cutlass.const_expr(u < self.slots):
                         li[i, None].store(rounded[u, None].load())
-                else:  # this thread's own unnormalised store (exact: already rounded)
+                else:  # this thread's own unnormalised store (exact: already rounded), or kernel 1's x1 (delayed)
                     li[i, None].store(du.load_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (o,))))
                 src = cute.local_tile(mNormW, (du.VEC_BF16,), (o,))
-                if cutlass.const_expr(norm_w is not None):  # prefetch_norm implies keep_rounded: u is compile-time
+                if cutlass.const_expr(norm_w is not None):  # prefetched: slots <= 8 and batches <= 2, u compile-time
                     if cutlass.const_expr(u < self.slots):
                         w[i, None].store(norm_w[u, None].load().to(Float32))
                 elif cutlass.const_expr(self.norm_dtype is BFloat16):
@@ -429,20 +475,30 @@ class BigFusePhase:
         return storage.mixes[t, c] * rstd * storage.constants[SCALE_AT + group] + storage.constants[c]
 
     @cute.jit
+    def pre_gate(self, storage: BigFuseStorage, t, j, rstd: Float32, scalars: BigFuseScalars) -> Float32:
+        """SPEC step 4's pre gate ``j`` of token ``t``."""
+        return du.sigmoid(self.mix(storage, t, j, rstd, 0)) + scalars.hc_pre_eps
+
+    @cute.jit
     def post_gate(self, storage: BigFuseStorage, t, j, rstd: Float32, scalars: BigFuseScalars) -> Float32:
         """SPEC step 4's post gate ``j`` of token ``t``."""
         return du.sigmoid(self.mix(storage, t, HC_MULT + j, rstd, 1)) * scalars.hc_post_mult_value
 
     @cute.jit
-    def post_gates(self, storage: BigFuseStorage, m0: Int32, mPostOut: cute.Tensor, scalars: BigFuseScalars):
-        """The block's post gates, one per collapse thread (looping when the block has more): called once by
-        every collapse thread, while a batch of the collapse loads, so the gates' chain (rstd, a sigmoid) overlaps
-        those loads and stays off the Sinkhorn's, which ends the call."""
+    def post_gates(self, storage: BigFuseStorage, m0: Int32, mPostOut: cute.Tensor, scalars: BigFuseScalars,
+                   mPreOut=None):
+        """The block's post gates (and, given ``mPreOut``, the pre gates: the delayed seam's ``pre_mix_cur``), one
+        gate index per collapse thread (looping when the block has more): called once by every collapse thread,
+        while a batch of the collapse loads, so the gates' chain (rstd, a sigmoid) overlaps those loads and stays
+        off the Sinkhorn's, which ends the call."""
         tidx, _, _ = cute.arch.thread_idx()
         for base in cutlass.range_constexpr(0, self.tokens * HC_MULT, self.collapse_threads):
             t, j = (base + tidx) // HC_MULT, (base + tidx) % HC_MULT
             if t < self.tokens and m0 + t < mPostOut.shape[0]:
-                mPostOut[m0 + t, j] = self.post_gate(storage, t, j, self.rstd(storage, t, scalars.rms_eps), scalars)
+                rstd = self.rstd(storage, t, scalars.rms_eps)
+                mPostOut[m0 + t, j] = self.post_gate(storage, t, j, rstd, scalars)
+                if cutlass.const_expr(mPreOut is not None):
+                    mPreOut[m0 + t, j] = self.pre_gate(storage, t, j, rstd, scalars)
 
     @cute.jit
     def sinkhorn(self, storage: BigFuseStorage, m0: Int32, mCombOut: cute.Tensor, scalars: BigFuseScalars):
@@ -505,6 +561,12 @@ def flat_outputs(hidden: int, m, residual_cur, post_mix_cur, comb_mix_cur, layer
     )
 
 
+def gate_rows(m, gates):
+    """``[M, 4]`` row-per-token view of per-token gates (``pre_mix_prev``, ``pre_mix_cur``); None stays None (host
+    side of a jit)."""
+    return None if gates is None else cute.make_tensor(gates.iterator, du.row_major(m, HC_MULT))
+
+
 def partials_view(workspace, split_k: int, m):
     """``[split_k, M, 32]`` fp32 over the start of the flat workspace buffer (host side of a jit)."""
     return cute.make_tensor(workspace.iterator, du.row_major(split_k, m, PARTIAL_COLS))
@@ -514,21 +576,24 @@ class BigFuseKernel:
     """Standalone big fuse: one CTA of ``threads`` threads per block of ``tokens`` tokens."""
 
     def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4,
-                 sinkhorn_warp: bool = False, pair_sinkhorn: bool = False):
+                 sinkhorn_warp: bool = False, pair_sinkhorn: bool = False, delayed: bool = False):
         self.phase = BigFusePhase(hidden, split_k, tokens, threads, norm_dtype, batch, sinkhorn_warp=sinkhorn_warp,
-                                  pair_sinkhorn=pair_sinkhorn)
+                                  pair_sinkhorn=pair_sinkhorn, delayed=delayed)
 
     @cute.jit
-    def launch(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, stream):
-        """Launch on flattened tensors (see ``flat_outputs``, ``partials_view``); callable from another jit."""
+    def launch(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, stream,
+               mPreOut=None):
+        """Launch on flattened tensors (see ``flat_outputs``, ``partials_view``, ``gate_rows``); callable from
+        another jit."""
         m = mResCur.shape[0]
         phase = self.phase
-        self.kernel(mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars).launch(
+        self.kernel(mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, mPreOut).launch(
             grid=[cute.ceil_div(m, phase.tokens), 1, 1], block=[phase.threads, 1, 1], stream=stream, use_pdl=True
         )
 
     @cute.kernel
-    def kernel(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars: BigFuseScalars):
+    def kernel(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars: BigFuseScalars,
+               mPreOut):
         bidx, _, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()
         storage = self.phase.allocate(smem)
@@ -538,11 +603,12 @@ class BigFuseKernel:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()  # the next kernel (next call's kernel 1) may start its prologue
         phase.run(storage, bidx * phase.tokens, mPartials, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars,
-                  norm_w)
+                  norm_w, mPreOut)
 
 
-def standalone_big_fuse(hidden: int, split_k: int, norm_dtype, fuse: str) -> BigFuseKernel:
-    """The big-fuse kernel of the two-launch paths (E, B): one token per CTA, shaped by ``fuse`` (see
+def standalone_big_fuse(hidden: int, split_k: int, norm_dtype, fuse: str, delayed: bool = False) -> BigFuseKernel:
+    """The big-fuse kernel of the two-launch paths (E, B) (``delayed``: of the delayed seam, ``BigFusePhase``'s
+    ``delayed``): one token per CTA, shaped by ``fuse`` (see
     ``tactics.FUSE_SHAPES``). "lat": enough threads that each thread's 8-vectors of the token fit one batch of
     4 loads in flight, so the collapse costs one memory round trip, and a warp of its own for the Sinkhorn;
     "bw": 128 threads, batches of 2 (fewer registers, so that many CTAs share an SM). A trailing "p" ("latp",
@@ -552,5 +618,6 @@ def standalone_big_fuse(hidden: int, split_k: int, norm_dtype, fuse: str) -> Big
         batch = 4
         per_batch = -(-(hidden // du.VEC_BF16) // batch)
         threads = min(1024 - du.WARP, max(64, -(-per_batch // du.WARP) * du.WARP)) + du.WARP
-        return BigFuseKernel(hidden, split_k, 1, threads, norm_dtype, batch, sinkhorn_warp=True, pair_sinkhorn=pair)
-    return BigFuseKernel(hidden, split_k, 1, 128, norm_dtype, 2, pair_sinkhorn=pair)
+        return BigFuseKernel(hidden, split_k, 1, threads, norm_dtype, batch, sinkhorn_warp=True, pair_sinkhorn=pair,
+                             delayed=delayed)
+    return BigFuseKernel(hidden, split_k, 1, 128, norm_dtype, 2, pair_sinkhorn=pair, delayed=delayed)

@@ -17,6 +17,11 @@ With ``warp_mma`` (``:mma`` tactics) step 2 runs on the tensor cores instead (``
 of the chunk, every column, up to 32 tokens, TF32 hi + lo) and the CTA reduces over its warps only
 (``write_partials_mma``); on the H200 that pays from M = 16 (``docs/experiments.md``).
 
+The delayed seam (``delayed``, compile-time: "carried" or "identity"): the post-map step also collapses the 4
+rounded streams with the carried gates into ``x1`` (bf16) and stores it to ``layer_input`` (identity: stream 0),
+and with the norm each task's sum of squares of x1 goes to shared memory, summed per token in a fixed order into
+partial column 25 (``store_x1_sumsq``); the big fuse then writes the gates and normalises ``layer_input`` in place.
+
 Path E launches the standalone big-fuse kernel after it (two launches, one compiled call). Path F runs the
 big fuse in the same launch: each CTA publishes its partials (release fence, atomic add on its token block's
 counter); the CTA that arrives last (acquire fence) runs ``BigFusePhase`` for the block and resets the
@@ -44,25 +49,31 @@ from .. import tactics as tac  # noqa: E402
 from ..tactics import HC_MULT, MMA_TILE_ROWS, N_MIXES, FmaTactic  # noqa: E402
 from ..workspace import get_workspace  # noqa: E402
 from . import (  # noqa: E402
-    CompiledKernels, compile_in_processes, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, partials_count,
-    resolve_tactic, scalar_args, spec_problem,
+    CompiledKernels, compile_in_processes, compile_kernel, delayed_mode, fake_buffer, fake_tensors, norm_dtype_of,
+    partials_count, resolve_tactic, scalar_args, seam_args, seam_fakes, spec_problem,
 )
 from . import device_utils as du  # noqa: E402
-from .big_fuse import BigFusePhase, BigFuseScalars, flat_outputs, partials_view, standalone_big_fuse  # noqa: E402,E501
+from .big_fuse import (  # noqa: E402
+    X1_SUMSQ_COL, BigFusePhase, BigFuseScalars, flat_outputs, gate_rows, partials_view, standalone_big_fuse,
+)
 
 SUMSQ_COL = N_MIXES
 QUAD = 4  # fp32 elements in one 16-byte access
 MMA_N = 8  # mix columns per warp-MMA tile (m16n8k8): three tiles cover the 24
 MMA_K_VEC = 16  # K elements per 16-byte vector of a lane: two m16n8k8 steps (see ``project_mma``)
+PRE_AT = HC_MULT + HC_MULT * HC_MULT  # the carried pre gates' place in a task's coefficients (after post, comb)
 
 
 class FmaFusedHc:
-    """Paths E/F for one tactic, hidden size and norm flag (all compile-time)."""
+    """Paths E/F for one tactic, hidden size, norm flag and seam (``delayed``: None, or for the delayed seam
+    "carried" / "identity", ``kernels.delayed_mode``), all compile-time."""
 
-    def __init__(self, tactic: FmaTactic, hidden: int, norm_dtype):
+    def __init__(self, tactic: FmaTactic, hidden: int, norm_dtype, delayed: str | None = None):
         tactic.check(hidden)
         self.tactic = tactic
         self.hidden = hidden
+        self.delayed = delayed
+        self.x1_norm = delayed is not None and norm_dtype is not None  # kernel 1 sums x1's squares
         self.tokens = tactic.tokens_per_cta
         self.threads = tactic.threads
         self.warps = tactic.threads // du.WARP
@@ -92,9 +103,10 @@ class FmaFusedHc:
             self.w_shape = (self.tile_n, 1, QUAD)  # a thread's tile_n weight rows at its K vector
         self.fused = tactic.path == "all_fma"
         if self.fused:
-            self.phase = BigFusePhase(hidden, tactic.split_k, self.tokens, self.threads, norm_dtype)
+            self.phase = BigFusePhase(hidden, tactic.split_k, self.tokens, self.threads, norm_dtype,
+                                      delayed=delayed is not None)
         else:
-            self.big_fuse = standalone_big_fuse(hidden, tactic.split_k, norm_dtype, tactic.fuse)
+            self.big_fuse = standalone_big_fuse(hidden, tactic.split_k, norm_dtype, tactic.fuse, delayed is not None)
 
     @cute.jit
     def __call__(
@@ -113,6 +125,8 @@ class FmaFusedHc:
         layer_input: cute.Tensor,
         workspace: cute.Tensor,
         counters,
+        pre_mix,  # [M, 4] f32 | None: the delayed seam's carried gates (None: identity, or mhc_fused_hc)
+        pre_mix_cur,  # [M, 4] f32 | None: the delayed seam's output gates
         rms_eps: Float32,
         hc_pre_eps: Float32,
         hc_sinkhorn_eps: Float32,
@@ -128,13 +142,14 @@ class FmaFusedHc:
         mComb = cute.make_tensor(comb_mix.iterator, du.row_major(m, HC_MULT * HC_MULT))
         outs = flat_outputs(h, m, residual_cur, post_mix_cur, comb_mix_cur, layer_input)
         mPartials = partials_view(workspace, self.split_k, m)
+        mPre, mPreOut = gate_rows(m, pre_mix), gate_rows(m, pre_mix_cur)
         scalars = BigFuseScalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
-        self.kernel(mX, mRes, mPost, mComb, fn, hc_scale, hc_base, norm_weight, *outs, mPartials, counters,
-                    scalars).launch(grid=[cute.ceil_div(m, self.tokens), self.split_k, 1],
+        self.kernel(mX, mRes, mPost, mComb, fn, hc_scale, hc_base, norm_weight, *outs, mPartials, counters, mPre,
+                    mPreOut, scalars).launch(grid=[cute.ceil_div(m, self.tokens), self.split_k, 1],
                                     block=[self.threads, 1, 1], stream=stream, use_pdl=True,
                                     smem=tac.ONE_PER_SM_SMEM_BYTES if self.tactic.one_per_sm else None)
         if cutlass.const_expr(not self.fused):
-            self.big_fuse.launch(mPartials, hc_scale, hc_base, norm_weight, *outs, scalars, stream)
+            self.big_fuse.launch(mPartials, hc_scale, hc_base, norm_weight, *outs, scalars, stream, mPreOut)
 
     @cute.kernel
     def kernel(
@@ -153,6 +168,8 @@ class FmaFusedHc:
         mLayerIn: cute.Tensor,
         mPartials: cute.Tensor,
         mCounters,
+        mPre,
+        mPreOut,
         scalars: BigFuseScalars,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -171,6 +188,12 @@ class FmaFusedHc:
         if cutlass.const_expr(self.fused):
             storage = self.phase.allocate(smem)
             sArrival = smem.allocate_tensor(Int32, cute.make_layout(1), 4)
+        sX1Sq = None
+        x1_sumsq = None
+        if cutlass.const_expr(self.x1_norm):
+            sX1Sq = smem.allocate_tensor(Float32, cute.make_layout(self.post_tasks), 16)  # per post-map task
+            x1_sumsq = cute.make_rmem_tensor((self.post_rounds,), Float32)
+            x1_sumsq.fill(0.0)
 
         m0 = block * self.tokens
         if cutlass.const_expr(self.warp_mma):
@@ -199,7 +222,7 @@ class FmaFusedHc:
         cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(self.fused):
             cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its own prologue
-        coefs = self.load_post_coefficients(m0, mPost, mComb)
+        coefs = self.load_post_coefficients(m0, mPost, mComb, mPre)
         for c in cutlass.range(self.n_chunks, unroll=1):
             if cutlass.const_expr(self.tactic.stages == 2):
                 next_weights = cute.make_rmem_tensor(self.w_shape, Float32)
@@ -211,7 +234,8 @@ class FmaFusedHc:
             if sub == 0:
                 if c > 0:
                     cute.arch.sync_threads()  # the previous step's projections are done with sAct
-                self.post_map(m0, split * self.split_h + c * self.chunk_h, coefs, mX, mRes, mResCur, sAct)
+                self.post_map(m0, split * self.split_h + c * self.chunk_h, coefs, mX, mRes, mResCur, sAct, mLayerIn,
+                              x1_sumsq)
                 cute.arch.sync_threads()
             if cutlass.const_expr(self.warp_mma):
                 self.project_mma(sAct, stream_j, sub * self.quads + quad, weights, acc, sumsq)
@@ -228,10 +252,16 @@ class FmaFusedHc:
                         sumsq[t] = sumsq[t] + du.sum_squares(a)
             if cutlass.const_expr(self.tactic.stages == 2):
                 weights.store(next_weights.load())
+        if cutlass.const_expr(self.x1_norm):  # published to the CTA by write_partials' barriers
+            for r in cutlass.range_constexpr(self.post_rounds):
+                if tidx + r * self.threads < self.post_tasks:
+                    sX1Sq[tidx + r * self.threads] = x1_sumsq[r]
         if cutlass.const_expr(self.warp_mma):
             self.write_partials_mma(m0, split, acc, sumsq, sRed, mPartials)
         else:
             self.write_partials(m0, split, acc, sumsq, sRed, mPartials)
+        if cutlass.const_expr(self.x1_norm):
+            self.store_x1_sumsq(m0, split, sX1Sq, mPartials)
 
         if cutlass.const_expr(self.fused):
             # publish this CTA's partials and residual_cur: the barrier orders every thread's stores before
@@ -244,16 +274,17 @@ class FmaFusedHc:
             if sArrival[0] == self.split_k - 1:  # the last CTA of this token block
                 cute.arch.fence_acq_rel_gpu()  # acquire: the other CTAs' stores are visible to this CTA
                 self.phase(storage, m0, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn,
-                           scalars)
+                           scalars, mPreOut)
                 if tidx == 0:
                     mCounters[block] = Int32(0)  # every CTA of the block has arrived: ready for the next call
 
     @cute.jit
-    def load_post_coefficients(self, m0: Int32, mPost: cute.Tensor, mComb: cute.Tensor):
-        """post[j] and comb[k][j] of the token of each post-map task this thread runs (20 fp32 per task)."""
+    def load_post_coefficients(self, m0: Int32, mPost: cute.Tensor, mComb: cute.Tensor, mPre):
+        """post[j] and comb[k][j] of the token of each post-map task this thread runs (20 fp32 per task), then
+        the carried pre gates (``mPre``, the delayed seam's "carried": 4 more at ``PRE_AT``)."""
         tidx, _, _ = cute.arch.thread_idx()
         m_last = mPost.shape[0] - 1
-        n_coef = HC_MULT + HC_MULT * HC_MULT
+        n_coef = PRE_AT + (HC_MULT if mPre is not None else 0)
         coefs = cute.make_rmem_tensor((self.post_rounds, n_coef), Float32)
         for r in cutlass.range_constexpr(self.post_rounds):
             task = tidx + r * self.threads
@@ -262,6 +293,9 @@ class FmaFusedHc:
                 coefs[r, j] = mPost[m, j]
             for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
                 coefs[r, HC_MULT + i] = mComb[m, i]
+            if cutlass.const_expr(mPre is not None):
+                for j in cutlass.range_constexpr(HC_MULT):
+                    coefs[r, PRE_AT + j] = mPre[m, j]
         return coefs
 
     @cute.jit
@@ -318,8 +352,11 @@ class FmaFusedHc:
                     acc[mt, nt, i] = acc[mt, nt, i] + tile[nt][i, 0, 0]
 
     @cute.jit
-    def post_map(self, m0: Int32, h0: Int32, coefs: cute.Tensor, mX, mRes, mResCur, sAct: cute.Tensor):
-        """SPEC step 1 for the ``burst`` chunks at h0: residual_cur to global memory, fp32 values to ``sAct``.
+    def post_map(self, m0: Int32, h0: Int32, coefs: cute.Tensor, mX, mRes, mResCur, sAct: cute.Tensor, mLayerIn,
+                 x1_sumsq):
+        """SPEC step 1 for the ``burst`` chunks at h0: residual_cur to global memory, fp32 values to ``sAct``;
+        the delayed seam's collapse ``x1`` of the rounded streams to ``layer_input`` (``collapse_carried``), and
+        with the norm its squares added to the task's ``x1_sumsq``.
 
         Every task's loads are issued first, unconditionally (token and task clamped to valid ones), and a warp
         barrier follows them: otherwise ptxas issued two of the four residual loads only after computing with
@@ -348,6 +385,7 @@ class FmaFusedHc:
                     row_out = du.token_row(mResCur, m)
                     xv = raw[r, 0, None].load().to(Float32)
                     res = [raw[r, 1 + k, None].load().to(Float32) for k in range(HC_MULT)]
+                    streams = []
                     for j in cutlass.range_constexpr(HC_MULT):
                         out = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
                         comb_col = [coefs[r, HC_MULT + HC_MULT * k + j] for k in range(HC_MULT)]
@@ -356,9 +394,44 @@ class FmaFusedHc:
                         rounded = du.store_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (j * octets_h + vec,)),
                                                   out.load())
                         cute.local_tile(sAct[t, j, None], (du.VEC_BF16,), (o,)).store(rounded)
+                        streams.append(rounded)
+                    if cutlass.const_expr(self.delayed is not None):
+                        x1 = self.collapse_carried(streams, coefs, r, cute.local_tile(du.token_row(mLayerIn, m),
+                                                                                       (du.VEC_BF16,), (vec,)))
+                        if cutlass.const_expr(self.x1_norm):
+                            x1_sumsq[r] = x1_sumsq[r] + du.sum_squares(x1)
                 else:
                     for j in cutlass.range_constexpr(HC_MULT):
                         cute.local_tile(sAct[t, j, None], (du.VEC_BF16,), (o,)).fill(0.0)
+
+    @cute.jit
+    def collapse_carried(self, streams, coefs: cute.Tensor, r, dst: cute.Tensor):
+        """The delayed seam's collapse of one 8-vector (SPEC "V4.1: the delayed seam", step 3): ``acc = pre[0] r0``,
+        then ``acc = fma(pre[j], rj, acc)`` for j = 1..3 on the rounded streams, stored to ``dst`` as bf16; the
+        identity stores stream 0 (exactly). Returns the stored values widened to fp32."""
+        if cutlass.const_expr(self.delayed == "identity"):
+            return du.store_bf16x8(dst, streams[0])
+        x1 = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
+        for e in cutlass.range_constexpr(du.VEC_BF16):
+            acc = coefs[r, PRE_AT] * streams[0][e]
+            for j in cutlass.range_constexpr(1, HC_MULT):
+                acc = cute.math.fma(coefs[r, PRE_AT + j], streams[j][e], acc)
+            x1[e] = acc
+        return du.store_bf16x8(dst, x1.load())
+
+    @cute.jit
+    def store_x1_sumsq(self, m0: Int32, split: Int32, sX1Sq: cute.Tensor, mPartials: cute.Tensor):
+        """Partial column ``X1_SUMSQ_COL`` of each token: its post-map tasks' sums of squares of x1 (``sX1Sq``,
+        published by a barrier), in task order."""
+        tidx, _, _ = cute.arch.thread_idx()
+        m_total = mPartials.shape[1]
+        for base in cutlass.range_constexpr(0, self.tokens, self.threads):
+            t = base + tidx
+            if t < self.tokens and m0 + t < m_total:
+                total = Float32(0.0)
+                for o in cutlass.range_constexpr(self.octets):
+                    total = total + sX1Sq[t * self.octets + o]
+                mPartials[split, m0 + t, X1_SUMSQ_COL] = total
 
     @cute.jit
     def write_partials(self, m0: Int32, split: Int32, acc: cute.Tensor, sumsq: cute.Tensor,
@@ -426,23 +499,27 @@ _compiled = CompiledKernels("mhc_fma")
 
 
 def compiled_fma(tactic: FmaTactic, problem, out):
-    """The compiled kernel for (tactic, H, norm dtype), compiled (or loaded) on first use."""
+    """The compiled kernel for (tactic, H, norm dtype, seam), compiled (or loaded) on first use."""
     norm = None if problem.norm_weight is None else problem.norm_weight.dtype
-    return _compiled.get((tactic, problem.hidden, norm), lambda: compile_fma(tactic, problem, out))
+    key = (tactic, problem.hidden, norm)
+    if problem.delayed:  # mhc_fused_hc's keys (and persisted file names) stay as they were
+        key += (delayed_mode(problem),)
+    return _compiled.get(key, lambda: compile_fma(tactic, problem, out))
 
 
 def compile_fma(tactic: FmaTactic, problem, out, kernel_class=None):
     """Compile paths E/F for ``tactic`` against fake tensors shaped like ``problem`` and ``out``; ``kernel_class``:
     ``FmaFusedHc`` or a subclass (``bench/probes/probe_fma_phases.py``'s variants)."""
-    kernel = (kernel_class or FmaFusedHc)(tactic, problem.hidden, norm_dtype_of(problem.norm_weight))
+    kernel = (kernel_class or FmaFusedHc)(tactic, problem.hidden, norm_dtype_of(problem.norm_weight),
+                                          delayed_mode(problem))
     m = cute.sym_int()
     token_tensors = fake_tensors(problem.x, problem.residual, problem.post_mix, problem.comb_mix, tokens=m)
-    outputs = fake_tensors(*out, tokens=m)
+    outputs = fake_tensors(*out[:4], tokens=m)
     fn, norm_weight = fake_tensors(problem.fn, problem.norm_weight)
     scale, base = fake_tensors(problem.hc_scale, problem.hc_base, align=4)  # read as scalars
     counters = fake_buffer(Int32) if tactic.path == "all_fma" else None
     return compile_kernel(kernel, *token_tensors, fn, scale, base, norm_weight, *outputs, fake_buffer(Float32),
-                          counters)
+                          counters, *seam_fakes(problem, out, m))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -457,27 +534,30 @@ def _run(path: str, problem, tactic, out) -> None:
     partials = ws.partials(partials_count(tactic, problem.m))
     counters = ws.counters(-(-problem.m // tactic.tokens_per_cta)) if tactic.path == "all_fma" else None
     fn(problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, problem.hc_scale,
-       problem.hc_base, problem.norm_weight, *out, partials, counters, *scalar_args(problem.scalars))
+       problem.hc_base, problem.norm_weight, *out[:4], partials, counters, *seam_args(problem, out),
+       *scalar_args(problem.scalars))
 
 
 def run_half_fma(problem, tactic, out) -> None:
-    """Path E: projection kernel + standalone big-fuse kernel (two launches in one compiled call)."""
+    """Path E: projection kernel + standalone big-fuse kernel (two launches in one compiled call); both seams
+    (``mhc_fused_hc``, ``mhc_fused_hc_delayed``), regular form."""
     _run("half_fma", problem, tactic, out)
 
 
 def run_all_fma(problem, tactic, out) -> None:
-    """Path F: one launch; the last CTA of each token block runs the big fuse for it."""
+    """Path F: one launch; the last CTA of each token block runs the big fuse for it. Both seams, regular form."""
     _run("all_fma", problem, tactic, out)
 
 
 def _compile_spec(spec) -> str:
-    """Process-pool worker of ``precompile``: compile (and persist) one (tactic name, H, norm dtype)."""
-    name, hidden, norm = spec
-    problem = spec_problem(hidden, "fp32", norm)
+    """Process-pool worker of ``precompile``: compile (and persist) one (tactic name, H, norm dtype[, seam])."""
+    name, hidden, norm, *delayed = spec
+    problem = spec_problem(hidden, "fp32", norm, *delayed)
     compiled_fma(tac.parse_tactic(name), problem, problem.empty_outputs())
     return name
 
 
 def precompile(specs, processes: int | None = None) -> list[str]:
-    """Compile (tactic name, H, norm dtype name or None) variants in parallel worker processes."""
+    """Compile (tactic name, H, norm dtype name or None[, seam: ``delayed_mode``'s "carried" / "identity"])
+    variants in parallel worker processes."""
     return compile_in_processes(_compile_spec, specs, processes)

@@ -23,6 +23,11 @@ Kernel 1 writes the split-K partials ``[split_k, M, 32]`` (columns 0..23 the uns
 column 24 the sum of squares). Path B then launches the standalone big fuse (``big_fuse.BigFuseKernel``) from
 the same compiled call; path D runs ``big_fuse.BigFusePhase`` in the CTA whose arrival completes its M tile's
 counter (atomic election, no waiting; the counter is reset by that CTA).
+
+The delayed seam (``delayed``, compile-time: "carried" or "identity"): the consumer threads also collapse the four
+rounded streams they hold with the carried gates into ``x1`` (bf16), store it to ``layer_input`` (identity: stream
+0) and with the norm add its squares into partial column 25; the big fuse writes the gates and normalises
+``layer_input`` in place (``big_fuse.BigFusePhase.norm_in_place``).
 """
 
 from __future__ import annotations
@@ -50,11 +55,11 @@ from ..weights import prepared  # noqa: E402
 from ..workspace import get_workspace  # noqa: E402
 from . import device_utils as du  # noqa: E402
 from . import (  # noqa: E402
-    CompiledKernels, compile_in_processes, compile_kernel, fake_buffer, fake_tensors, norm_dtype_of, partials_count,
-    resolve_tactic, scalar_args, spec_problem,
+    CompiledKernels, compile_in_processes, compile_kernel, delayed_mode, fake_buffer, fake_tensors, norm_dtype_of,
+    partials_count, resolve_tactic, scalar_args, seam_args, seam_fakes, spec_problem,
 )
 from .big_fuse import (  # noqa: E402
-    BigFusePhase, BigFuseScalars, flat_outputs, partials_view, standalone_big_fuse,
+    X1_SUMSQ_COL, BigFusePhase, BigFuseScalars, flat_outputs, gate_rows, partials_view, standalone_big_fuse,
 )
 from .wgmma_tf32 import make_tf32_tiled_mma  # noqa: E402
 
@@ -73,12 +78,15 @@ class _Consumer(NamedTuple):
     post: cute.Tensor  # post_mix of its rows
     comb: cute.Tensor  # comb_mix of its rows
     sumsq: cute.Tensor  # the squares of its rows
+    pre: cute.Tensor  # the delayed seam's carried pre gates of its rows
+    x1_sumsq: cute.Tensor  # the delayed seam with the norm: the squares of its rows' collapse x1
 
 
-def finish_phase(tactic: MmaTactic, hidden: int, norm_dtype) -> BigFusePhase:
+def finish_phase(tactic: MmaTactic, hidden: int, norm_dtype, delayed: bool = False) -> BigFusePhase:
     """The big fuse of path D: one M tile, run by all threads of the CTA that completes it."""
     # the Sinkhorn after the collapse: inside the batch loop its 16 values went to the stack in this kernel
-    return BigFusePhase(hidden, tactic.split_k, tactic.tile_m, tactic.threads, norm_dtype, sinkhorn_last=True)
+    return BigFusePhase(hidden, tactic.split_k, tactic.tile_m, tactic.threads, norm_dtype, sinkhorn_last=True,
+                        delayed=delayed)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -142,12 +150,15 @@ def cached_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
 
 class MmaFusedHcKernel:
     """Kernel 1 (post-map, ``residual_cur``, sum of squares, TF32 wgmma projection, split-K partials) for one
-    (H, tactic, precision, norm dtype). Path B launches the standalone big fuse after it; path D runs the big
-    fuse in the CTA that completes an M tile (last-arriver election on a per-tile counter, no waiting)."""
+    (H, tactic, precision, norm dtype, seam: ``delayed`` None, or "carried" / "identity" as ``kernels.delayed_mode``
+    names it). Path B launches the standalone big fuse after it; path D runs the big fuse in the CTA that completes
+    an M tile (last-arriver election on a per-tile counter, no waiting)."""
 
-    def __init__(self, hidden: int, tactic: MmaTactic, precision: str, norm_dtype):
+    def __init__(self, hidden: int, tactic: MmaTactic, precision: str, norm_dtype, delayed: str | None = None):
         tactic.check(hidden)
         self.hidden = hidden
+        self.delayed = delayed
+        self.x1_norm = delayed is not None and norm_dtype is not None  # kernel 1 sums x1's squares
         self.tactic = tactic
         self.tile_m = tactic.tile_m
         self.split_k = tactic.split_k
@@ -161,9 +172,9 @@ class MmaFusedHcKernel:
         self.k_stage = HC_MULT * BLOCK_H  # MMA K per stage: 4 streams x 32
         self.fused = tactic.path == "all_mma"
         if self.fused:
-            self.finish = finish_phase(tactic, hidden, norm_dtype)
+            self.finish = finish_phase(tactic, hidden, norm_dtype, delayed is not None)
         else:
-            self.big_fuse = standalone_big_fuse(hidden, tactic.split_k, norm_dtype, tactic.fuse)
+            self.big_fuse = standalone_big_fuse(hidden, tactic.split_k, norm_dtype, tactic.fuse, delayed is not None)
 
     # -------------------------------------------------------------------- host side
     @cute.jit
@@ -183,6 +194,8 @@ class MmaFusedHcKernel:
         mLayerIn: cute.Tensor,  # [M, H] bf16
         workspace: cute.Tensor,  # flat f32, holds the partials [split_k, M, 32]
         counters: cute.Tensor,  # flat i32, one per M tile, zero between calls (path D)
+        mPre,  # [M, 4] f32 | None: the delayed seam's carried gates (None: identity, or mhc_fused_hc)
+        mPreCur,  # [M, 4] f32 | None: the delayed seam's output gates
         rms_eps: Float32,
         hc_pre_eps: Float32,
         hc_sinkhorn_eps: Float32,
@@ -209,15 +222,16 @@ class MmaFusedHcKernel:
         partials = partials_view(workspace, self.split_k, m)
         flat = flat_outputs(self.hidden, m, mResOut, mPostOut, mCombOut, mLayerIn)
         scalars = BigFuseScalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
+        pre, pre_out = gate_rows(m, mPre), gate_rows(m, mPreCur)
         self.kernel(
             tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, mPost, mComb, mResOut, partials, tiled_mma,
-            res_layout, x_layout, w_layout, mScale, mBase, mNormW, flat, counters, scalars,
+            res_layout, x_layout, w_layout, mScale, mBase, mNormW, flat, counters, scalars, pre, pre_out,
         ).launch(
             grid=[cute.ceil_div(m, tile_m) * self.split_k, 1, 1], block=[self.threads, 1, 1], stream=stream,
             use_pdl=True,
         )
         if const_expr(not self.fused):
-            self.big_fuse.launch(partials, mScale, mBase, mNormW, *flat, scalars, stream)
+            self.big_fuse.launch(partials, mScale, mBase, mNormW, *flat, scalars, stream, pre_out)
 
     @cute.jit
     def activation_tma(self, mRes: cute.Tensor, mX: cute.Tensor, wide: int, stages: int):
@@ -281,6 +295,8 @@ class MmaFusedHcKernel:
         flat: tuple,
         counters: cute.Tensor,
         scalars: BigFuseScalars,
+        mPre,
+        mPreOut,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -328,14 +344,17 @@ class MmaFusedHcKernel:
             self.produce(ab_pipeline, tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, sRes, sX, sW, m_tile,
                          blk_begin, n_blk)
         else:
-            self.consume(ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mResOut, mPartials, tidx, m_tile,
-                         split, blk_begin, n_blk)
+            self.consume(ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mPre, mResOut, flat[3], mPartials, tidx,
+                         m_tile, split, blk_begin, n_blk)
 
         if const_expr(self.fused):
             # last-arriver election: every thread fences its partial and residual stores (release) before the
             # barrier; the CTA whose arrival completes the tile's count runs the big fuse for it, the others exit
             if const_expr(self.split_k == 1):
-                self.finish_tile(finish_storage, m_tile, mPartials, mScale, mBase, mNormW, flat, scalars)
+                # the tile's partials, residual_cur (and x1) were stored by the other consumer threads: a CTA barrier
+                # orders those stores before the big fuse's loads (its first barrier comes after some of them)
+                cute.arch.sync_threads()
+                self.finish_tile(finish_storage, m_tile, mPartials, mScale, mBase, mNormW, flat, scalars, mPreOut)
             else:
                 cute.arch.fence_acq_rel_gpu()
                 cute.arch.sync_threads()
@@ -346,13 +365,14 @@ class MmaFusedHcKernel:
                 cute.arch.sync_threads()
                 if is_last[0] != 0:
                     cute.arch.fence_acq_rel_gpu()  # acquire: the other splits' stores are visible
-                    self.finish_tile(finish_storage, m_tile, mPartials, mScale, mBase, mNormW, flat, scalars)
+                    self.finish_tile(finish_storage, m_tile, mPartials, mScale, mBase, mNormW, flat, scalars,
+                                     mPreOut)
                     if tidx == 0:
                         counters[m_tile] = Int32(0)  # ready for the next call without a zeroing launch
 
     @cute.jit
-    def finish_tile(self, finish_storage, m_tile, mPartials, mScale, mBase, mNormW, flat, scalars):
-        self.finish(finish_storage, m_tile * self.tile_m, mPartials, mScale, mBase, mNormW, *flat, scalars)
+    def finish_tile(self, finish_storage, m_tile, mPartials, mScale, mBase, mNormW, flat, scalars, mPreOut):
+        self.finish(finish_storage, m_tile * self.tile_m, mPartials, mScale, mBase, mNormW, *flat, scalars, mPreOut)
 
     @cute.jit
     def produce(self, ab_pipeline, tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, sRes, sX, sW, m_tile,
@@ -378,22 +398,23 @@ class MmaFusedHcKernel:
         ab_pipeline.producer_tail(state)
 
     @cute.jit
-    def consume(self, ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mResOut, mPartials, tidx, m_tile, split,
-                blk_begin, n_blk):
+    def consume(self, ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mPre, mResOut, mLayerIn, mPartials, tidx,
+                m_tile, split, blk_begin, n_blk):
         m_total = mResOut.shape[0]
-        ctx = self.consumer_setup(tiled_mma, sW, mPost, mComb, m_total, tidx, m_tile)
+        ctx = self.consumer_setup(tiled_mma, sW, mPost, mComb, m_total, tidx, m_tile, mPre)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for i in cutlass.range(n_blk, unroll=1):
             ab_pipeline.consumer_wait(state)
             si = state.index
-            self.project_block(ctx, tiled_mma, sX, sRes, si, ctx.quad, si, mResOut, blk_begin + i, m_tile, m_total)
+            self.project_block(ctx, tiled_mma, sX, sRes, si, ctx.quad, si, mResOut, blk_begin + i, m_tile, m_total,
+                               mLayerIn)
             ab_pipeline.consumer_release(state)
             state.advance()
             self.accumulate_block(ctx)
         self.store_partials(ctx, mPartials, split, m_tile, m_total)
 
     @cute.jit
-    def consumer_setup(self, tiled_mma, sW, mPost, mComb, m_total, tidx, m_tile) -> "_Consumer":
+    def consumer_setup(self, tiled_mma, sW, mPost, mComb, m_total, tidx, m_tile, mPre=None) -> "_Consumer":
         """A consumer thread's fragments, accumulators and mixing coefficients (``_Consumer``)."""
         wg = tidx // WG_THREADS
         wg_tid = tidx % WG_THREADS
@@ -425,20 +446,32 @@ class MmaFusedHcKernel:
                     post[r, j] = mPost[m, j]
                     for k in cutlass.range_constexpr(HC_MULT):
                         comb[r, k, j] = mComb[m, k, j]
+        pre = cute.make_rmem_tensor((2, HC_MULT), Float32)  # the carried gates (delayed seam, "carried")
+        pre.fill(0.0)
+        if const_expr(mPre is not None):
+            for r in cutlass.range_constexpr(2):
+                m = m_tile * self.tile_m + rows[r]
+                if m < m_total:
+                    for j in cutlass.range_constexpr(HC_MULT):
+                        pre[r, j] = mPre[m, j]
         sumsq = cute.make_rmem_tensor((2,), Float32)
         sumsq.fill(0.0)
-        return _Consumer(quad, rows, tCrA, tCrB, acc, dots, post, comb, sumsq)
+        x1_sumsq = cute.make_rmem_tensor((2,), Float32)
+        x1_sumsq.fill(0.0)
+        return _Consumer(quad, rows, tCrA, tCrB, acc, dots, post, comb, sumsq, pre, x1_sumsq)
 
     @cute.jit
     def project_block(self, ctx: "_Consumer", tiled_mma, sX, sRes, si, vec_in_row, wi, mResOut, blk, m_tile,
-                      m_total):
+                      m_total, mLayerIn=None):
         """One 32-wide block of H: the thread's 8-vectors (``vec_in_row`` of its rows in the activation stage
         ``si``), the post-map into ``residual_cur`` (H block ``blk``), the squares and the A fragment, then the
-        stage's MMAs against weight stage ``wi``, waited for (the A registers are rewritten next)."""
+        stage's MMAs against weight stage ``wi``, waited for (the A registers are rewritten next). The delayed
+        seam: the collapse x1 of the rounded streams into ``layer_input`` too (``store_x1``)."""
         xv = cute.make_rmem_tensor((2, VEC), Float32)
         rv = cute.make_rmem_tensor((2, HC_MULT, VEC), Float32)
         out = cute.make_rmem_tensor((VEC,), BFloat16)
         xf = cute.make_rmem_tensor((VEC,), Float32)
+        x1 = cute.make_rmem_tensor((2, VEC), Float32)  # the carried collapse's fp32 chain, per row
         vec_idx = blk * (BLOCK_H // VEC) + ctx.quad
         for r in cutlass.range_constexpr(2):
             xv[r, None].store(self._vec(sX[(ctx.rows[r], None, si)], vec_in_row).load().to(Float32))
@@ -458,6 +491,18 @@ class MmaFusedHcKernel:
                     ctx.sumsq[r] = cute.math.fma(xf[e], xf[e], ctx.sumsq[r])
                     # H offset 8 t + e is K column t (e even) or t + 4 (e odd) of k8 step 4 j + e // 2
                     ctx.tCrA[(r + 2 * (e % 2), 0, j * 4 + e // 2)] = xf[e]
+                if const_expr(self.delayed == "carried"):
+                    # SPEC "V4.1: the delayed seam" step 3: acc = pre[0] r0, then acc = fma(pre[j], rj, acc)
+                    for e in cutlass.range_constexpr(VEC):
+                        if const_expr(j == 0):
+                            x1[r, e] = ctx.pre[r, 0] * xf[e]
+                        else:
+                            x1[r, e] = cute.math.fma(ctx.pre[r, j], xf[e], x1[r, e])
+                if const_expr(self.delayed == "identity" and j == 0):
+                    x1[r, None].store(xf.load())
+        if const_expr(self.delayed is not None):
+            for r in cutlass.range_constexpr(2):
+                self.store_x1(ctx, x1, r, mLayerIn, m_tile * self.tile_m + ctx.rows[r], m_total, vec_idx)
         warpgroup.fence()
         mma_atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom per stage: its ACCUMULATE flag changes
         mma_atom.set(warpgroup.Field.ACCUMULATE, False)
@@ -466,6 +511,15 @@ class MmaFusedHcKernel:
             mma_atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
         warpgroup.wait_group(0)
+
+    @cute.jit
+    def store_x1(self, ctx: "_Consumer", x1: cute.Tensor, r, mLayerIn: cute.Tensor, m, m_total, vec_idx):
+        """Row ``r``'s collapse (``x1[r]``, fp32) to ``layer_input`` as bf16 (8-vector ``vec_idx`` of token ``m``),
+        with the norm its rounded squares into ``ctx.x1_sumsq``."""
+        if m < m_total:
+            rounded = du.store_bf16x8(self._vec(du.token_row(mLayerIn, m), vec_idx), x1[r, None].load())
+            if const_expr(self.x1_norm):
+                ctx.x1_sumsq[r] = ctx.x1_sumsq[r] + du.sum_squares(rounded)
 
     @cute.jit
     def accumulate_block(self, ctx: "_Consumer"):
@@ -478,9 +532,12 @@ class MmaFusedHcKernel:
 
     @cute.jit
     def store_partials(self, ctx: "_Consumer", mPartials, split, m_tile, m_total):
-        """partials[split, m, c] = dots (columns 2 t, 2 t + 1 of each 8-column block), the sum of squares."""
+        """partials[split, m, c] = dots (columns 2 t, 2 t + 1 of each 8-column block), the sum of squares (and the
+        delayed seam's sum of squares of x1 with the norm)."""
         for r in cutlass.range_constexpr(2):
             ctx.sumsq[r] = du.warp_sum(ctx.sumsq[r], lanes=4)
+            if const_expr(self.x1_norm):
+                ctx.x1_sumsq[r] = du.warp_sum(ctx.x1_sumsq[r], lanes=4)
         for r in cutlass.range_constexpr(2):
             m = m_tile * self.tile_m + ctx.rows[r]
             if m < m_total:
@@ -489,6 +546,8 @@ class MmaFusedHcKernel:
                         mPartials[split, m, 8 * c + 2 * ctx.quad + a] = ctx.dots[a + 2 * r + 4 * c]
                 if ctx.quad == 0:
                     mPartials[split, m, SUMSQ_COL] = ctx.sumsq[r]
+                    if const_expr(self.x1_norm):
+                        mPartials[split, m, X1_SUMSQ_COL] = ctx.x1_sumsq[r]
 
     @staticmethod
     @cute.jit
@@ -506,24 +565,26 @@ _compiled = CompiledKernels("mhc_mma")
 
 
 def compiled_mma(tactic: MmaTactic, problem, out):
-    """The compiled launcher for (tactic, H, precision, norm dtype), compiled (or loaded) on first use."""
+    """The compiled launcher for (tactic, H, precision, norm dtype, seam), compiled (or loaded) on first use."""
     norm = None if problem.norm_weight is None else str(problem.norm_weight.dtype)
     key = (tactic.name, problem.hidden, problem.precision, norm)
+    if problem.delayed:  # mhc_fused_hc's keys (and persisted file names) stay as they were
+        key += (delayed_mode(problem),)
     return _compiled.get(key, lambda: compile_mma(tactic, problem, out))
 
 
 def compile_mma(tactic: MmaTactic, problem, out):
     """Compile ``tactic.path`` against fake tensors shaped like ``problem`` and ``out`` (no GPU needed)."""
     h = problem.hidden
-    kernel = MmaFusedHcKernel(h, tactic, problem.precision, norm_dtype_of(problem.norm_weight))
+    kernel = MmaFusedHcKernel(h, tactic, problem.precision, norm_dtype_of(problem.norm_weight), delayed_mode(problem))
     m = cute.sym_int()
     token_tensors = fake_tensors(problem.x, problem.residual, problem.post_mix, problem.comb_mix, tokens=m)
-    outputs = fake_tensors(*out, tokens=m)
+    outputs = fake_tensors(*out[:4], tokens=m)
     weight = torch.empty(h // BLOCK_H, HC_MULT, kernel.n, BLOCK_H)  # shape of cached_weight(fn, precision)
     weight, norm_weight = fake_tensors(weight, problem.norm_weight)
     scale, base = fake_tensors(problem.hc_scale, problem.hc_base, align=4)  # read as scalars
     return compile_kernel(kernel, *token_tensors, weight, scale, base, norm_weight, *outputs, fake_buffer(Float32),
-                          fake_buffer(Int32))
+                          fake_buffer(Int32), *seam_fakes(problem, out, m))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -538,27 +599,29 @@ def _run(path: str, problem, tactic, out) -> None:
     partials = ws.partials(partials_count(tactic, problem.m))
     counters = ws.counters(-(-problem.m // tactic.tile_m))
     fn(problem.x, problem.residual, problem.post_mix, problem.comb_mix, cached_weight(problem.fn, problem.precision),
-       problem.hc_scale, problem.hc_base, problem.norm_weight, *out, partials, counters, *scalar_args(problem.scalars))
+       problem.hc_scale, problem.hc_base, problem.norm_weight, *out[:4], partials, counters, *seam_args(problem, out),
+       *scalar_args(problem.scalars))
 
 
 def run_half_mma(problem, tactic, out) -> None:
-    """Path B: kernel 1, then the big-fuse kernel (two launches, one host call)."""
+    """Path B: kernel 1, then the big-fuse kernel (two launches, one host call); both seams, regular form."""
     _run("half_mma", problem, tactic, out)
 
 
 def run_all_mma(problem, tactic, out) -> None:
-    """Path D: one launch; the CTA that completes an M tile runs its big fuse."""
+    """Path D: one launch; the CTA that completes an M tile runs its big fuse. Both seams, regular form."""
     _run("all_mma", problem, tactic, out)
 
 
 def _compile_spec(spec) -> str:
-    """Process-pool worker of ``precompile``: compile (and persist) one (tactic name, H, precision, norm)."""
-    name, hidden, precision, norm = spec
-    problem = spec_problem(hidden, precision, norm)
+    """Process-pool worker of ``precompile``: compile (and persist) one (tactic name, H, precision, norm[, seam])."""
+    name, hidden, precision, norm, *delayed = spec
+    problem = spec_problem(hidden, precision, norm, *delayed)
     compiled_mma(tac.parse_tactic(name), problem, problem.empty_outputs())
     return name
 
 
 def precompile(specs, processes: int | None = None) -> list[str]:
-    """Compile (tactic name, H, precision, norm dtype name or None) variants in parallel worker processes."""
+    """Compile (tactic name, H, precision, norm dtype name or None[, seam: ``delayed_mode``'s "carried" /
+    "identity"]) variants in parallel worker processes."""
     return compile_in_processes(_compile_spec, specs, processes)
