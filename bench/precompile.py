@@ -72,9 +72,9 @@ def delayed_session_specs(sm_count):
 
 def tune_specs(backends, ms, hiddens, norms, precisions, sm_count):
     """Every candidate ``mhc-cute tune`` times for these backends, M and H."""
-    from mhc_cute import autotune
+    from mhc_cute import autotune, selector
 
-    buckets = sorted({autotune.bucket_of(m) for m in ms})
+    buckets = sorted({selector.bucket_of(m) for m in ms})
     pairs = [(h, t) for h in hiddens for bucket in buckets for b in backends
              for t in autotune.candidate_tactics(b, bucket, h, sm_count) if t is not None]
     return split_specs(pairs, norms, precisions)
@@ -87,7 +87,7 @@ def session_specs(sm_count):
     from test_correctness import (GPU_HS, GPU_MS, LARGE_FIRST_PAST, LARGE_H, LARGE_ROWS_PAST, PAIR_TACTICS,
                                   warp_mma_tactics)
 
-    from mhc_cute import autotune, tactics
+    from mhc_cute import selector, tactics
     from mhc_cute.benchmark import BENCH_MS
 
     ms = sorted(set(GPU_MS) | set(BENCH_MS))
@@ -97,8 +97,8 @@ def session_specs(sm_count):
                       [LARGE_H], [None, "bfloat16"], ["fp32"], sm_count)  # the offsets-past-2^31 test
     fma, mma = fma + large[0], mma + large[1]
     mma += bench_mma.test_grid_specs(sm_count)
-    named = [(autotune.TuneKey.parse(key).hidden, c.tactic)  # the shipped tables' picks
-             for key, rows in autotune.load_shipped_tables().items() for c in rows.values() if c.tactic]
+    named = [(selector.TuneKey.parse(key).hidden, c.tactic)  # the shipped tables' picks
+             for key, rows in selector.load_shipped_tables().items() for c in rows.values() if c.tactic]
     named += [(h, n.format(shape)) for h, names in PAIR_TACTICS.items()  # the big-fuse shapes test
               for n in names for shape in tactics.FUSE_SHAPES]
     named += [(h, t.name) for h in GPU_HS for path in tactics.FMA_PATHS  # the warp-MMA test

@@ -7,14 +7,14 @@ tables and noting where they came from.
         > mhc_cute/tuned/nvidia_h200.json
 
 With ``--compute-capability`` the tables also stand in for other GPUs of that architecture and SM count that have
-no table of their own (``mhc_cute.autotune``).
+no table of their own (``mhc_cute.selector``).
 """
 
 import argparse
 import json
 import sys
 
-from mhc_cute.autotune import CACHE_FORMAT, TuneKey
+from mhc_cute.selector import CACHE_FORMAT, TuneKey
 
 
 def main() -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import autotune, backends
+from . import backends, selector
 from .problem import (MhcFusedHcDelayedOutput, MhcFusedHcOutput, Problem, Scalars, _as_delayed, check_out_memory,
                       flat_out, validate)
 from .reference import HC_MULT
@@ -22,7 +22,7 @@ def _dispatch(problem: Problem, backend: str, tactic=None, out=None) -> MhcFused
     name = "mhc_" + op
     if backend == "auto":
         if op == "fused_hc" and form == "regular":
-            backend, tactic = autotune.SELECTOR.resolve(dev, problem.m, problem.hidden, problem.precision,
+            backend, tactic = selector.SELECTOR.resolve(dev, problem.m, problem.hidden, problem.precision,
                                                         problem.norm_weight is not None)
         else:
             backend, tactic = backends.pick_auto_for(dev, problem.m, problem.hidden, op, form), None

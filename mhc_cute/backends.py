@@ -154,7 +154,7 @@ def pick_auto(device: torch.device, m: int, hidden: int) -> str:
     The ranking that ``mhc-cute tune`` measured on an H200 at H = 4096, 5120 and 7168 (``mhc_cute/tuned``): the
     FMA path E up to M = 128 (its default tactic projects on warp MMA from M = 9), the tensor-core path B above;
     Triton where the CuTe paths cannot run (ROCm, or no sm_90). ``MHC_CUTE_BACKEND`` overrides it, in
-    ``autotune.Selector.resolve``.
+    ``selector.Selector.resolve``.
     """
     if device.type == "cuda" and hidden % 64 == 0:
         if _is_rocm():

@@ -44,13 +44,13 @@ def cmd_info(args) -> int:
         why = backends.unavailable_reason(name, dev)
         print(f"  {name:9s} {'available' if why is None else 'unavailable: ' + why:40s} {b.summary}")
     if dev.type == "cuda" and torch.version.hip is None:
-        from . import autotune
+        from . import selector
 
-        print(f"auto's tuned tables (user cache: {autotune.cache_path()}):")
+        print(f"auto's tuned tables (user cache: {selector.cache_path()}):")
         for hidden in DEEPSEEK_HIDDEN:
             for norm in (False, True):
-                key = autotune.SELECTOR.table_key(dev, hidden, "fp32", norm)
-                how = ("none: the heuristic" if key is None else key if autotune.TuneKey.parse(key).gpu == p.name
+                key = selector.SELECTOR.table_key(dev, hidden, "fp32", norm)
+                how = ("none: the heuristic" if key is None else key if selector.TuneKey.parse(key).gpu == p.name
                        else f"{key} (a stand-in: same compute capability and SM count)")
                 print(f"  H={hidden} fp32 norm={int(norm)}: {how}")
     return 0
@@ -153,7 +153,7 @@ def _bench_model(args, bm, ms, dev, gpu, bandwidth) -> int:
 def cmd_tune(args) -> int:
     import torch
 
-    from . import autotune, backends, benchmark as bm
+    from . import autotune, backends, benchmark as bm, selector
 
     if not torch.cuda.is_available():
         print("mhc-cute tune needs a CUDA GPU", file=sys.stderr)
@@ -161,8 +161,8 @@ def cmd_tune(args) -> int:
     dev = torch.device("cuda")
     names = args.backends or [n for n in backends.available(dev) if n != "torch"]
     tables = autotune.tune(dev, args.hidden, args.m, args.precision, args.norm, names, measure=args.measure)
-    path = autotune.save_user_tables(tables, args.out)
-    autotune.SELECTOR.reload()
+    path = selector.save_user_tables(tables, args.out)
+    selector.SELECTOR.reload()
     if args.measure == "contexts":
         print(f"us: up to M = {bm.CONTEXT_MAX_M} the worst of back to back, after a non-PDL kernel and after a "
               "cuBLAS GEMM; above it back to back (CUDA-graph replay)")
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     t.add_argument("--measure", default="contexts", choices=TUNE_MEASURES,
                    help="rank by the worst of back to back and after the kernels a call follows in a model "
                         "(contexts, the default; up to M = 128) or by back-to-back graph time alone")
-    t.add_argument("--out", help="cache file (default: the user cache, see mhc_cute.autotune)")
+    t.add_argument("--out", help="cache file (default: the user cache, see mhc_cute.selector)")
     t.set_defaults(fn=cmd_tune)
     pc = sub.add_parser("precompile", help="compile ahead every CuTe kernel auto may run, into a kernel cache folder")
     pc.add_argument("--hidden", type=int, nargs="+", required=True)
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     pc.set_defaults(fn=cmd_precompile)
     args = p.parse_args(argv)
     if args.cmd == "tune" and args.m is None:
-        from .autotune import all_buckets
+        from .selector import all_buckets
 
         args.m = all_buckets(16384)
     return args.fn(args)

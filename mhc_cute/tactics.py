@@ -37,6 +37,14 @@ LATENCY_FUSE_MAX_M = 32
 ONE_LAUNCH_PATHS = ("all_fma", "all_mma")
 
 
+def big_fuse_smem_bytes(tokens: int, threads: int) -> int:
+    """Shared memory of the big-fuse phase for ``tokens`` tokens run by ``threads`` threads: what
+    ``kernels.big_fuse.BigFusePhase.allocate`` takes (per-warp partial sums, the summed rows, the norm's per-warp
+    scratch, 32 constants; 16-byte aligned each)."""
+    warps = threads // 32
+    return 4 * (warps * tokens * PARTIAL_COLS + tokens * PARTIAL_COLS + warps + 32) + 64
+
+
 def default_fuse(path: str, m: int) -> str:
     return "lat" if m <= LATENCY_FUSE_MAX_M and path not in ONE_LAUNCH_PATHS else "bw"
 
@@ -278,13 +286,12 @@ class MmaTactic:
     def threads(self) -> int:
         return self.tile_m // 64 * MMA_WG_THREADS + 32  # MMA warpgroups + the TMA producer warp
 
-    def smem_bytes(self, hidden: int, n_parts: int = 2) -> int:
-        """Shared memory at ``n_parts`` weight parts (2: fp32, the larger; 1: tf32)."""
+    def smem_bytes(self, n_parts: int = 2) -> int:
+        """Shared memory at ``n_parts`` weight parts (2: fp32, the larger; 1: tf32); path D's CTAs also hold the big
+        fuse of one M tile."""
         total = self.stages * mma_stage_bytes(self.tile_m, n_parts) + 1024
-        if self.path == "all_mma":  # the big-fuse phase's own model lives with the kernel (imports the DSL)
-            from .kernels.mma import finish_phase
-
-            total += finish_phase(self, hidden, None).smem_bytes()
+        if self.path == "all_mma":
+            total += big_fuse_smem_bytes(self.tile_m, self.threads)
         return total
 
     def invalid_reason(self, hidden: int) -> str | None:
@@ -301,8 +308,8 @@ class MmaTactic:
             return f"split_k must be in [1, H / 32 = {hidden // MMA_BLOCK_H}]"
         if not 2 <= self.stages <= 8:
             return "stages must be in [2, 8]"
-        if self.smem_bytes(hidden) > MMA_SMEM_LIMIT:
-            return f"shared memory {self.smem_bytes(hidden)} B > {MMA_SMEM_LIMIT} B"
+        if self.smem_bytes() > MMA_SMEM_LIMIT:
+            return f"shared memory {self.smem_bytes()} B > {MMA_SMEM_LIMIT} B"
         return None
 
     def check(self, hidden: int) -> "MmaTactic":

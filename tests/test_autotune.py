@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from mhc_cute import autotune
-from mhc_cute.autotune import Choice, bucket_of
+from mhc_cute import autotune, selector
+from mhc_cute.selector import Choice, bucket_of
 
 
 @pytest.mark.parametrize("m,bucket", [
@@ -19,7 +19,7 @@ def test_bucket_of(m, bucket):
 
 
 def test_buckets_cover_and_are_fixed_points():
-    buckets = autotune.all_buckets(16384)
+    buckets = selector.all_buckets(16384)
     assert buckets[:8] == [1, 2, 4, 8, 16, 32, 64, 128]
     assert buckets[8:11] == [256, 384, 512] and buckets[-2:] == [8192, 16384]
     assert all(bucket_of(b) == b for b in buckets)
@@ -29,18 +29,18 @@ def test_buckets_cover_and_are_fixed_points():
 
 def test_nearest_bucket():
     rows = {1: Choice("a", None), 64: Choice("b", None), 4096: Choice("c", None)}
-    assert autotune.nearest(rows, 1).backend == "a"
-    assert autotune.nearest(rows, 8).backend == "b"  # log2 distance 3 to both: ties go to the larger bucket
-    assert autotune.nearest(rows, 512).backend in ("b", "c")
-    assert autotune.nearest(rows, 16384).backend == "c"
-    assert autotune.nearest({}, 4) is None
+    assert selector.nearest(rows, 1).backend == "a"
+    assert selector.nearest(rows, 8).backend == "b"  # log2 distance 3 to both: ties go to the larger bucket
+    assert selector.nearest(rows, 512).backend in ("b", "c")
+    assert selector.nearest(rows, 16384).backend == "c"
+    assert selector.nearest({}, 4) is None
 
 
 def test_cache_roundtrip_and_merge(tmp_path):
     path = str(tmp_path / "sub" / "tuned.json")
-    autotune.save_user_tables({"k1": {1: Choice("all_fma", "t1", 3.5)}}, path)
-    autotune.save_user_tables({"k1": {2: Choice("half_fma", None)}, "k2": {8: Choice("triton", "x")}}, path)
-    tables = autotune.load_user_tables(path)
+    selector.save_user_tables({"k1": {1: Choice("all_fma", "t1", 3.5)}}, path)
+    selector.save_user_tables({"k1": {2: Choice("half_fma", None)}, "k2": {8: Choice("triton", "x")}}, path)
+    tables = selector.load_user_tables(path)
     assert tables["k1"][1] == Choice("all_fma", "t1", 3.5)
     assert tables["k1"][2] == Choice("half_fma", None)
     assert tables["k2"][8].tactic == "x"
@@ -53,29 +53,29 @@ def test_corrupt_cache_is_ignored_with_a_warning(tmp_path, content):
     path = tmp_path / "tuned.json"
     path.write_text(content)
     with pytest.warns(UserWarning, match="ignoring the tuning cache"):
-        assert autotune.load_user_tables(str(path)) == {}
+        assert selector.load_user_tables(str(path)) == {}
     # and tuning again replaces it
-    autotune.save_user_tables({"k": {1: Choice("torch", None)}}, str(path))
-    assert autotune.load_user_tables(str(path))["k"][1].backend == "torch"
+    selector.save_user_tables({"k": {1: Choice("torch", None)}}, str(path))
+    assert selector.load_user_tables(str(path))["k"][1].backend == "torch"
 
 
 def test_cache_dir_from_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("MHC_CUTE_CACHE_DIR", str(tmp_path))
-    assert autotune.cache_path() == str(tmp_path / "tuned.json")
+    assert selector.cache_path() == str(tmp_path / "tuned.json")
 
 
 def test_resolve_on_cpu_is_the_reference(monkeypatch):
     import torch
 
     monkeypatch.delenv("MHC_CUTE_BACKEND", raising=False)
-    sel = autotune.Selector()
+    sel = selector.Selector()
     assert sel.resolve(torch.device("cpu"), 17, 512, "fp32", False) == ("torch", None)
 
 
 def test_resolve_env_override_and_memo(monkeypatch):
     import torch
 
-    sel = autotune.Selector()
+    sel = selector.Selector()
     monkeypatch.setenv("MHC_CUTE_BACKEND", "half_fma")
     monkeypatch.setenv("MHC_CUTE_TACTIC", "half_fma:k56:t1:n6:w256:s1:b1:flat")
     backend, tactic = sel.resolve(torch.device("cpu"), 3, 7168, "fp32", True)
@@ -130,7 +130,7 @@ def test_candidates_of_a_backend_without_tactics():
 def test_shipped_tables_parse_and_name_real_backends():
     from mhc_cute import backends
 
-    tables = autotune.load_shipped_tables()
+    tables = selector.load_shipped_tables()
     assert any(k.startswith("NVIDIA H200|132|H7168|fp32|") for k in tables)
     for rows in tables.values():
         assert rows and all(bucket_of(b) == b for b in rows)
@@ -152,50 +152,50 @@ def _fake_gpu(monkeypatch, tmp_path, name, sm_count, capability):
 def _h200_row(hidden, norm, m):
     from mhc_cute import __version__
 
-    key = autotune.TuneKey("NVIDIA H200", 132, hidden, "fp32", norm, __version__).as_str()
-    return autotune.nearest(autotune.load_shipped_tables()[key], bucket_of(m))
+    key = selector.TuneKey("NVIDIA H200", 132, hidden, "fp32", norm, __version__).as_str()
+    return selector.nearest(selector.load_shipped_tables()[key], bucket_of(m))
 
 
 @pytest.mark.parametrize("m,hidden,norm", [(1, 7168, False), (32, 7168, True), (100, 4096, False), (9000, 4096, True)])
 def test_a_gpu_of_the_shipped_architecture_and_sm_count_takes_its_table(monkeypatch, tmp_path, m, hidden, norm):
     device = _fake_gpu(monkeypatch, tmp_path, "NVIDIA H100 80GB HBM3", 132, (9, 0))
-    selector = autotune.Selector()
-    choice = selector.choose(device, m, hidden, "fp32", norm)
+    sel = selector.Selector()
+    choice = sel.choose(device, m, hidden, "fp32", norm)
     assert choice is not None and choice == _h200_row(hidden, norm, m)
-    assert autotune.TuneKey.parse(selector.table_key(device, hidden, "fp32", norm)).gpu == "NVIDIA H200"
+    assert selector.TuneKey.parse(sel.table_key(device, hidden, "fp32", norm)).gpu == "NVIDIA H200"
 
 
 @pytest.mark.parametrize("sm_count,capability,hidden", [(114, (9, 0), 7168), (132, (8, 0), 7168),
                                                        (132, (10, 0), 7168), (132, (9, 0), 6144)])
 def test_no_stand_in_for_another_architecture_sm_count_or_h(monkeypatch, tmp_path, sm_count, capability, hidden):
     device = _fake_gpu(monkeypatch, tmp_path, "Some GPU", sm_count, capability)
-    assert autotune.Selector().choose(device, 32, hidden, "fp32", False) is None
-    assert autotune.Selector().table_key(device, hidden, "fp32", False) is None
+    assert selector.Selector().choose(device, 32, hidden, "fp32", False) is None
+    assert selector.Selector().table_key(device, hidden, "fp32", False) is None
 
 
 def test_a_gpu_s_own_table_wins_over_the_stand_in(monkeypatch, tmp_path):
     from mhc_cute import __version__
 
     device = _fake_gpu(monkeypatch, tmp_path, "NVIDIA H100 80GB HBM3", 132, (9, 0))
-    own = autotune.TuneKey("NVIDIA H100 80GB HBM3", 132, 7168, "fp32", True, __version__).as_str()
-    autotune.save_user_tables({own: {32: Choice("triton", None, 9.0)}})
+    own = selector.TuneKey("NVIDIA H100 80GB HBM3", 132, 7168, "fp32", True, __version__).as_str()
+    selector.save_user_tables({own: {32: Choice("triton", None, 9.0)}})
     # the GPU's own table with the norm serves a call without it before the H200's table without it
-    assert autotune.Selector().choose(device, 32, 7168, "fp32", False) == Choice("triton", None, 9.0)
+    assert selector.Selector().choose(device, 32, 7168, "fp32", False) == Choice("triton", None, 9.0)
 
 
 def test_tune_key_round_trips():
-    key = autotune.TuneKey("NVIDIA H200", 132, 7168, "fp32", True, "0.2.0")
+    key = selector.TuneKey("NVIDIA H200", 132, 7168, "fp32", True, "0.2.0")
     assert key.as_str() == "NVIDIA H200|132|H7168|fp32|norm1|v0.2.0"
-    assert autotune.TuneKey.parse(key.as_str()) == key
+    assert selector.TuneKey.parse(key.as_str()) == key
 
 
 def test_shipped_tactics_are_valid_for_their_backend_and_h():
     from mhc_cute import __version__, tactics
 
-    tables = autotune.load_shipped_tables()
+    tables = selector.load_shipped_tables()
     assert all(k.endswith(f"|v{__version__}") for k in tables), "a shipped table from another version never matches"
     for key, rows in tables.items():
-        h = autotune.TuneKey.parse(key).hidden
+        h = selector.TuneKey.parse(key).hidden
         for c in rows.values():
             if c.tactic is not None:
                 t = tactics.parse_tactic(c.tactic)
@@ -265,15 +265,15 @@ def test_tuner_ranks_small_buckets_by_their_worst_context(monkeypatch):
         timed_in_context.clear()
         (rows,) = autotune.tune(torch.device("cuda", 0), [512], [m], "fp32", False, names, log=lambda *a: None,
                                 measure=measure).values()
-        return rows[autotune.bucket_of(m)]
+        return rows[selector.bucket_of(m)]
 
     # every name is its backend's default here (one candidate each): the plain minimum decides
-    assert tuned(16, "contexts") == autotune.Choice("robust", None, 5.2)
+    assert tuned(16, "contexts") == selector.Choice("robust", None, 5.2)
     assert len(set(timed_in_context)) == len(names) and "filler7" in timed_in_context
     monkeypatch.setattr(autotune, "CONTEXT_SHORTLIST", 2)
     assert tuned(16, "contexts").backend == "robust"
     assert set(timed_in_context) == {"fast_b2b", "robust", *names}  # defaults always join the shortlist
-    assert tuned(16, "back-to-back") == autotune.Choice("fast_b2b", None, 4.0) and not timed_in_context
+    assert tuned(16, "back-to-back") == selector.Choice("fast_b2b", None, 4.0) and not timed_in_context
     assert tuned(bm.CONTEXT_MAX_M + 1, "contexts").backend == "fast_b2b" and not timed_in_context
     with pytest.raises(ValueError, match="measure"):
         tuned(16, "fastest")
@@ -307,16 +307,16 @@ def test_cli_tune_passes_the_measure_and_says_what_the_times_are(monkeypatch, tm
     text = capsys.readouterr().out
     assert ("worst of back to back" in text) == (measure == "contexts")
     assert "half_fma:k8:t8:n6:w256:s1:b1:flat     7.50 us" in text
-    assert autotune.load_user_tables(str(out))["Fake GPU|132|H512|fp32|norm0|v0"][16].us == 7.5
+    assert selector.load_user_tables(str(out))["Fake GPU|132|H512|fp32|norm0|v0"][16].us == 7.5
     assert cli.main(["tune", "--m", "16", "--out", str(out)]) == 0
     assert seen["hiddens"] == [4096, 5120, 7168]  # DeepSeek-V4-Flash, V4.1, V4-Pro by default
 
 
 def test_a_tuned_tactic_this_version_cannot_parse_falls_back_to_the_default():
     with pytest.warns(UserWarning, match="not understood"):
-        assert autotune._tactic_or_none(autotune.Choice("half_mma", "half_mma:k8:m128:s3")) is None
-    assert autotune._tactic_or_none(autotune.Choice("half_mma", "half_mma:k8:m128:s3:fbw")).split_k == 8
-    assert autotune._tactic_or_none(autotune.Choice("triton", None)) is None
+        assert selector.tactic_or_none(selector.Choice("half_mma", "half_mma:k8:m128:s3")) is None
+    assert selector.tactic_or_none(selector.Choice("half_mma", "half_mma:k8:m128:s3:fbw")).split_k == 8
+    assert selector.tactic_or_none(selector.Choice("triton", None)) is None
 
 
 def test_bench_summary_compares_auto_with_the_fastest_backend_of_the_same_run():
@@ -465,7 +465,7 @@ def test_info_names_the_table_auto_uses(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev: (9, 0))
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, dev: None)
-    monkeypatch.setattr(autotune, "SELECTOR", autotune.Selector())
+    monkeypatch.setattr(selector, "SELECTOR", selector.Selector())
     assert cli.cmd_info(None) == 0
     out = capsys.readouterr().out
     assert "H=7168 fp32 norm=0: NVIDIA H200|132|H7168|fp32|norm0" in out and "a stand-in" in out
@@ -479,7 +479,7 @@ def test_auto_candidates_cover_the_tables_and_the_defaults(monkeypatch, tmp_path
 
     monkeypatch.setenv("MHC_CUTE_CACHE_DIR", str(tmp_path))  # no user cache: the shipped tables only
     names = {t.name for _, t in autotune.auto_candidates(7168, 64, "fp32", 132)}
-    picks = {c.tactic for key, rows in autotune.load_shipped_tables().items() if "|132|H7168|fp32|" in key
+    picks = {c.tactic for key, rows in selector.load_shipped_tables().items() if "|132|H7168|fp32|" in key
              for b, c in rows.items() if b <= 64 and c.tactic}
     assert picks and picks <= names
     for m in range(1, 65):

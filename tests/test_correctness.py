@@ -106,11 +106,11 @@ def test_gpu_tf32(backend, m, h):
 
 def shipped_picks():
     """(H, M, tactic name, norm) of every row of the shipped tables: the tactics ``auto`` runs on their GPU."""
-    from mhc_cute import autotune
+    from mhc_cute import selector
 
     picks = set()
-    for key, rows in autotune.load_shipped_tables().items():
-        k = autotune.TuneKey.parse(key)
+    for key, rows in selector.load_shipped_tables().items():
+        k = selector.TuneKey.parse(key)
         picks |= {(k.hidden, m, choice.tactic, k.norm) for m, choice in rows.items() if choice.tactic}
     return sorted(picks)
 

@@ -149,7 +149,7 @@ def test_nvidia_auto_prefers_cute_but_triton_is_selectable(monkeypatch):
 
 
 def test_forced_backend(rocm, monkeypatch):
-    from mhc_cute.autotune import Selector
+    from mhc_cute.selector import Selector
 
     monkeypatch.setenv("MHC_CUTE_BACKEND", "torch")
     assert Selector().resolve(rocm, 16, 7168, "fp32", False) == ("torch", None)

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from mhc_cute import accuracy, autotune, benchmark as mb, tactics as tac
+from mhc_cute import accuracy, autotune, benchmark as mb, selector, tactics as tac
 
 
 def candidates(pick: tac.FmaTactic, m: int, hidden: int, sm_count: int) -> list:
@@ -50,7 +50,7 @@ def main() -> int:
     sm_count = args.sm_count if args.precompile else torch.cuda.get_device_properties(0).multi_processor_count
     rows = []  # (table key, TuneKey, bucket, pick, candidates)
     for key, buckets in table["tables"].items():
-        k = autotune.TuneKey.parse(key)
+        k = selector.TuneKey.parse(key)
         if k.sm_count != sm_count or (args.hidden and k.hidden not in args.hidden):
             continue
         for bucket, choice in buckets.items():

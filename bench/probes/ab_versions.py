@@ -32,18 +32,18 @@ GRIDS = {
 def picks_of(grid):
     """(H, M, norm, tactic, explicit) per point: a point's own tactic (explicit), else the one ``auto`` runs there on
     an H200: the user's tuning cache, then the shipped tables, a table with the point's norm flag first (as
-    ``autotune.Selector.choose``)."""
-    from mhc_cute import autotune, tactics
+    ``selector.Selector.choose``)."""
+    from mhc_cute import selector, tactics
 
-    tables = autotune.load_shipped_tables()
-    tables.update(autotune.load_user_tables())
+    tables = selector.load_shipped_tables()
+    tables.update(selector.load_user_tables())
     out = []
     for h, m, norm, *named in grid:
         if named:
             out.append((h, m, norm, tactics.parse_tactic(named[0]), True))
             continue
         key = next(k for n in (norm, not norm) for k in tables if f"|H{h}|" in k and f"|norm{int(n)}|" in k)
-        choice = autotune.nearest(tables[key], autotune.bucket_of(m))
+        choice = selector.nearest(tables[key], selector.bucket_of(m))
         out.append((h, m, norm, tactics.parse_tactic(choice.tactic), False))
     return out
 

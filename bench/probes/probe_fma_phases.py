@@ -27,7 +27,7 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32  # noqa: E402
 
-from mhc_cute import autotune, benchmark as mb, tactics as tac  # noqa: E402
+from mhc_cute import benchmark as mb, selector, tactics as tac  # noqa: E402
 from mhc_cute.kernels import CompiledKernels, fma, spec_problem  # noqa: E402
 
 SKIPPABLE = ("weights", "post", "reduce")
@@ -101,8 +101,8 @@ def shipped_tactic(m: int, hidden: int):
     """What ``auto`` runs on an H200 without the norm (the shipped table's row for M's bucket)."""
     from mhc_cute import __version__
 
-    key = autotune.TuneKey("NVIDIA H200", 132, hidden, "fp32", False, __version__).as_str()
-    choice = autotune.nearest(autotune.load_shipped_tables()[key], autotune.bucket_of(m))
+    key = selector.TuneKey("NVIDIA H200", 132, hidden, "fp32", False, __version__).as_str()
+    choice = selector.nearest(selector.load_shipped_tables()[key], selector.bucket_of(m))
     assert choice.backend == "half_fma", choice
     return tac.parse_tactic(choice.tactic)
 

@@ -116,10 +116,8 @@ class BigFusePhase:
         # then the thread's norm-weight vectors (the same for every token) also stay in registers, loaded first
         self.prefetch_norm = norm_dtype is not None and slots_static
 
-    def smem_bytes(self) -> int:
-        return 4 * (self.warps * self.tokens * PARTIAL_COLS + self.tokens * PARTIAL_COLS + self.warps + 32) + 64
-
     def allocate(self, smem) -> BigFuseStorage:
+        """The phase's shared memory (``tactics.big_fuse_smem_bytes`` bytes: the tactics' resource model)."""
         return BigFuseStorage(
             smem.allocate_tensor(Float32, du.row_major(self.warps, self.tokens, PARTIAL_COLS), 16),
             smem.allocate_tensor(Float32, du.row_major(self.tokens, PARTIAL_COLS), 16),
