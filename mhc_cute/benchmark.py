@@ -4,7 +4,8 @@ Method (see the README): each timed call rotates among enough distinct input and
 in L2 between calls, as consecutive layers behave in a real model. "graph" times are CUDA-graph replays of one
 call per set (device time per call, launch gaps hidden); "eager" times are wall time per call of a plain Python
 loop (what an engine without graphs pays, host overhead included). Each is the median of several repeats. The
-floor is SPEC's cost model, ``((20H + 160) M + 96H) / B``, with B the copy bandwidth measured in the same run.
+floor is SPEC's cost model, ``((20H + 160) M + 384H) / B`` (``floor_bytes``; the other ops' floors beside it),
+with B the copy bandwidth measured in the same run.
 
 The CuTe paths launch with programmatic dependent launch (PDL): in back-to-back calls each call's first kernel
 starts, and loads its weights, while the previous call's last kernel finishes. In a model another kernel runs
@@ -53,8 +54,49 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
+# SPEC's cost models: the bytes one call must move at the least for M tokens at hidden size H (per-token reads and
+# writes, plus a weight read once per call); the floor time is that over the copy bandwidth.
+WEIGHT_BYTES_PER_H = 24 * 4 * 4  # fn [24, 4H] fp32: 384H
+BROADCAST_WEIGHT_BYTES_PER_H = 24 * 4  # fn_b [24, H] fp32 (the entry seam's folded weight): 96H
+HEAD_WEIGHT_BYTES_PER_H = 4 * 4 * 4  # head_fn [4, 4H] fp32: 64H
+
+
 def floor_bytes(m: int, hidden: int) -> int:
-    return (20 * hidden + 160) * m + 96 * hidden
+    """``mhc_fused_hc``: read x_prev (2H) and residual_prev (8H), write residual_cur (8H) and layer_input (2H), 160
+    bytes of mixes in and out per token; the weight."""
+    return (20 * hidden + 160) * m + WEIGHT_BYTES_PER_H * hidden
+
+
+def delayed_floor_bytes(m: int, hidden: int) -> int:
+    """``mhc_fused_hc_delayed``: the seam's bytes plus the carried and the returned pre gates (32 per token)."""
+    return (20 * hidden + 192) * m + WEIGHT_BYTES_PER_H * hidden
+
+
+def entry_floor_bytes(m: int, hidden: int) -> int:
+    """The entry seam with broadcast: read the embedding (2H), write the 4 streams (8H) and layer_input (2H); the
+    folded weight fn_b."""
+    return 12 * hidden * m + BROADCAST_WEIGHT_BYTES_PER_H * hidden
+
+
+def no_post_floor_bytes(m: int, hidden: int) -> int:
+    """The no-post seam: read residual_prev (8H), write layer_input (2H); the weight."""
+    return 10 * hidden * m + WEIGHT_BYTES_PER_H * hidden
+
+
+def post_floor_bytes(m: int, hidden: int) -> int:
+    """``mhc_post``: read x (2H), residual (8H) and 80 bytes of mixes, write residual_cur (8H); no weight."""
+    return (18 * hidden + 80) * m
+
+
+def collapse_floor_bytes(m: int, hidden: int) -> int:
+    """``mhc_collapse``: read residual (8H) and the 4 gates (16 bytes), write layer_input (2H); no weight."""
+    return (10 * hidden + 16) * m
+
+
+def head_floor_bytes(m: int, hidden: int) -> int:
+    """``mhc_head``: read residual (8H), write the output (2H), re-read residual for the collapse (8H: its gates
+    depend on the full projection); the head weight."""
+    return 18 * hidden * m + HEAD_WEIGHT_BYTES_PER_H * hidden
 
 
 def delayed_floor_bytes(m: int, hidden: int) -> int:
