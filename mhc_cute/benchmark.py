@@ -99,11 +99,6 @@ def head_floor_bytes(m: int, hidden: int) -> int:
     return 18 * hidden * m + HEAD_WEIGHT_BYTES_PER_H * hidden
 
 
-def delayed_floor_bytes(m: int, hidden: int) -> int:
-    """The delayed seam's floor (SPEC "V4.1"): the V4 seam's bytes plus the carried and returned pre gates."""
-    return (20 * hidden + 192) * m + 384 * hidden
-
-
 def measure_copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 20) -> float:
     """Bytes read + written per second of a large device-to-device copy (median)."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
@@ -541,19 +536,18 @@ MODELS = {
 MODEL_OUTPUT_BYTES = 16 << 30  # at most this much of distinct precomputed sublayer outputs (reused cyclically)
 
 
+# SPEC's cost model of each op of a forward pass (``model_ops`` names); the delayed entry and the no-post seams move
+# the same H-sized rows as their V4 forms (their gate bytes are a few dozen per token)
+OP_FLOORS = {
+    "seam": floor_bytes, "delayed_seam": delayed_floor_bytes, "entry": entry_floor_bytes,
+    "delayed_entry": entry_floor_bytes, "no_post_delayed_seam": no_post_floor_bytes, "post": post_floor_bytes,
+    "collapse": collapse_floor_bytes, "head": head_floor_bytes,
+}
+
+
 def op_floor_bytes(op: str, m: int, h: int) -> int:
-    """SPEC's cost model of one call of ``op`` on ``m`` tokens (bytes read + written; weights once per call)."""
-    per_token, weight = {
-        "seam": (20 * h + 160, 384 * h),  # mhc_fused_hc
-        "delayed_seam": (20 * h + 192, 384 * h),
-        "entry": (12 * h + 80, 96 * h),  # broadcast entry: read 2H, write 8H + 2H; fn summed over streams [24, H]
-        "delayed_entry": (12 * h + 96, 96 * h),
-        "no_post_delayed_seam": (10 * h + 112, 384 * h),  # read 8H, write 2H; pre in, post, comb, pre out
-        "post": (18 * h + 80, 0),
-        "collapse": (10 * h + 16, 2 * h),
-        "head": (18 * h, 64 * h),  # its collapse re-reads the 8H of streams (the gates need the full reduction)
-    }[op]
-    return per_token * m + weight
+    """SPEC's floor of one call of ``op`` on ``m`` tokens (bytes read + written; weights once per call)."""
+    return OP_FLOORS[op](m, h)
 
 
 def model_ops(config: ModelConfig) -> list[str]:

@@ -22,7 +22,7 @@ def test_model_floor_is_the_sum_of_the_ops():
         bm.op_floor_bytes("head", m, h)
     assert bm.model_floor_bytes(c, m) == want
     assert bm.op_floor_bytes("post", m, h) == (18 * h + 80) * m
-    assert bm.op_floor_bytes("collapse", m, h) == (10 * h + 16) * m + 2 * h
+    assert bm.op_floor_bytes("collapse", m, h) == (10 * h + 16) * m
 
 
 @pytest.mark.parametrize("config", [bm.ModelConfig(64, 2), bm.ModelConfig(64, 3, (1,), delayed=True)])
