@@ -230,6 +230,10 @@ class BigFusePhase:
         tidx, _, _ = cute.arch.thread_idx()
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         m_total = mPartials.shape[1]
+        # the columns past the last one kernel 1 writes are never read from memory (initcheck: uninitialised);
+        # those lanes repeat it, and their sums are never used
+        last_col = X1_SUMSQ_COL if self.delayed and self.norm_dtype is not None else SUMSQ_COL
+        col = cutlass.min(lane, last_col)
         rounds = -(-self.split_k // self.collapse_warps)
         exact = self.split_k % self.collapse_warps == 0
         for t in cutlass.range_constexpr(self.tokens):
@@ -237,7 +241,7 @@ class BigFusePhase:
             # by an exact zero
             m = cutlass.min(m0 + t, m_total - 1)
             splits = [warp + r * self.collapse_warps for r in range(rounds)]
-            vals = [mPartials[s if exact else cutlass.min(s, self.split_k - 1), m, lane] for s in splits]
+            vals = [mPartials[s if exact else cutlass.min(s, self.split_k - 1), m, col] for s in splits]
             # a warp barrier before any of them is used: the compiler keeps every load above it (these and the
             # caller's first collapse batch) in flight together; else ptxas may start the sum first and issue
             # the collapse batch a memory round trip later (seen in the SASS with uneven splits)

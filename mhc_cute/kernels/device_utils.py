@@ -252,7 +252,21 @@ def round_tf32(t: cute.Tensor):
     bits = cute.recast_tensor(t, Int32)
     for i in cutlass.range_constexpr(cute.size(t)):
         b = bits[i]
-        bits[i] = (b + 0xFFF + ((b >> 13) & 1)) & -0x2000
+        rounded = (b + 0xFFF + ((b >> 13) & 1)) & -0x2000
+        # a NaN stays a NaN (the rounding carry would make an infinity or a zero of its payload)
+        bits[i] = Int32(cutlass.select_((b & 0x7FFFFFFF) > 0x7F800000, Int32(0x7FC00000), rounded))
+
+
+@cute.jit
+def split_tf32(w: cute.Tensor, hi: cute.Tensor, lo: cute.Tensor):
+    """``hi = tf32_rn(w)``, ``lo = tf32_rn(w - hi)`` into the register tensors ``hi`` and ``lo`` (as ``mma.split_tf32``
+    does on the host): ``lo`` is 0 where ``hi`` is infinite, so an infinite weight's products stay infinite."""
+    hi.store(w.load())
+    round_tf32(hi)
+    hi_bits = cute.recast_tensor(hi, Int32)
+    for i in cutlass.range_constexpr(cute.size(w)):
+        lo[i] = Float32(cutlass.select_((hi_bits[i] & 0x7FFFFFFF) == 0x7F800000, Float32(0.0), w[i] - hi[i]))
+    round_tf32(lo)
 
 
 @cute.jit

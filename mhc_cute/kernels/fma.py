@@ -316,17 +316,14 @@ class FmaFusedHc:
         holds H offsets 4q..4q+3 of it, and offsets 4q + 2s and 4q + 2s + 1 are its K columns q and q + 4 of
         k-step s (the A fragment's rows g and g + 8 from shared memory, the B fragment's column g from its
         weight row); a dot product does not depend on the order of K. The weight is split into TF32 hi + lo
-        (``du.round_tf32``; the activations are bf16 values, exact in TF32), two MMAs per step, and the
+        (``du.split_tf32``; the activations are bf16 values, exact in TF32), two MMAs per step, and the
         tensor cores accumulate one chunk from zero (their long sums drift) before an fp32 add into ``acc``.
         """
         lane = cute.arch.lane_idx()
         atom = cute.make_mma_atom(warp.MmaTF32Op((MMA_TILE_ROWS, MMA_N, 8)))
         hi = cute.make_rmem_tensor(self.w_shape, Float32)
-        hi.store(weights.load())
-        du.round_tf32(hi)
         lo = cute.make_rmem_tensor(self.w_shape, Float32)
-        lo.store(weights.load() - hi.load())
-        du.round_tf32(lo)
+        du.split_tf32(weights, hi, lo)
         n_tiles = N_MIXES // MMA_N
         for mt in cutlass.range_constexpr(self.m_tiles):
             tile = [cute.make_rmem_tensor((4, 1, 1), Float32) for _ in range(n_tiles)]
