@@ -3,9 +3,9 @@
 
 Each op flattens its leading dims into M, checks every argument (errors name it), and runs one backend on the flat
 tensors: ``"torch"`` (the reference in fp32, any device), ``"triton"`` (``mhc_cute.triton.ops``: NVIDIA, ROCm, the
-CPU interpreter) or ``"cute"`` (``mhc_cute.kernels.post`` / ``collapse``: CuTe DSL on Hopper; ``mhc_head`` runs
-there as a seam without post, on ``mhc_fused_hc``'s kernels). ``"auto"`` takes the first available of cute, triton,
-torch.
+CPU interpreter) or ``"cute"`` (``mhc_cute.kernels.post`` / ``collapse``: CuTe DSL on Hopper); ``mhc_head`` also
+runs as ``"seam"``, a seam without post on ``mhc_fused_hc``. ``"auto"`` takes the first available backend in the
+order listed, on a GPU.
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ OP_BACKENDS: dict[str, dict[str, OpBackend]] = {
         "torch": OpBackend("mhc_cute.ops:_collapse_torch", "reference"),
     },
     "mhc_head": {
-        "cute": OpBackend("mhc_cute.ops:_head_as_seam", "cute", 64),
         "triton": OpBackend("mhc_cute.triton.ops:run_head", "triton"),
+        # a seam without post on the padded head weight, on mhc_fused_hc's auto pick for that form
+        "seam": OpBackend("mhc_cute.ops:_head_as_seam", "reference"),
         "torch": OpBackend("mhc_cute.ops:_head_torch", "reference"),
     },
 }

@@ -118,8 +118,8 @@ def test_head_with_the_seam_weight_is_the_seam_collapse():
 
 @pytest.mark.parametrize("norm", [False, True])
 def test_head_as_a_seam_without_post_is_the_head(norm):
-    """mhc_head's CuTe backend is a seam without post on the padded head weight: on the seam's torch backend that
-    composition gives the head's reference bits (needs mhc_fused_hc's no-post form)."""
+    """mhc_head's "seam" backend, a seam without post on the padded head weight: on the CPU (the seam's torch
+    backend) that composition gives the head's reference bits."""
     inputs = make_op_inputs("mhc_head", 5, 64, seed=13, norm=norm)
     out = torch.empty(5, 64, dtype=torch.bfloat16)
     ops._head_as_seam(*(inputs[k] for k in ("residual", "head_fn", "head_scale", "head_base", "norm_weight")),
