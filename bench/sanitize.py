@@ -234,12 +234,19 @@ def fused_hc_check(case: Case, inputs: dict, out) -> None:
 # Ops this checkout may not have yet: their cases run once ``mhc_cute`` exports them, on every kernel backend name
 # and ``auto`` (a backend an op does not have is reported "n/a"), with the backend's default tactic.
 def future_cases(attr: str, norm_applies: bool) -> Callable[[], list]:
+    """The op's default-tactic grid on each of its kernel backends and ``auto`` (none while the package lacks it):
+    the seam backends that run the delayed seam, or a standalone op's own backends (``ops.OP_BACKENDS``)."""
     def cases():
         import mhc_cute
+        from mhc_cute import backends, ops
 
         if not hasattr(mhc_cute, attr):
             return []
-        return [c for b in kernel_backends() + ["auto"] for c in checkerboard(attr, b, norm_applies)]
+        if attr in ops.OP_BACKENDS:
+            names = [b for b in ops.OP_BACKENDS[attr] if b != "torch"]
+        else:
+            names = [b for b in kernel_backends() if backends.BACKENDS[b].entry_for(attr.removeprefix("mhc_"))]
+        return [c for b in names + ["auto"] for c in checkerboard(attr, b, norm_applies)]
     return cases
 
 
@@ -463,14 +470,15 @@ def cute_specs(cases: list[Case], sm_count: int):
 
     fma, mma = [], []
     for c in cases:
-        if c.op != "mhc_fused_hc" or c.backend not in tac.FMA_PATHS + tac.MMA_PATHS:
+        if c.op not in ("mhc_fused_hc", "mhc_fused_hc_delayed") or c.backend not in tac.FMA_PATHS + tac.MMA_PATHS:
             continue
         t = tac.parse_tactic(c.tactic) if c.tactic else tac.default_tactic(c.backend, c.m, c.h, sm_count)
         norm = "bfloat16" if c.norm else None
+        seam = ("carried",) if c.op == "mhc_fused_hc_delayed" else ()  # delayed_inputs carries gates
         if t.path in tac.FMA_PATHS:
-            fma.append((t.name, c.h, norm))
+            fma.append((t.name, c.h, norm, *seam))
         else:
-            mma.append((t.name, c.h, c.precision, norm))
+            mma.append((t.name, c.h, c.precision, norm, *seam))
     return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
 
 
