@@ -18,6 +18,10 @@ of one token, against the non-finite policy (``accuracy.check_poisoned_token``).
 kernel configuration of an earlier one (its backend, H, norm, precision and resolved tactic) with new sizes and
 data, so that compiling new kernel variants takes a bounded share of the run (``$MHC_CUTE_KERNEL_CACHE``, default
 /tmp/mhc-kcache, keeps them for later runs).
+``mhc_fused_hc_delayed`` (every form: regular, no post, broadcast entry; carried gates or the identity
+``pre_mix_prev=None``) and the standalone ops ``mhc_post``, ``mhc_collapse``, ``mhc_head`` draw the same way (no
+poisoned tokens), each on the backends that implement it, checked with ``accuracy.check_outputs`` and
+``accuracy.check_op_output``; ``--ops`` picks some, by default all (weighted towards the two seams).
 A call's draw is a JSON object; the i-th draw depends only on ``--seed`` and i. A new op is one entry of ``OPS``
 (its draw and its run).
 """
