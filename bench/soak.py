@@ -18,6 +18,10 @@ of one token, against the non-finite policy (``accuracy.check_poisoned_token``).
 kernel configuration of an earlier one (its backend, H, norm, precision and resolved tactic) with new sizes and
 data, so that compiling new kernel variants takes a bounded share of the run (``$MHC_CUTE_KERNEL_CACHE``, default
 /tmp/mhc-kcache, keeps them for later runs).
+``mhc_fused_hc_delayed`` (every form: regular, no post, broadcast entry; carried gates or the identity
+``pre_mix_prev=None``) and the standalone ops ``mhc_post``, ``mhc_collapse``, ``mhc_head`` draw the same way (no
+poisoned tokens), each on the backends that implement it, checked with ``accuracy.check_outputs`` and
+``accuracy.check_op_output``; ``--ops`` picks some, by default all (weighted towards the two seams).
 A call's draw is a JSON object; the i-th draw depends only on ``--seed`` and i. A new op is one entry of ``OPS``
 (its draw and its run).
 """
@@ -45,17 +49,21 @@ SCALES = (1e-20, 1e-4, 1.0, 1e3, 1e10)  # the activations' scale; with x100 outl
 POISON = 0.05  # share of calls made again with a NaN or an infinity in one token (``accuracy.check_poisoned_token``)
 POISON_TAILS = {"x_prev": (0,), "residual_prev": (4, 0), "post_mix_prev": (4, 1), "comb_mix_prev": (4, 4)}  # 0: H
 DEFAULT_KERNEL_CACHE = "/tmp/mhc-kcache"
+ACTIVATIONS = ("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev", "pre_mix_prev")  # a seam's
+OP_ACTIVATIONS = ("x", "residual", "post_mix", "comb_mix", "pre_mix")  # a standalone op's
 
 
 @dataclass
 class Env:
-    """What draws depend on: the device, the backends that run there, and the kernel configurations drawn so far."""
+    """What draws depend on: the device, the backends that run there (the seams', each standalone op's), and the
+    kernel configurations drawn so far (by op)."""
 
     device: str
     backends: list
+    op_backends: dict = field(default_factory=dict)
     new_config: float = 1.0  # share of draws with a new kernel configuration; the others reuse one of ``history``
     sm_count: int = 132
-    history: list = field(default_factory=list)
+    history: dict = field(default_factory=dict)
     stream: object = None
 
 
@@ -147,22 +155,27 @@ def _resolved_tactic(backend: str, tactic, m: int, h: int, env: Env):
     return None
 
 
-def draw_fused_hc(rng: random.Random, env: Env) -> dict:
-    from mhc_cute import BACKENDS
-
+def _draw_call(rng: random.Random, env: Env, op: str, configure: Callable[[random.Random], tuple],
+               h_multiple: Callable[[str], int], seam: bool) -> dict:
+    """What every op's call draws: a kernel configuration (``configure(rng)`` -> (its own fields, the backends to
+    choose from); the backend, H, norm; for a seam the precision and a tactic), M, leading dims, the inputs' scale,
+    outliers, zeros, gates, layout, ``out=`` buffers, a stream or a CUDA graph."""
     gpu = env.device == "cuda"
-    reuse = bool(env.history) and rng.random() >= env.new_config
+    history = env.history.setdefault(op, [])
+    reuse = bool(history) and rng.random() >= env.new_config
     if reuse:
-        config = dict(rng.choice(env.history))
+        config = dict(rng.choice(history))
     else:
-        backend = rng.choice(env.backends)
-        mult = BACKENDS[backend].h_multiple if backend != "auto" else 64
+        config, backends = configure(rng)
+        backend = rng.choice(backends)
+        mult = h_multiple(backend) if backend != "auto" else 64
         if rng.random() < 0.8:
             mult = max(mult, 64)
         max_h = 8192 if gpu else CPU_LIMITS["triton" if backend == "triton" else "torch"][1]
-        config = dict(backend=backend, h=mult * rng.randint(1, max(1, max_h // mult)),
-                      norm=rng.choice([None, None, "bfloat16", "bfloat16", "float32"]),
-                      precision=rng.choice(["fp32", "fp32", "fp32", "tf32"]))
+        config.update(backend=backend, h=mult * rng.randint(1, max(1, max_h // mult)),
+                      norm=rng.choice([None, None, "bfloat16", "bfloat16", "float32"]))
+        if seam:
+            config["precision"] = rng.choice(["fp32", "fp32", "fp32", "tf32"])
     h = config["h"]
     if gpu:
         max_m = max(1, min(MAX_M_GPU, MAX_ELEMENTS_GPU // (4 * h)))
@@ -170,28 +183,42 @@ def draw_fused_hc(rng: random.Random, env: Env) -> dict:
         max_m = CPU_LIMITS["triton" if config["backend"] == "triton" else "torch"][0]
     m = _draw_m(rng, max_m)
     if not reuse:
-        config["tactic"] = _draw_tactic(rng, config["backend"], m, h, env)
+        if seam:
+            config["tactic"] = _draw_tactic(rng, config["backend"], m, h, env)
         if env.new_config < 1:
-            env.history.append(dict(config, tactic=_resolved_tactic(config["backend"], config["tactic"], m, h, env)))
+            history.append(dict(config, tactic=_resolved_tactic(config["backend"], config["tactic"], m, h, env))
+                           if seam else config)
     graph = gpu and m > 0 and rng.random() < 0.07
-    poison = None
-    if m and not graph and rng.random() < POISON:  # one value of one token: the non-finite policy
-        name, tail = rng.choice(list(POISON_TAILS.items()))
-        poison = dict(name=name, token=rng.randrange(m), at=[rng.randrange(n if n else h) for n in tail],
-                      value=rng.choice(["nan", "inf", "-inf"]))
     return dict(
-        op="mhc_fused_hc", **config, m=m, lead=_draw_lead(rng, m), seed=rng.randrange(1 << 31),
+        op=op, **config, m=m, lead=_draw_lead(rng, m), seed=rng.randrange(1 << 31),
         scale=rng.choice(SCALES), outliers=rng.choice([0, 0, 1, 3]),
         zeros=rng.choice(["none", "none", "channels", "tokens", "post"]),
         gate_scale=rng.choice([0.5, 0.5, 0.5, 3.0, 100.0]),
         layout=rng.choice(["contiguous", "contiguous", "strided", "misaligned"]),
         out=rng.choice(["none", "none", "out", "flat-out"]),
-        stream=gpu and not graph and rng.random() < 0.2, graph=graph, poison=poison,
+        stream=gpu and not graph and rng.random() < 0.2, graph=graph,
     )
 
 
-def fused_hc_inputs(d: dict, seed: int, device: str) -> dict:
-    """The inputs a draw describes (``benchmark.make_sets``'s statistics, then its knobs), in its layout."""
+def _seam_h_multiple(backend: str) -> int:
+    from mhc_cute import BACKENDS
+
+    return BACKENDS[backend].h_multiple
+
+
+def draw_fused_hc(rng: random.Random, env: Env) -> dict:
+    d = _draw_call(rng, env, "mhc_fused_hc", lambda rng: ({}, env.backends), _seam_h_multiple, seam=True)
+    d["poison"] = None
+    if d["m"] and not d["graph"] and rng.random() < POISON:  # one value of one token: the non-finite policy
+        name, tail = rng.choice(list(POISON_TAILS.items()))
+        d["poison"] = dict(name=name, token=rng.randrange(d["m"]), at=[rng.randrange(n if n else d["h"]) for n in tail],
+                           value=rng.choice(["nan", "inf", "-inf"]))
+    return d
+
+
+def seam_inputs(d: dict, seed: int, device: str) -> dict:
+    """The inputs a seam draw describes (``benchmark.make_sets``'s statistics, then its knobs), in its layout; for
+    the delayed seam (``d["pre"]``) its form and ``pre_mix_prev`` (carried gates, or None for the identity)."""
     import torch
 
     from mhc_cute.benchmark import make_sets
@@ -222,6 +249,14 @@ def fused_hc_inputs(d: dict, seed: int, device: str) -> dict:
         fn=s["fn"], hc_scale=s["hc_scale"], hc_base=_gate_bases(s["hc_base"] / 0.5, d["gate_scale"]),
         norm_weight=None if d["norm"] is None else s["norm_weight"].to(getattr(torch, d["norm"])),
     )
+    if d.get("pre") is not None:  # gates as a seam returns them: sigmoid + hc_pre_eps
+        carried = torch.sigmoid(torch.randn(m, 4, generator=g, device=device)) + 1e-6
+        inputs["pre_mix_prev"] = carried.reshape(*lead, 4) if d["pre"] == "carried" else None
+    form = d.get("form", "regular")
+    if form != "regular":
+        inputs.update(x_prev=None, post_mix_prev=None, comb_mix_prev=None)
+    if form == "broadcast":  # one stream: the pipeline entry's embedding
+        inputs["residual_prev"] = inputs["residual_prev"][..., 0, :].contiguous()
     return _layout(inputs, d["layout"])
 
 
@@ -245,8 +280,10 @@ def _layout(inputs: dict, layout: str) -> dict:
     if layout == "contiguous":
         return inputs
     out = dict(inputs)
-    for k in ("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev"):
-        t = inputs[k]
+    for k in ACTIVATIONS:
+        t = inputs.get(k)
+        if t is None:
+            continue
         if layout == "strided":  # every other element of a tensor twice as wide in its last dim
             wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
             view = wide[..., ::2]
@@ -259,21 +296,28 @@ def _layout(inputs: dict, layout: str) -> dict:
 
 
 def _flat(out, m: int, h: int):
-    from mhc_cute import MhcFusedHcOutput
+    """A seam's outputs as ``[M, ...]`` (None stays None)."""
+    shapes = ((m, 4, h), (m, 4, 1), (m, 4, 4), (m, h), (m, 4))
+    return type(out)(*(None if t is None else t.reshape(shape) for t, shape in zip(out, shapes)))
 
-    return MhcFusedHcOutput(out[0].reshape(m, 4, h), out[1].reshape(m, 4, 1), out[2].reshape(m, 4, 4),
-                            out[3].reshape(m, h))
 
-
-def _out_buffers(d: dict, device: str):
-    import torch
-
+def _seam_shapes(d: dict) -> list:
+    """A seam's output shapes (``out=``'s flat alternatives with ``flat-out``; the delayed seam's ``pre_mix_cur``
+    last, None for the residual of a seam without post)."""
     lead, h = tuple(d["lead"]), d["h"]
     flat = d["out"] == "flat-out"
-    shapes = [(*lead, 4, h), (*lead, 4) if flat else (*lead, 4, 1), (*lead, 16) if flat else (*lead, 4, 4),
-              (*lead, h)]
-    dtypes = [torch.bfloat16, torch.float32, torch.float32, torch.bfloat16]
-    return tuple(torch.full(s, float("nan"), dtype=t, device=device) for s, t in zip(shapes, dtypes))
+    shapes = [None if d.get("form") == "no_post" else (*lead, 4, h), (*lead, 4) if flat else (*lead, 4, 1),
+              (*lead, 16) if flat else (*lead, 4, 4), (*lead, h)]
+    if d["op"] == "mhc_fused_hc_delayed":
+        shapes.append((*lead, 4, 1) if flat else (*lead, 4))
+    return shapes
+
+
+def _nan_buffers(shapes: list, dtypes: list, device: str) -> tuple:
+    import torch
+
+    return tuple(None if s is None else torch.full(s, float("nan"), dtype=t, device=device)
+                 for s, t in zip(shapes, dtypes))
 
 
 def _tactic_object(d: dict):
@@ -284,46 +328,31 @@ def _tactic_object(d: dict):
     return d["tactic"]
 
 
-def run_fused_hc(d: dict, env: Env) -> None:
+def _run_call(d: dict, env: Env, make: Callable, call: Callable, check: Callable, buffers) -> tuple | None:
+    """Inputs ``make(seed)``, ``call(inputs)`` on the current stream, a second stream, or captured in a CUDA graph
+    and replayed on two new sets of activations (the weights kept: a layer's graph), each output checked
+    (``check(out, inputs)``); returns the eager call's ``(inputs, out)``, None for a graph."""
     import torch
 
-    import mhc_cute
-    from mhc_cute.accuracy import check_outputs, check_poisoned_token, problem_of, tolerances
-
-    device, m, h = env.device, d["m"], d["h"]
-    inputs = fused_hc_inputs(d, d["seed"], device)
-    buffers = _out_buffers(d, device) if d["out"] != "none" else None
-    kwargs = dict(backend=d["backend"], precision=d["precision"], tactic=_tactic_object(d))
-
-    def call(s):
-        return mhc_cute.mhc_fused_hc(**s, **kwargs, out=buffers)
-
-    def check(out, s):
-        lead = tuple(d["lead"])
-        want = [(*lead, 4, h), (*lead, 4, 1), (*lead, 4, 4), (*lead, h)]
-        if buffers is not None:
-            assert all(a is b for a, b in zip(out, buffers)), "out=: the returned tensors are not the buffers"
-            want = [tuple(b.shape) for b in buffers]
-        assert [tuple(t.shape) for t in out] == want, f"output shapes {[tuple(t.shape) for t in out]} != {want}"
-        backend = d["backend"] if d["backend"] != "auto" else "half_mma"  # the loosest tolerances auto may need
-        check_outputs(_flat(out, m, h), problem_of(s, d["precision"]), **tolerances(backend, d["precision"]))
-
+    device = env.device
+    inputs = make(d["seed"])
     if d["graph"]:
         from mhc_cute.benchmark import capture
 
         static, captured = dict(inputs), []
         graph = capture(lambda s: captured.append(call(s)), [static])
-        for i in range(2):  # new activations copied in, the weights kept (a layer's graph)
-            fresh = fused_hc_inputs(d, d["seed"] + 7 + i, device)
-            for k in ("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev"):
-                static[k].copy_(fresh[k])
-            if buffers is not None:
-                for b in buffers:
+        for i in range(2):
+            fresh = make(d["seed"] + 7 + i)
+            for k in ACTIVATIONS + OP_ACTIVATIONS:
+                if static.get(k) is not None:
+                    static[k].copy_(fresh[k])
+            for b in buffers or ():
+                if b is not None:
                     b.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
             check(captured[-1], static)
-        return
+        return None
     if d["stream"]:
         env.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(env.stream):
@@ -334,10 +363,52 @@ def run_fused_hc(d: dict, env: Env) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
     check(out, inputs)
-    if d.get("poison"):
-        clean = _flat([t.clone() for t in out], m, h)
+    return inputs, out
+
+
+def _run_seam(d: dict, env: Env, fn: Callable) -> tuple | None:
+    """One call of the seam ``fn`` as ``d`` describes it, checked against the contract (``_run_call``)."""
+    import torch
+
+    from mhc_cute.accuracy import check_outputs, problem_of, tolerances
+
+    m, h = d["m"], d["h"]
+    shapes = _seam_shapes(d)
+    dtypes = [torch.bfloat16, torch.float32, torch.float32, torch.bfloat16, torch.float32]
+    buffers = _nan_buffers(shapes, dtypes, env.device) if d["out"] != "none" else None
+    kwargs = dict(backend=d["backend"], precision=d["precision"], tactic=_tactic_object(d))
+
+    def call(s):
+        return fn(**s, **kwargs, out=buffers)
+
+    def check(out, s):
+        if d.get("form") == "no_post":  # the op returns residual_prev itself, out= or not
+            assert out.residual_cur is s["residual_prev"], "residual_cur: not residual_prev itself (no post)"
+            out = out._replace(residual_cur=None)
+        want = [None if t is None else list(t) for t in shapes]
+        if buffers is not None:
+            assert all(a is b for a, b in zip(out, buffers)), "out=: the returned tensors are not the buffers"
+        got = [None if t is None else list(t.shape) for t in out]
+        assert got == want, f"output shapes {got} != {want}"
+        backend = d["backend"] if d["backend"] != "auto" else "half_mma"  # the loosest tolerances auto may need
+        check_outputs(_flat(out, m, h), problem_of(s, d["precision"]), **tolerances(backend, d["precision"]))
+
+    return _run_call(d, env, lambda seed: seam_inputs(d, seed, env.device), call, check, buffers)
+
+
+def run_fused_hc(d: dict, env: Env) -> None:
+    import mhc_cute
+    from mhc_cute.accuracy import check_poisoned_token, problem_of
+
+    done = _run_seam(d, env, mhc_cute.mhc_fused_hc)
+    if done is not None and d.get("poison"):
+        inputs, out = done
+        m, h = d["m"], d["h"]
+        clean = _flat(type(out)(*(t.clone() for t in out)), m, h)
         bad = _poisoned(inputs, d["poison"], m)
-        check_poisoned_token(_flat(call(bad), m, h), clean, problem_of(bad, d["precision"]), d["poison"]["token"])
+        kwargs = dict(backend=d["backend"], precision=d["precision"], tactic=_tactic_object(d))
+        poisoned = mhc_cute.mhc_fused_hc(**bad, **kwargs, out=None if d["out"] == "none" else out)
+        check_poisoned_token(_flat(poisoned, m, h), clean, problem_of(bad, d["precision"]), d["poison"]["token"])
 
 
 def _poisoned(inputs: dict, p: dict, m: int) -> dict:
@@ -353,12 +424,76 @@ def _poisoned(inputs: dict, p: dict, m: int) -> dict:
     return dict(inputs, **{p["name"]: flat.reshape(t.shape)})
 
 
-def label_fused_hc(d: dict) -> str:
+def label_backend(d: dict) -> str:
     return d["backend"]
 
 
+# --- mhc_fused_hc_delayed -------------------------------------------------------------------------------------
+
+def seam_backends(env: Env, op: str, form: str) -> list:
+    """The soak's seam backends (``env.backends``) that run ``op`` in ``form``; auto runs every one."""
+    from mhc_cute import BACKENDS
+
+    return [b for b in env.backends if b == "auto" or BACKENDS[b].entry_for(op, form)]
+
+
+def draw_fused_hc_delayed(rng: random.Random, env: Env) -> dict:
+    """A ``mhc_fused_hc`` draw plus the seam's form and its carried gates (``pre_mix_prev`` None: the identity)."""
+    def configure(rng):
+        form = rng.choice([f for f in ("regular", "regular", "no_post", "broadcast")
+                           if seam_backends(env, "fused_hc_delayed", f)])
+        return dict(form=form, pre=rng.choice(["carried", "carried", "identity"])), \
+            seam_backends(env, "fused_hc_delayed", form)
+
+    return _draw_call(rng, env, "mhc_fused_hc_delayed", configure, _seam_h_multiple, seam=True)
+
+
+def run_fused_hc_delayed(d: dict, env: Env) -> None:
+    import mhc_cute
+
+    _run_seam(d, env, mhc_cute.mhc_fused_hc_delayed)
+
+
+def label_delayed(d: dict) -> str:
+    return f"{d['backend']}/{d['form']}"
+
+
+# --- the standalone ops (``mhc_cute.ops``) ----------------------------------------------------------------------
+
+def draw_standalone(op: str) -> Callable[[random.Random, Env], dict]:
+    from mhc_cute import ops
+
+    return lambda rng, env: _draw_call(rng, env, op, lambda rng: ({}, env.op_backends[op]),
+                                       lambda b: ops.OP_BACKENDS[op][b].h_multiple, seam=False)
+
+
+def run_standalone(d: dict, env: Env) -> None:
+    """One call of a standalone op: its inputs from the seam's (``accuracy.op_inputs_of``, carried gates for
+    ``mhc_collapse``), checked with ``accuracy.check_op_output``."""
+    import torch
+
+    from mhc_cute.accuracy import call_op, check_op_output, op_inputs_of, op_tolerances
+
+    op = d["op"]
+    lead, h = tuple(d["lead"]), d["h"]
+    shape = (*lead, 4, h) if op == "mhc_post" else (*lead, h)
+    buffers = _nan_buffers([shape], [torch.bfloat16], env.device) if d["out"] != "none" else None
+
+    def check(out, s):
+        if buffers is not None:
+            assert out is buffers[0], "out=: the returned tensor is not the buffer"
+        assert tuple(out.shape) == shape, f"output shape {tuple(out.shape)} != {shape}"
+        check_op_output(op, out, s, **op_tolerances(op, d["backend"]))
+
+    _run_call(d, env, lambda seed: op_inputs_of(op, seam_inputs(dict(d, pre="carried"), seed, env.device)),
+              lambda s: call_op(op, s, d["backend"], None if buffers is None else buffers[0]), check, buffers)
+
+
 OPS: dict[str, SoakOp] = {
-    "mhc_fused_hc": SoakOp(draw_fused_hc, run_fused_hc, label_fused_hc),
+    "mhc_fused_hc": SoakOp(draw_fused_hc, run_fused_hc, label_backend, weight=4),
+    "mhc_fused_hc_delayed": SoakOp(draw_fused_hc_delayed, run_fused_hc_delayed, label_delayed, weight=3),
+    **{op: SoakOp(draw_standalone(op), run_standalone, label_backend)
+       for op in ("mhc_post", "mhc_collapse", "mhc_head")},
 }
 
 
@@ -379,7 +514,12 @@ def make_env(device: str | None, backends: list | None, new_config: float | None
     names = [b for b in here if not backends or b in backends]
     if not names:
         raise SystemExit(f"no backend to soak on {device} (available: {here})")
-    env = Env(device, names)
+    from mhc_cute import ops
+
+    auto = ["auto"] if device == "cuda" else []
+    op_backends = {op: [b for b in ops.available(op, torch.device(device)) + auto if not backends or b in backends]
+                   for op in ops.OP_BACKENDS}
+    env = Env(device, names, op_backends)
     if device == "cuda":
         env.new_config = NEW_CONFIG_GPU if new_config is None else new_config
         env.sm_count = torch.cuda.get_device_properties(0).multi_processor_count
@@ -473,7 +613,10 @@ def main(argv=None) -> int:
         return 0
     seed = args.seed if args.seed is not None else int(time.time()) % 100_000
     print(f"soak seed {seed} on {env.device}: {', '.join(env.backends)}", flush=True)
-    return soak(args.seconds, seed, env, args.ops.split(","), args.progress)
+    ops = [o for o in args.ops.split(",") if env.op_backends.get(o, True)]
+    if not ops:
+        raise SystemExit(f"no op to soak on these backends: {args.ops}")
+    return soak(args.seconds, seed, env, ops, args.progress)
 
 
 if __name__ == "__main__":

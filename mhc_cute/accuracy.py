@@ -336,17 +336,18 @@ STANDALONE_OPS = ("mhc_post", "mhc_collapse", "mhc_head")
 
 
 def make_op_inputs(op: str, m: int, h: int, *, seed: int = 0, device="cpu", norm: bool = False, lead=None) -> dict:
-    """Keyword inputs of a standalone op, drawn as ``make_inputs`` draws the seam's (the head weight is a seam
-    weight's pre rows; the carried gates of ``mhc_collapse`` are sigmoid gates + 1e-6, like a seam's)."""
-    s = make_inputs(m, h, seed=seed, device=device, norm=norm, lead=lead)
-    lead = tuple(s["x_prev"].shape[:-1])
+    """Keyword inputs of a standalone op, drawn as ``make_inputs`` draws the delayed seam's (``op_inputs_of``)."""
+    return op_inputs_of(op, make_inputs(m, h, seed=seed, device=device, norm=norm, lead=lead, pre="carried"))
+
+
+def op_inputs_of(op: str, s: dict) -> dict:
+    """A standalone op's keyword inputs from a delayed seam's (``make_inputs(..., pre="carried")``): the head weight
+    is the seam weight's pre rows; the carried gates of ``mhc_collapse`` are the seam's ``pre_mix_prev``."""
     if op == "mhc_post":
         return dict(x=s["x_prev"], residual=s["residual_prev"], post_mix=s["post_mix_prev"],
                     comb_mix=s["comb_mix_prev"])
     if op == "mhc_collapse":
-        g = torch.Generator().manual_seed(seed + 1)
-        pre_mix = torch.sigmoid(torch.randn(*lead, HC_MULT, generator=g)) + 1e-6
-        return dict(residual=s["residual_prev"], pre_mix=pre_mix.to(device), norm_weight=s["norm_weight"])
+        return dict(residual=s["residual_prev"], pre_mix=s["pre_mix_prev"], norm_weight=s["norm_weight"])
     if op == "mhc_head":
         return dict(residual=s["residual_prev"], head_fn=s["fn"][:HC_MULT].contiguous(),
                     head_scale=s["hc_scale"][:1].clone(), head_base=s["hc_base"][:HC_MULT].clone(),
@@ -426,13 +427,17 @@ def _check_op_rows(op: str, out: torch.Tensor, inputs: dict, mix_tol: float, li_
     return _check_layer_input(li, li64, flat_res, pre64, gate_err, norm_weight, norm_eps, li_ulps, errs)
 
 
+def op_tolerances(op: str, backend: str) -> dict:
+    """The contract's tolerances for a standalone op on ``backend`` (keyword arguments of ``check_op_output``):
+    mhc_head's "seam" backend (and "auto", which may resolve to it) runs on the seam's auto pick, an MMA path."""
+    return tolerances("half_mma", "fp32") if op == "mhc_head" and backend in ("seam", "auto") else {}
+
+
 def check_op(op: str, inputs: dict, backend: str, **scalars) -> dict:
     """Run ``op`` on ``backend`` twice into NaN-poisoned ``out=`` buffers, check the contract
     (``check_op_output``) and that the two runs are bit-identical; return the errors."""
     first = call_op(op, inputs, backend, op_output_like(op, inputs), **scalars)
-    # mhc_head's "cute" backend is the seam's auto choice: the MMA paths' tolerance
-    tol = tolerances("half_mma", "fp32") if op == "mhc_head" and backend == "cute" else {}
-    errs = check_op_output(op, first, inputs, **tol, **scalars)
+    errs = check_op_output(op, first, inputs, **op_tolerances(op, backend), **scalars)
     again = call_op(op, inputs, backend, op_output_like(op, inputs), **scalars)
     assert torch.equal(_bits(first), _bits(again)), f"{op}: output differs between two runs"
     return errs

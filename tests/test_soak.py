@@ -29,6 +29,23 @@ def test_short_soak_on_the_cpu(soak, capsys):
     assert last[0] == "soak:" and last[2:] == ["calls,", "0", "failures"] and int(last[1]) >= 1, lines[-1]
 
 
+@pytest.mark.parametrize("op", ["mhc_fused_hc_delayed", "mhc_post", "mhc_collapse", "mhc_head"])
+def test_short_soak_of_each_op(soak, capsys, op):
+    assert soak.main(["--seconds", "2", "--seed", "5", "--device", "cpu", "--ops", op]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    counts = lines[-2].split(": ", 1)[1].split()
+    assert counts and all(c.startswith(op + ":") for c in counts), lines[-2]
+    last = lines[-1].split()
+    assert last[2:] == ["calls,", "0", "failures"] and int(last[1]) >= 1, lines[-1]
+
+
+def test_delayed_draws_cover_every_form(soak):
+    env = soak.make_env("cpu", None, None)
+    draws = [soak.draw_fused_hc_delayed(soak.call_rng(2, i), env) for i in range(60)]
+    assert {d["form"] for d in draws} == {"regular", "no_post", "broadcast"}
+    assert {d["pre"] for d in draws} == {"carried", "identity"}
+
+
 def test_draws_depend_only_on_the_seed(soak):
     env_a, env_b = (soak.make_env("cpu", None, None) for _ in range(2))
     draws = [[soak.draw_fused_hc(soak.call_rng(3, i), env) for i in range(30)] for env in (env_a, env_b)]
@@ -49,7 +66,7 @@ def test_a_failure_is_reported_with_a_reproducer(soak, capsys, monkeypatch):
 
     monkeypatch.setitem(soak.OPS, "mhc_fused_hc", real._replace(run=run, draw=lambda rng, env: dict(
         real.draw(rng, env), backend="torch", h=64)))
-    assert soak.main(["--seconds", "1.5", "--seed", "3", "--device", "cpu"]) == 1
+    assert soak.main(["--seconds", "1.5", "--seed", "3", "--device", "cpu", "--ops", "mhc_fused_hc"]) == 1
     out = capsys.readouterr().out.splitlines()
     n, failures = int(out[-1].split()[1]), int(out[-1].split()[3])
     assert 0 < failures < n
