@@ -32,6 +32,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .problem import MhcFusedHcOutput
+from .version import dist_version
 
 BENCH_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # the default grid of M
 L2_FLUSH_BYTES = 256 << 20  # rotate through at least this much data (several times a Hopper L2)
@@ -395,6 +396,18 @@ def compiled_call(precision: str = "fp32") -> Callable[[dict], MhcFusedHcOutput]
     return compiled
 
 
+def tvm_ffi_tensor_path() -> str:
+    """How TVM-FFI converts a torch tensor argument here: through torch's DLPack C exchange API (tens of ns per
+    tensor; torch provides it, or TVM-FFI's optional extension adds it), or its Python fallback (``to_dlpack``,
+    microseconds per tensor: a call passes 14 tensors)."""
+    try:
+        import tvm_ffi  # noqa: F401  (may install the exchange API on torch.Tensor)
+    except Exception as e:  # not installed or broken: the CuTe paths are unavailable anyway
+        return f"unavailable ({type(e).__name__})"
+    fast = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+    return "DLPack C exchange API (fast)" if fast else "Python to_dlpack fallback (slow)"
+
+
 class HostTimes(NamedTuple):
     auto_us: float  # mhc_fused_hc(backend="auto"), host µs per eager call
     floor_us: float  # host_floor_call
@@ -424,7 +437,8 @@ def format_host_table(rows: list[tuple[int, int, HostTimes]], gpu: str) -> str:
     lines = [f"GPU: {gpu}; host µs per call of mhc_fused_hc(backend=\"auto\"): median of {HOST_ROUNDS} loops of "
              f"{HOST_CALLS} eager calls under torch.inference_mode(); floor = 4 torch.empty + the compiled kernels' "
              "TVM-FFI call with prepared arguments" + ("; compiled = through torch.compile (inductor, no CUDA graphs)"
-                                                      if compiled else "")]
+                                                      if compiled else ""),
+             f"TVM-FFI {dist_version('apache-tvm-ffi')}, torch tensors via {tvm_ffi_tensor_path()}"]
     head = f"{'H':>5} {'M':>6} | {'auto eager':>10} {'floor':>7} {'ratio':>6}" + (f" {'compiled':>9}" * compiled)
     lines += [head + " | auto runs", "-" * (len(head) + 40)]
     for h, m, t in rows:

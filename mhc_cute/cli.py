@@ -15,23 +15,17 @@ DEEPSEEK_SHAPES = [(1, 7168), (17, 7168), (256, 4096), (1000, 5120)]
 TUNE_MEASURES = ("contexts", "back-to-back")  # autotune.MEASURES, without importing torch to parse arguments
 
 
-def _version(module: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(module)
-    except Exception:
-        return "not installed"
-
-
 def cmd_info(args) -> int:
     import torch
 
     from . import __version__, backends
+    from .benchmark import tvm_ffi_tensor_path
+    from .version import dist_version
 
     print(f"mhc_cute {__version__}; python {platform.python_version()}; torch {torch.__version__}")
     for dist in ("nvidia-cutlass-dsl", "cuda-python", "apache-tvm-ffi", "triton"):
-        print(f"  {dist}: {_version(dist)}")
+        print(f"  {dist}: {dist_version(dist)}")
+    print(f"  TVM-FFI passes torch tensors via: {tvm_ffi_tensor_path()}")
     if torch.cuda.is_available():
         dev = torch.device("cuda")
         p = torch.cuda.get_device_properties(dev)

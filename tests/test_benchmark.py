@@ -69,10 +69,10 @@ def test_host_table():
     rows = [(7168, 1, bm.HostTimes(15.0, 10.0, "half_fma (default)")),
             (7168, 256, bm.HostTimes(18.0, 12.0, "half_mma half_mma:k64:m128:s3:fbw", compiled_us=60.0))]
     lines = bm.format_host_table(rows, "NVIDIA H200").splitlines()
-    assert "compiled" in lines[1] and lines[2].startswith("---")
-    assert lines[3].split() == ["7168", "1", "|", "15.0", "10.0", "1.50", "-", "|", "half_fma", "(default)"]
-    assert lines[4].split()[3:7] == ["18.0", "12.0", "1.50", "60.0"]
-    assert "compiled" not in bm.format_host_table(rows[:1], "NVIDIA H200").splitlines()[1]
+    assert lines[1].startswith("TVM-FFI ") and "compiled" in lines[2] and lines[3].startswith("---")
+    assert lines[4].split() == ["7168", "1", "|", "15.0", "10.0", "1.50", "-", "|", "half_fma", "(default)"]
+    assert lines[5].split()[3:7] == ["18.0", "12.0", "1.50", "60.0"]
+    assert "compiled" not in bm.format_host_table(rows[:1], "NVIDIA H200").splitlines()[2]
 
 
 @pytest.mark.gpu
