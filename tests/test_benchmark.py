@@ -91,3 +91,22 @@ def test_the_host_floor_computes_what_auto_computes():
                                b.view(a.shape).view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32)), name
     times = bm.host_times(1, 512, dev, False, compiled=True)
     assert times.auto_us > 0 and times.floor_us > 0 and times.compiled_us > 0
+
+
+def test_readme_tables_show_auto_host_time_beside_its_floor(tmp_path):
+    """``bench/merge_measured.py`` renders auto's host time per eager call and its floor where the run measured them."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    results = [bm.Result("auto", 1, 512, graph_us=4.4, floor_frac=0.1, host=bm.HostTimes(15.04, 10.0, "x")._asdict()),
+               bm.Result("auto", 2048, 512, graph_us=40.0, floor_frac=0.5)]
+    results += [bm.Result("half_fma", r.m, 512, graph_us=r.graph_us, floor_frac=r.floor_frac) for r in results]
+    bm.write_json(results, str(tmp_path / "run.json"), 4e12, "Fake GPU", {})
+    out = subprocess.run([sys.executable, os.path.join(root, "bench", "merge_measured.py"), str(tmp_path / "run.json")],
+                         env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, check=True).stdout
+    head, _, small, large = [[c.strip() for c in line.strip("|").split(" | ")] for line in out.splitlines()
+                             if line.startswith("|")]
+    assert dict(zip(head, small))["auto host (floor)"] == "15.0 (10.0)"
+    assert dict(zip(head, large))["auto host (floor)"] == "—"
