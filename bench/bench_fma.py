@@ -50,14 +50,13 @@ def sweep_tactics(path: str, m: int, hidden: int, sm_count: int, limit: int = 6)
 
 
 def direct_host_us(path: str, tactic, inputs: dict) -> float:
-    """Host µs per call of the backend entry itself (``run_*`` on a ready ``Problem``), no API layer."""
-
-    from mhc_cute.kernels import fma
+    """Host µs per call of the backend's prepared launch itself (on a ready ``Problem``), no API layer."""
+    from mhc_cute import backends
 
     problem = problem_of(inputs)
     out = problem.empty_outputs()
-    run = fma.run_all_fma if path == "all_fma" else fma.run_half_fma
-    return mb.host_us_per_call(lambda _: run(problem, tactic, out), inputs)
+    launch = backends.BACKENDS[path].load()(problem, tactic, out)
+    return mb.host_us_per_call(lambda _: launch(problem.inputs, out), inputs)
 
 
 def main(argv=None):

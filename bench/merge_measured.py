@@ -50,8 +50,8 @@ def main() -> int:
         print(f"\n**H = {h}** (µs per call, CUDA-graph replay; the fastest mhc_cute backend in bold)\n")
         print("| M | " + " | ".join(c[1] for c in COLUMNS)
               + "".join(f" | {c}" for c in extra)
-              + " | auto % of floor | auto / fastest | auto vs TileKernels | auto eager |")
-        print("|---:|" + "---:|" * (len(COLUMNS) + len(extra) + 4))
+              + " | auto % of floor | auto / fastest | auto vs TileKernels | auto eager | auto host (floor) |")
+        print("|---:|" + "---:|" * (len(COLUMNS) + len(extra) + 5))
         for m in sorted({k[1] for k in merged if k[0] == h}):
             row = {name: merged.get((h, m, name)) for name, _ in COLUMNS}
             best = fastest(graph_us, h, m, KERNELS)
@@ -62,8 +62,11 @@ def main() -> int:
             speedup = f"{tk['graph_us'] / auto['graph_us']:.2f}x" if auto and tk else "—"
             vs_best = f"{auto['graph_us'] / row[best]['graph_us']:.3f}" if auto else "—"
             eager = f"{auto['eager_us']:.0f}" if auto and auto.get("eager_us") else "—"
+            # host µs per eager call of auto and its floor (benchmark.host_times), where the run measured them
+            host = (f"{auto['host']['auto_us']:.1f} ({auto['host']['floor_us']:.1f})" if auto and auto.get("host")
+                    else "—")
             extras = "".join(f" | {v:.1f}" if auto and (v := get(auto)) else " | —" for get in extra.values())
-            print(f"| {m} | " + " | ".join(cells) + f"{extras} | {floor} | {vs_best} | {speedup} | {eager} |")
+            print(f"| {m} | " + " | ".join(cells) + f"{extras} | {floor} | {vs_best} | {speedup} | {eager} | {host} |")
     if args.plot:
         plot([Result(r["name"], r["m"], r["hidden"], r["graph_us"]) for r in merged.values()], args.plot, gpu)
     return 0

@@ -1,22 +1,40 @@
 """The public ops: ``mhc_fused_hc`` (drop-in) and ``mhc_fused_hc_delayed`` (V4.1), and their ``torch.library``
-registrations for ``torch.compile``."""
+registrations for ``torch.compile``.
+
+An eager call costs host time that, below M = 1000 or so, exceeds its kernels' time; so a call's signature (op,
+shapes, dtypes, devices, contiguity, scalars, backend, precision, tactic) is checked and resolved once, into a
+``_Plan`` (the flattening to do, the backend and its prepared launch: tactic, compiled kernels, scratch sizes), and
+later calls of that signature make only the checks that depend on more than it: grad mode, alignment (copies), the
+``out=`` buffers' memory, the current device (and, in the launch, stream, capture and prepared weights). Every op
+and seam form takes that path, and so do the custom ops' bodies.
+"""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
 from . import backends, selector
-from .problem import (MhcFusedHcDelayedOutput, MhcFusedHcOutput, Problem, Scalars, _as_delayed, check_out_memory,
-                      flat_out, validate)
+from .problem import (
+    ALIGN_BYTES, MhcFusedHcDelayedOutput, MhcFusedHcOutput, Problem, _as_delayed, aligned, check_no_grad,
+    check_out_memory, flat_out, validate,
+)
 from .reference import HC_MULT
 
+_cuda_current_device = getattr(torch._C, "_cuda_getDevice", None)  # torch.cuda.current_device() without its checks
 
-def _dispatch(problem: Problem, backend: str, tactic=None, out=None) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
-    """Run ``backend`` on the flattened problem, writing into ``out`` (fresh buffers when None)."""
-    if out is None:
-        out = problem.empty_outputs()
-    if problem.m == 0:
-        return out
+
+def prepared_launch(problem: Problem, backend: str, tactic, out):
+    """The prepared ``launch(inputs, out)`` (``backends``) of ``backend`` (``auto``: the selector's choice) for calls
+    of ``problem``'s signature, or the error that says why it cannot run them."""
+    b, tactic = _resolve(problem, backend, tactic)
+    return _on_device(problem.residual.device, b.load(problem.op, problem.form), problem, tactic, out)
+
+
+def _resolve(problem: Problem, backend: str, tactic):
+    """The ``backends.Backend`` that runs ``problem`` (its op and form) and its tactic, or the error that says why
+    none can."""
     dev = problem.residual.device
     op, form = problem.op, problem.form
     name = "mhc_" + op
@@ -44,14 +62,149 @@ def _dispatch(problem: Problem, backend: str, tactic=None, out=None) -> MhcFused
     mult = backends.BACKENDS[backend].h_multiple
     if problem.hidden % mult:
         raise ValueError(f"{name}: backend {backend!r} needs H % {mult} == 0; got H = {problem.hidden}")
-    run = backends.BACKENDS[backend].load(op, form)
-    if dev.type == "cuda" and dev.index != torch.cuda.current_device():
-        # Triton and the TVM-FFI launches use the current device and its stream: make it the inputs' device
-        with torch.cuda.device(dev):
-            run(problem, tactic, out)
-    else:
-        run(problem, tactic, out)
+    return backends.BACKENDS[backend], tactic
+
+
+def _on_device(device: torch.device, fn, *args):
+    """``fn(*args)`` with ``device`` current: Triton and the TVM-FFI launches use the current device and its stream."""
+    if device.type == "cuda" and device.index != _cuda_current_device():
+        with torch.cuda.device(device):
+            return fn(*args)
+    return fn(*args)
+
+
+def _dispatch(problem: Problem, backend: str, tactic=None, out=None) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
+    """Run ``backend`` once on the flattened problem, writing into ``out`` (fresh buffers when None); no plan is
+    kept (the accuracy checks' entry)."""
+    if out is None:
+        out = problem.empty_outputs()
+    if problem.m == 0:
+        return out
+    _on_device(problem.residual.device, prepared_launch(problem, backend, tactic, out), problem.inputs, out)
     return out
+
+
+def _flat_out(out, lead: tuple, problem: Problem, no_post: bool):
+    """``flat_out`` for ``problem``'s op and form, its errors under the op's name."""
+    try:
+        return flat_out(out, lead, problem.hidden, problem.residual.device, delayed=problem.delayed,
+                        no_post=no_post)
+    except ValueError as e:
+        raise (_as_delayed(e) if problem.delayed else e) from None
+
+
+def _shaped(result, lead: tuple, hidden: int, kind, no_post: bool, residual_prev, out):
+    """The flat outputs ``result`` as the caller gets them: ``out`` itself when given, else in the caller's leading
+    dims; without a post ``residual_cur`` is ``residual_prev`` itself."""
+    if out is not None:
+        result = kind(*out)
+    elif len(lead) != 1:  # not already [M, ...]
+        shapes = ((*lead, HC_MULT, hidden), (*lead, HC_MULT, 1), (*lead, HC_MULT, HC_MULT), (*lead, hidden),
+                  (*lead, HC_MULT))
+        result = kind(*(None if t is None else t.view(shape) for t, shape in zip(result, shapes)))
+    if no_post:
+        result = result._replace(residual_cur=residual_prev)
+    return result
+
+
+class _Plan:
+    """A call signature, checked and resolved: ``plan.run(tensors, out)`` runs a call of it (module docstring)."""
+
+    __slots__ = ("lead", "hidden", "device", "device_index", "reshapes", "scalars", "precision", "delayed",
+                 "no_post", "kind", "launch")
+
+    def __init__(self, tensors, problem: Problem, lead: tuple, launch):
+        self.lead, self.hidden, self.device = lead, problem.hidden, problem.residual.device
+        self.device_index = self.device.index if self.device.type == "cuda" else None
+        # (argument index, flat shape, contiguous): the inputs that are not already flat and contiguous
+        self.reshapes = tuple((i, tuple(f.shape), t.is_contiguous())
+                              for i, (t, f) in enumerate(zip(tensors, problem.inputs))
+                              if t is not None and (t.shape != f.shape or not t.is_contiguous()))
+        self.scalars, self.precision, self.delayed = problem.scalars, problem.precision, problem.delayed
+        self.no_post = problem.x is None and not problem.broadcast
+        self.kind = MhcFusedHcDelayedOutput if problem.delayed else MhcFusedHcOutput
+        self.launch = launch  # None: no tokens
+
+    def run(self, tensors: tuple, out):
+        """The call on ``tensors`` (the arguments in the order of ``Problem.inputs``): its flat outputs (``out``'s
+        flat views when given; ``residual_cur`` None without a post)."""
+        if self.reshapes:
+            tensors = list(tensors)
+            for i, shape, contiguous in self.reshapes:
+                tensors[i] = tensors[i].view(shape) if contiguous else tensors[i].reshape(shape).contiguous()
+        ptrs = 0
+        for t in tensors:
+            if t is not None:
+                ptrs |= t.data_ptr()
+        if ptrs % ALIGN_BYTES:
+            tensors = tuple(map(aligned, tensors))
+        if out is None:
+            outs = Problem(*tensors[:8], self.scalars, self.precision, tensors[8], self.delayed).empty_outputs()
+        else:
+            problem = Problem(*tensors[:8], self.scalars, self.precision, tensors[8], self.delayed)
+            outs = _flat_out(out, self.lead, problem, self.no_post)
+            check_out_memory(outs, tensors)
+        if self.launch is not None:
+            if self.device_index is None or self.device_index == _cuda_current_device():
+                self.launch(tensors, outs)
+            else:
+                with torch.cuda.device(self.device_index):
+                    self.launch(tensors, outs)
+        return outs
+
+    def __call__(self, tensors: tuple, out):
+        """The call as the caller gets it (``_shaped``)."""
+        return _shaped(self.run(tensors, out), self.lead, self.hidden, self.kind, self.no_post, tensors[1], out)
+
+
+_PLANS: dict[tuple, _Plan] = {}  # call signature -> plan; insertion-ordered, the oldest goes first when full
+_PLANS_LOCK = threading.Lock()  # taken to add a plan (lookups need none)
+MAX_PLANS = 4096
+
+
+def _new_plan(tensors, scalars: tuple, backend: str, precision: str, tactic, out, delayed: bool) -> _Plan:
+    """Every check of a call (the errors the API promises), then its backend resolved and prepared."""
+    problem, lead = validate(*tensors[:8], scalars, precision, tensors[8], delayed=delayed)
+    launch = None
+    if out is not None:
+        out = _flat_out(out, lead, problem, problem.x is None and not problem.broadcast)
+        check_out_memory(out, problem.inputs)
+    if problem.m:
+        launch = prepared_launch(problem, backend, tactic, out or problem.empty_outputs())
+    return _Plan(tensors, problem, lead, launch)
+
+
+def _plan(tensors: tuple, scalars: tuple, backend: str, precision: str, tactic, out, delayed: bool) -> _Plan:
+    """The plan of a call's signature (eager calls and the custom ops' bodies), made on its first call."""
+    if torch.is_grad_enabled():
+        try:
+            check_no_grad(tensors)
+        except ValueError as e:
+            raise (_as_delayed(e) if delayed else e) from None
+    try:
+        key = []
+        for t in tensors:
+            key += (None,) if t is None else (t.shape, t.dtype, t.device, t.is_contiguous())
+        key = (*key, delayed, scalars, backend, precision, tactic, selector.generation)
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not a tensor, or an unhashable argument: the checks will name it
+        key = plan = None
+    if plan is None:
+        plan = _new_plan(tensors, scalars, backend, precision, tactic, out, delayed)
+        if key is not None:
+            with _PLANS_LOCK:
+                if len(_PLANS) >= MAX_PLANS:
+                    del _PLANS[next(iter(_PLANS))]
+                _PLANS[key] = plan
+    return plan
+
+
+def _call(tensors: tuple, scalars: tuple, backend: str, precision: str, tactic, out, delayed: bool):
+    """Both seams: eager (the implementation directly: the custom-op boundary costs host time per call) or, while
+    ``torch.compile`` traces, through the custom ops."""
+    if torch.compiler.is_compiling():
+        return _traced(tensors, scalars, backend, precision, out, delayed)
+    return _plan(tensors, scalars, backend, precision, tactic, out, delayed)(tensors, out)
 
 
 def mhc_fused_hc(
@@ -104,11 +257,9 @@ def mhc_fused_hc(
     Inference only (no backward): with grad mode on, an input that requires grad raises ``ValueError``. Inputs on a
     GPU other than the current one run on their own GPU.
     """
-    scalars = Scalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
-    problem, lead = validate(
-        x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight, scalars, precision
-    )
-    return _call(problem, lead, residual_prev, backend, tactic, out)
+    tensors = (x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight, None)
+    scalars = (rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
+    return _call(tensors, scalars, backend, precision, tactic, out, False)
 
 
 def mhc_fused_hc_delayed(
@@ -144,53 +295,33 @@ def mhc_fused_hc_delayed(
     ``pre_mix_cur`` is this seam's pre gates, for the next seam's ``pre_mix_prev``. ``out``: five buffers (the
     fifth ``[..., 4]`` or ``[..., 4, 1]``), with ``out.residual_cur`` None for a seam without post.
     """
-    scalars = Scalars(rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
-    problem, lead = validate(
-        x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight, scalars, precision,
-        pre_mix_prev, delayed=True,
-    )
-    return _call(problem, lead, residual_prev, backend, tactic, out)
+    tensors = (x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight, pre_mix_prev)
+    scalars = (rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value, sinkhorn_repeat, norm_eps)
+    return _call(tensors, scalars, backend, precision, tactic, out, True)
 
 
-def _call(problem: Problem, lead: tuple, residual_prev: torch.Tensor, backend: str, tactic, out):
-    """Both seams after validation: eager or through the custom op, then the outputs in the caller's leading dims;
-    without a post ``residual_cur`` is ``residual_prev`` itself."""
-    kind = MhcFusedHcDelayedOutput if problem.delayed else MhcFusedHcOutput
+def _traced(tensors: tuple, scalars: tuple, backend: str, precision: str, out, delayed: bool):
+    """The call as ``torch.compile`` traces it: checked (on fake tensors), then one of the custom ops on the flat
+    tensors (the tactic is the backend's own)."""
+    problem, lead = validate(*tensors[:8], scalars, precision, tensors[8], delayed=delayed)
     no_post = problem.x is None and not problem.broadcast
-    flat = None
-    if out is not None:
-        try:
-            flat = flat_out(out, lead, problem.hidden, problem.residual.device, delayed=problem.delayed,
-                            no_post=no_post)
-        except ValueError as e:
-            raise (_as_delayed(e) if problem.delayed else e) from None
-    if torch.compiler.is_compiling():
-        s = problem.scalars
-        args = (problem.x, problem.residual, problem.post_mix, problem.comb_mix)
-        args += (problem.pre_mix,) if problem.delayed else ()
-        args += (problem.fn, problem.hc_scale, problem.hc_base, problem.norm_weight, s.rms_eps, s.hc_pre_eps,
-                 s.hc_sinkhorn_eps, s.hc_post_mult_value, s.sinkhorn_repeat, s.norm_eps, backend, problem.precision)
-        ops = torch.ops.mhc_cute
-        if flat is not None:
-            (ops.fused_hc_delayed_out if problem.delayed else ops.fused_hc_out)(*flat, *args)
-            result = None
-        else:
-            # the custom op returns an empty residual_cur without a post (an output may not alias an input)
-            result = kind(*(ops.fused_hc_delayed if problem.delayed else ops.fused_hc)(*args))
-    else:
-        # eager: call the implementation directly; the custom-op boundary costs host time per call
-        result = _run(problem, backend, tactic, flat)
+    flat = None if out is None else _flat_out(out, lead, problem, no_post)
+    s = problem.scalars
+    args = (problem.x, problem.residual, problem.post_mix, problem.comb_mix)
+    args += (problem.pre_mix,) if delayed else ()
+    args += (problem.fn, problem.hc_scale, problem.hc_base, problem.norm_weight, s.rms_eps, s.hc_pre_eps,
+             s.hc_sinkhorn_eps, s.hc_post_mult_value, s.sinkhorn_repeat, s.norm_eps, backend, precision)
+    ops = torch.ops.mhc_cute
+    kind = MhcFusedHcDelayedOutput if delayed else MhcFusedHcOutput
+    result = None
     if flat is not None:
-        result = kind(*out)
-    elif no_post:
-        result = result._replace(residual_cur=None)
-    if flat is None and len(lead) != 1:  # not already [M, ...]
-        h = problem.hidden
-        shapes = ((*lead, HC_MULT, h), (*lead, HC_MULT, 1), (*lead, HC_MULT, HC_MULT), (*lead, h), (*lead, HC_MULT))
-        result = kind(*(None if t is None else t.view(shape) for t, shape in zip(result, shapes)))
-    if no_post:
-        result = result._replace(residual_cur=residual_prev)
-    return result
+        (ops.fused_hc_delayed_out if delayed else ops.fused_hc_out)(*flat, *args)
+    else:
+        # the custom op returns an empty residual_cur without a post (an output may not alias an input)
+        result = kind(*(ops.fused_hc_delayed if delayed else ops.fused_hc)(*args))
+        if no_post:
+            result = result._replace(residual_cur=None)
+    return _shaped(result, lead, problem.hidden, kind, no_post, tensors[1], out)
 
 
 # The ops' inputs as the custom ops take them (flat tensors, then the scalars, the backend and the precision); one
@@ -210,21 +341,13 @@ torch.library.define("mhc_cute::fused_hc_delayed_out",
                      f"({_OUT_BUFFERS}Tensor(e!) pre_mix_cur, {_DELAYED_INPUTS}) -> ()")
 
 
-def _run(problem: Problem, backend: str, tactic, out):
-    """``_dispatch`` into fresh outputs (``out`` None) or the caller's flat buffers, checked against the problem's
-    memory first (real tensors only: eager calls and the custom ops' bodies)."""
-    if out is not None:
-        check_out_memory(out, problem)
-    return _dispatch(problem, backend, tactic, out)
-
-
 def _run_op(out, x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, *scalars_and_mode,
             pre_mix=None, delayed=False):
-    """The body of the custom ops (real tensors, already flat): ``out`` None (fresh outputs) or the buffers."""
+    """The body of the custom ops (real tensors, already flat): ``out`` None (fresh outputs) or the buffers; the
+    flat outputs, through the plan of the call's signature."""
     *scalars, backend, precision = scalars_and_mode
-    problem = Problem(x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, Scalars(*scalars),
-                      precision, pre_mix, delayed)
-    return _run(problem, backend, None, out)
+    tensors = (x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, pre_mix)
+    return _plan(tensors, tuple(scalars), backend, precision, None, out, delayed).run(tensors, out)
 
 
 def _fresh(result):

@@ -1,9 +1,12 @@
 """The backend registry: what each backend is, where it lives, and whether it can run on a device.
 
 Backends are imported lazily so that ``import mhc_cute`` works on any machine (no GPU, no CuTe DSL, no Triton).
-Each backend exposes ``run(problem: Problem, tactic, out: MhcFusedHcOutput) -> None``: it reads the flattened
-operands of ``problem`` and writes every element of the flattened output buffers ``out`` (which the dispatcher
-allocates, and which never alias an input). ``tactic`` is None (the backend chooses) or a backend-specific tactic.
+Each backend exposes ``prepare(problem: Problem, tactic, out: MhcFusedHcOutput) -> launch``. ``prepare`` resolves
+once what depends only on the call's signature (op, form, shapes, dtypes, device, scalars, precision): its tactic,
+compiled kernels, scratch sizes (``problem`` and ``out`` are one call's tensors of that signature).
+``launch(inputs, out)`` reads the flattened operands ``inputs`` (``Problem.inputs``) of any call of that signature
+and writes every element of its flattened output buffers ``out`` (which the dispatcher allocates, and which never
+alias an input). ``tactic`` is None (the backend chooses) or a backend-specific tactic.
 Entries are keyed by op (``problem.op``: ``"fused_hc"``, ``"fused_hc_delayed"``) and seam form (``problem.form``:
 ``"regular"``, ``"no_post"``, ``"broadcast"``); a backend runs only the (op, form) pairs it registers.
 """
@@ -17,13 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .reference import fused_hc, fused_hc_delayed
 from .tactics import FMA_BUCKETS
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
-    entry: str  # "module:function" implementing run(problem, tactic, out)
+    entry: str  # "module:function" implementing prepare(problem, tactic, out) -> launch(inputs, out)
     kind: str  # "reference" | "cute" | "triton"
     summary: str
     h_multiple: int = 1  # kernel backends tile H by 64
@@ -37,6 +41,7 @@ class Backend:
         return next((e for key, e in self.entries if key == (op, form)), None)
 
     def load(self, op: str = "fused_hc", form: str = "regular"):
+        """The backend's ``prepare`` for ``op`` in seam ``form``."""
         return _load_entry(self.entry_for(op, form))
 
 
@@ -57,23 +62,23 @@ def _delayed_regular(entry: str) -> tuple:
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("torch", "mhc_cute.backends:run_reference", "reference", "plain torch, fp32 compute, any device",
-                entries=_every_form("mhc_cute.backends:run_reference")),
-        Backend("triton", "mhc_cute.triton.fused_hc:run", "triton",
+        Backend("torch", "mhc_cute.backends:prepare_reference", "reference", "plain torch, fp32 compute, any device",
+                entries=_every_form("mhc_cute.backends:prepare_reference")),
+        Backend("triton", "mhc_cute.triton.fused_hc:prepare", "triton",
                 "Triton main + reduce kernels (ROCm gfx950 design; NVIDIA; CPU interpreter)", 64,
-                entries=_every_form("mhc_cute.triton.fused_hc:run")),
-        Backend("half_fma", "mhc_cute.kernels.fma:run_half_fma", "cute",
+                entries=_every_form("mhc_cute.triton.fused_hc:prepare")),
+        Backend("half_fma", "mhc_cute.kernels.fma:prepare_half_fma", "cute",
                 "path E: CuTe DSL, FFMA projection + big-fuse kernel (2 launches)", 64,
-                entries=_delayed_regular("mhc_cute.kernels.fma:run_half_fma")),
-        Backend("all_fma", "mhc_cute.kernels.fma:run_all_fma", "cute",
+                entries=_delayed_regular("mhc_cute.kernels.fma:prepare_half_fma")),
+        Backend("all_fma", "mhc_cute.kernels.fma:prepare_all_fma", "cute",
                 "path F: CuTe DSL, FFMA projection, last-CTA big fuse (1 launch)", 64,
-                entries=_delayed_regular("mhc_cute.kernels.fma:run_all_fma")),
-        Backend("half_mma", "mhc_cute.kernels.mma:run_half_mma", "cute",
+                entries=_delayed_regular("mhc_cute.kernels.fma:prepare_all_fma")),
+        Backend("half_mma", "mhc_cute.kernels.mma:prepare_half_mma", "cute",
                 "path B: CuTe DSL, TF32 wgmma projection + big-fuse kernel (2 launches)", 64,
-                entries=_delayed_regular("mhc_cute.kernels.mma:run_half_mma")),
-        Backend("all_mma", "mhc_cute.kernels.mma:run_all_mma", "cute",
+                entries=_delayed_regular("mhc_cute.kernels.mma:prepare_half_mma")),
+        Backend("all_mma", "mhc_cute.kernels.mma:prepare_all_mma", "cute",
                 "path D: CuTe DSL, TF32 wgmma projection, last-CTA big fuse (1 launch)", 64,
-                entries=_delayed_regular("mhc_cute.kernels.mma:run_all_mma")),
+                entries=_delayed_regular("mhc_cute.kernels.mma:prepare_all_mma")),
     )
 }
 
@@ -84,20 +89,20 @@ def _load_entry(entry: str):
     return getattr(importlib.import_module(module), func)
 
 
-def run_reference(problem, tactic, out) -> None:
+def prepare_reference(problem, tactic, out):
     """Every op and form in plain torch (fp32); no post: ``out.residual_cur`` is None, nothing to write."""
-    from .reference import fused_hc, fused_hc_delayed
+    op = fused_hc_delayed if problem.delayed else fused_hc
+    delayed, scalars = problem.delayed, problem.scalars.as_kwargs()
 
-    tensors = (problem.x, problem.residual, problem.post_mix, problem.comb_mix)
-    if problem.delayed:
-        tensors += (problem.pre_mix,)
-    result = (fused_hc_delayed if problem.delayed else fused_hc)(
-        *tensors, problem.fn, problem.hc_scale, problem.hc_base, norm_weight=problem.norm_weight,
-        compute_dtype=torch.float32, **problem.scalars.as_kwargs(),
-    )
-    for dst, src in zip(out, result):
-        if dst is not None:
-            dst.copy_(src)
+    def launch(inputs, out):
+        *tensors, norm_weight, pre_mix = inputs
+        if delayed:
+            tensors[4:4] = [pre_mix]
+        result = op(*tensors, norm_weight=norm_weight, compute_dtype=torch.float32, **scalars)
+        for dst, src in zip(out, result):
+            if dst is not None:
+                dst.copy_(src)
+    return launch
 
 
 @functools.lru_cache(maxsize=None)

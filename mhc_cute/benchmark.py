@@ -32,6 +32,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .problem import MhcFusedHcOutput
+from .version import dist_version
 
 BENCH_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # the default grid of M
 L2_FLUSH_BYTES = 256 << 20  # rotate through at least this much data (several times a Hopper L2)
@@ -50,6 +51,7 @@ class Result:
     context_us: dict = field(default_factory=dict)  # {context name: time_after µs} (``context_predecessors``)
     eager_us: float | None = None
     floor_frac: float | None = None  # floor time / graph time
+    host: dict = field(default_factory=dict)  # auto: ``host_times`` as a dict (host µs per eager call and its floor)
     error: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -323,18 +325,128 @@ def time_eager(call: Callable[[dict], object], sets: list[dict], reps: int = 7) 
     return statistics.median(times)
 
 
-def host_us_per_call(call: Callable[[dict], object], s: dict, n: int = 200) -> float:
-    """Median host time to issue one call on the same inputs (no synchronisation inside the loop)."""
-    call(s)
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            call(s)
-        samples.append((time.perf_counter() - t0) * 1e6 / n)
+HOST_MS = (1, 32, 256)  # the shapes of ``mhc-cute bench --host`` (at H = 7168)
+HOST_MAX_M = 1024  # the full bench times auto's host time per call up to here
+HOST_CALLS, HOST_ROUNDS = 200, 10
+
+
+def host_us_per_call(call: Callable[[dict], object], s: dict, calls: int = HOST_CALLS,
+                     rounds: int = HOST_ROUNDS) -> float:
+    """Host µs per call of a loop of plain calls on the same inputs under ``torch.inference_mode()`` (as a serving
+    engine calls): the median over ``rounds`` loops of ``calls`` calls, each timed with ``time.perf_counter`` around
+    the loop, nothing synchronised inside it. The device is synchronised between loops, outside the timing, so the
+    queue of launches starts empty and never fills up (which would block the host and time the kernels): a loop
+    queues at most a few hundred launches."""
+    with torch.inference_mode():
+        call(s)
         torch.cuda.synchronize()
+        samples = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call(s)
+            samples.append((time.perf_counter() - t0) * 1e6 / calls)
+            torch.cuda.synchronize()
     return statistics.median(samples)
+
+
+def host_floor_call(s: dict, backend: str = "auto", precision: str = "fp32") -> Callable[[dict], object]:
+    """The bare minimum of host work of a call on ``s`` (the floor that ``host_us_per_call`` of an eager call is
+    compared with): the four outputs allocated with ``torch.empty`` and the call's compiled kernels launched through
+    TVM-FFI with every other argument prepared once (weight, scratch, scalars). ``backend``'s choice (auto: the
+    selector's) for this signature; a backend without compiled kernels (the reference, Triton) is its prepared
+    launch instead. The call returns the four outputs."""
+    from .accuracy import problem_of
+    from .api import prepared_launch
+    from .kernels import KernelLaunch
+
+    with torch.inference_mode():
+        problem = problem_of(s, precision)
+        m, h, dev = problem.m, problem.hidden, problem.x.device
+        launch = prepared_launch(problem, backend, None, problem.empty_outputs())
+        bf16, f32 = torch.bfloat16, torch.float32
+        if isinstance(launch, KernelLaunch):
+            before, after = launch.arguments(problem.inputs, problem.empty_outputs())
+            compiled = launch.compiled
+
+            def bare(_s):
+                out = (torch.empty(m, 4, h, dtype=bf16, device=dev), torch.empty(m, 4, 1, dtype=f32, device=dev),
+                       torch.empty(m, 4, 4, dtype=f32, device=dev), torch.empty(m, h, dtype=bf16, device=dev))
+                compiled(*before, *out, *after)
+                return out
+            return bare
+        inputs = problem.inputs
+
+        def prepared(_s):
+            out = (torch.empty(m, 4, h, dtype=bf16, device=dev), torch.empty(m, 4, 1, dtype=f32, device=dev),
+                   torch.empty(m, 4, 4, dtype=f32, device=dev), torch.empty(m, h, dtype=bf16, device=dev))
+            launch(inputs, out)
+            return out
+        return prepared
+
+
+def compiled_call(precision: str = "fp32") -> Callable[[dict], MhcFusedHcOutput]:
+    """``mhc_fused_hc(backend="auto")`` inside a function compiled by ``torch.compile`` (inductor, static shapes, no
+    CUDA graphs): the call goes through the custom op (``api``), whose per-call host cost ``host_us_per_call``
+    measures."""
+    from .api import mhc_fused_hc
+
+    compiled = torch.compile(lambda s: mhc_fused_hc(**s, backend="auto", precision=precision), fullgraph=True,
+                             dynamic=False)
+    return compiled
+
+
+def tvm_ffi_tensor_path() -> str:
+    """How TVM-FFI converts a torch tensor argument here: through torch's DLPack C exchange API (tens of ns per
+    tensor; torch provides it, or TVM-FFI's optional extension adds it), or its Python fallback (``to_dlpack``,
+    microseconds per tensor: a call passes 14 tensors)."""
+    try:
+        import tvm_ffi  # noqa: F401  (may install the exchange API on torch.Tensor)
+    except Exception as e:  # not installed or broken: the CuTe paths are unavailable anyway
+        return f"unavailable ({type(e).__name__})"
+    fast = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+    return "DLPack C exchange API (fast)" if fast else "Python to_dlpack fallback (slow)"
+
+
+class HostTimes(NamedTuple):
+    auto_us: float  # mhc_fused_hc(backend="auto"), host µs per eager call
+    floor_us: float  # host_floor_call
+    choice: str  # what auto runs: backend and tactic
+    compiled_us: float | None = None  # compiled_call, when asked for
+
+
+def host_times(m: int, hidden: int, device, norm: bool, precision: str = "fp32",
+               compiled: bool = False) -> HostTimes:
+    """Host time per eager call of ``auto`` at (M, H) beside its floor (``host_floor_call``), and optionally through
+    ``torch.compile`` (``compiled_call``)."""
+    from .selector import SELECTOR
+
+    s = make_sets(m, hidden, 1, device, norm)[0]
+    backend, tactic = SELECTOR.resolve(device, m, hidden, precision, norm)
+    choice = f"{backend} {getattr(tactic, 'name', tactic) or '(default)'}"
+    times = HostTimes(host_us_per_call(mhc_cute_call("auto", precision), s),
+                      host_us_per_call(host_floor_call(s, "auto", precision), s), choice)
+    if compiled:
+        times = times._replace(compiled_us=host_us_per_call(compiled_call(precision), s))
+    return times
+
+
+def format_host_table(rows: list[tuple[int, int, HostTimes]], gpu: str) -> str:
+    """``rows``: (H, M, ``host_times``) per shape."""
+    compiled = any(t.compiled_us is not None for *_, t in rows)
+    lines = [f"GPU: {gpu}; host µs per call of mhc_fused_hc(backend=\"auto\"): median of {HOST_ROUNDS} loops of "
+             f"{HOST_CALLS} eager calls under torch.inference_mode(); floor = 4 torch.empty + the compiled kernels' "
+             "TVM-FFI call with prepared arguments" + ("; compiled = through torch.compile (inductor, no CUDA graphs)"
+                                                      if compiled else ""),
+             f"TVM-FFI {dist_version('apache-tvm-ffi')}, torch tensors via {tvm_ffi_tensor_path()}"]
+    head = f"{'H':>5} {'M':>6} | {'auto eager':>10} {'floor':>7} {'ratio':>6}" + (f" {'compiled':>9}" * compiled)
+    lines += [head + " | auto runs", "-" * (len(head) + 40)]
+    for h, m, t in rows:
+        cells = f"{t.auto_us:10.1f} {t.floor_us:7.1f} {t.auto_us / t.floor_us:6.2f}"
+        if compiled:
+            cells += f" {t.compiled_us:9.1f}" if t.compiled_us is not None else f" {'-':>9}"
+        lines.append(f"{h:>5} {m:>6} | {cells} | {t.choice}")
+    return "\n".join(lines)
 
 
 # --- what gets timed ------------------------------------------------------------------------------------------
@@ -462,6 +574,9 @@ def format_table(results: list[Result], bandwidth: float, gpu: str) -> str:
                 cells.append(f"{r.graph_us:7.2f} {after} {eager} {100 * r.floor_frac:4.0f}%")
         lines.append(f"{h:>5} {m:>6} | " + " | ".join(cells))
     lines.append(f"cells: graph µs, {' µs, '.join(CONTEXTS)} µs, eager µs, % of floor")
+    host = [(r.hidden, r.m, HostTimes(**r.host)) for r in results if r.host]
+    if host:
+        lines += ["", format_host_table(host, gpu)]
     errors = [r for r in results if r.error]
     for r in errors:
         lines.append(f"error H={r.hidden} M={r.m} {r.name}: {r.error}")
@@ -509,7 +624,7 @@ def plot(results: list[Result], path: str, gpu: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_json(results: list[Result], path: str, bandwidth: float, gpu: str, meta: dict) -> None:
+def write_json(results: list[Result], path: str, bandwidth: float | None, gpu: str, meta: dict) -> None:
     with open(path, "w") as f:
         json.dump(dict(gpu=gpu, copy_bandwidth=bandwidth, meta=meta, results=[asdict(r) for r in results]), f,
                   indent=1)

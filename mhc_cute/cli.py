@@ -15,23 +15,17 @@ DEEPSEEK_SHAPES = [(1, 7168), (17, 7168), (256, 4096), (1000, 5120)]
 TUNE_MEASURES = ("contexts", "back-to-back")  # autotune.MEASURES, without importing torch to parse arguments
 
 
-def _version(module: str) -> str:
-    try:
-        from importlib.metadata import version
-
-        return version(module)
-    except Exception:
-        return "not installed"
-
-
 def cmd_info(args) -> int:
     import torch
 
     from . import __version__, backends
+    from .benchmark import tvm_ffi_tensor_path
+    from .version import dist_version
 
     print(f"mhc_cute {__version__}; python {platform.python_version()}; torch {torch.__version__}")
     for dist in ("nvidia-cutlass-dsl", "cuda-python", "apache-tvm-ffi", "triton"):
-        print(f"  {dist}: {_version(dist)}")
+        print(f"  {dist}: {dist_version(dist)}")
+    print(f"  TVM-FFI passes torch tensors via: {tvm_ffi_tensor_path()}")
     if torch.cuda.is_available():
         dev = torch.device("cuda")
         p = torch.cuda.get_device_properties(dev)
@@ -92,9 +86,12 @@ def cmd_bench(args) -> int:
     if not torch.cuda.is_available():
         print("mhc-cute bench needs a CUDA GPU", file=sys.stderr)
         return 2
-    ms = args.m or bm.BENCH_MS
     dev = torch.device("cuda")
     gpu = torch.cuda.get_device_name(dev)
+    if args.host:
+        return bench_host(args, dev, gpu)
+    ms = args.m or bm.BENCH_MS
+    hiddens = args.hidden or [4096, 7168]
     bandwidth = bm.measure_copy_bandwidth(dev)
     if args.model:
         return _bench_model(args, bm, ms, dev, gpu, bandwidth)
@@ -109,7 +106,7 @@ def cmd_bench(args) -> int:
             calls.update(bm.peer_calls(args.norm))
     floor = bm.delayed_floor_bytes if args.delayed else bm.floor_bytes
     results = []
-    for h in args.hidden:
+    for h in hiddens:
         for m in ms:
             sets = bm.rotated_sets(m, h, dev, args.norm)
             if args.delayed:
@@ -120,6 +117,8 @@ def cmd_bench(args) -> int:
                 results.append(bm.bench_one(name, call, m, h, dev, args.norm, bandwidth, sets=sets, eager=eager,
                                             contexts=contexts, floor=floor))
                 r = results[-1]
+                if name == "auto" and not args.delayed and m <= bm.HOST_MAX_M and r.error is None:
+                    r.host = bm.host_times(m, h, dev, args.norm, args.precision)._asdict()
                 print(f"  H={h} M={m} {name}: {r.graph_us if r.error is None else r.error}", file=sys.stderr,
                       flush=True)
             del sets
@@ -147,6 +146,25 @@ def _bench_model(args, bm, ms, dev, gpu, bandwidth) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(gpu=gpu, bandwidth=bandwidth, model=args.model, config=bm.MODELS[args.model]._asdict(),
                            results=[r._asdict() for r in results]), f, indent=1)
+    return 0
+
+
+def bench_host(args, dev, gpu: str) -> int:
+    """``mhc-cute bench --host``: only the host time per eager call of auto beside its floor (about a minute)."""
+    import torch
+
+    from . import benchmark as bm
+
+    rows = []
+    for h in args.hidden or [7168]:
+        for m in args.m or bm.HOST_MS:
+            rows.append((h, m, bm.host_times(m, h, dev, args.norm, args.precision, compiled=args.compile)))
+            print(f"  H={h} M={m}: {rows[-1]}", file=sys.stderr, flush=True)
+            torch.cuda.empty_cache()
+    print(bm.format_host_table(rows, gpu))
+    if args.json:
+        results = [bm.Result("auto", m, h, host=t._asdict()) for h, m, t in rows]
+        bm.write_json(results, args.json, None, gpu, dict(norm=args.norm, precision=args.precision, host_only=True))
     return 0
 
 
@@ -217,8 +235,9 @@ def main(argv=None) -> int:
     c.add_argument("--backends", nargs="*")
     c.set_defaults(fn=cmd_check)
     b = sub.add_parser("bench", help="time the auto choice, every backend and the peers")
-    b.add_argument("--hidden", type=int, nargs="+", default=[4096, 7168])
-    b.add_argument("--m", type=int, nargs="+", help="default: benchmark.BENCH_MS (1, 2, 4, ..., 16384)")
+    b.add_argument("--hidden", type=int, nargs="+", help="default: 4096 7168 (with --host: 7168)")
+    b.add_argument("--m", type=int, nargs="+",
+                   help="default: benchmark.BENCH_MS (1, 2, 4, ..., 16384); with --host: 1 32 256")
     b.add_argument("--backends", nargs="*", help="default: every available kernel backend")
     b.add_argument("--precision", default="fp32", choices=["fp32", "tf32"])
     b.add_argument("--norm", action="store_true", help="fuse the next sublayer's RMSNorm (peers without it drop out)")
@@ -230,6 +249,11 @@ def main(argv=None) -> int:
     b.add_argument("--model", choices=["v4-pro", "v4-flash", "v4.1-flash"],
                    help="time one forward pass's mHC ops instead (--backends: of auto, torch, tilekernels)")
     b.add_argument("--plot", help="write a PNG plot (time vs M) here")
+    b.add_argument("--host", action="store_true",
+                   help="only the host time per eager call of auto beside its floor (4 torch.empty + the kernels' "
+                        "TVM-FFI call with prepared arguments), at H = 7168 and M = 1, 32, 256 by default")
+    b.add_argument("--compile", action="store_true",
+                   help="with --host: also the host time per call through torch.compile (inductor, no CUDA graphs)")
     b.set_defaults(fn=cmd_bench)
     t = sub.add_parser("tune", help="time every valid tactic per M bucket and cache the winners")
     t.add_argument("--hidden", type=int, nargs="+", default=list(DEEPSEEK_HIDDEN))
@@ -252,6 +276,8 @@ def main(argv=None) -> int:
     pc.add_argument("--cache", help="the folder (default: $MHC_CUTE_KERNEL_CACHE)")
     pc.set_defaults(fn=cmd_precompile)
     args = p.parse_args(argv)
+    if args.cmd == "bench" and args.compile and not args.host:
+        p.error("--compile goes with --host")
     if args.cmd == "tune" and args.m is None:
         from .selector import all_buckets
 

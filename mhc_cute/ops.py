@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from . import backends, reference
-from .problem import ALIGN_BYTES, _aligned
+from .problem import ALIGN_BYTES, aligned
 from .reference import HC_MULT, N_MIXES
 
 BF16, F32 = (torch.bfloat16,), (torch.float32,)
@@ -176,7 +176,7 @@ class _Checker:
         if t is None:
             return None
         t = t.reshape(shape).contiguous()
-        return t if torch.compiler.is_compiling() else _aligned(t)
+        return t if torch.compiler.is_compiling() else aligned(t)
 
     def out(self, out, shape: tuple, flat_shape: tuple):
         """The caller's output buffer: a bf16 tensor of ``shape``, contiguous, on the device; viewed flat."""

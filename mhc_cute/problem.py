@@ -77,6 +77,11 @@ class Problem(NamedTuple):
         return self.residual.dim() == 2
 
     @property
+    def inputs(self) -> tuple:
+        """The tensors a backend's launch reads: the first eight fields, then ``pre_mix``."""
+        return (*self[:8], self.pre_mix)
+
+    @property
     def op(self) -> str:
         """The op's registry key: ``"fused_hc"`` or ``"fused_hc_delayed"``."""
         return "fused_hc_delayed" if self.delayed else "fused_hc"
@@ -135,14 +140,14 @@ def _check_exact(name, t, dtypes, shape, device):
         _fail(name, f"of shape {list(shape)}", list(t.shape))
 
 
-_VALIDATED: dict[tuple, tuple] = {}  # argument signature -> (lead, already flat, scalars); bounded
 _MAX_SIGNATURES = 4096
 ALIGN_BYTES = 16  # TMA and 16-byte vector loads need aligned bases
 
 
-def _signature(tensors, scalars, precision) -> tuple:
-    """Everything the checks depend on, as one flat tuple (a nested one costs twice as much to build)."""
-    sig = [scalars, precision]
+def _signature(tensors, *rest) -> tuple:
+    """Everything the checks of ``tensors`` depend on, as one flat tuple (a nested one costs twice as much to
+    build)."""
+    sig = list(rest)
     for t in tensors:
         if isinstance(t, torch.Tensor):
             sig += (t.shape, t.stride(), t.dtype, t.device)
@@ -163,10 +168,11 @@ OUT_SHAPES = (  # per output: its dtype and the trailing shapes it may have (aft
 )
 
 
-def _check_no_grad(tensors) -> None:
+def check_no_grad(tensors) -> None:
     """With grad mode on: no input may require grad, since the op has no backward (its outputs would silently carry
-    no gradient). ``tensors`` in the order of ``INPUT_NAMES``. Not part of the cached checks: it depends on the grad
-    mode, and under ``torch.inference_mode()`` (serving) it costs one ``torch.is_grad_enabled()`` call."""
+    no gradient). ``tensors`` in the order of ``INPUT_NAMES``, then ``pre_mix_prev``. Made on every call (it depends
+    on the grad mode), after ``torch.is_grad_enabled()``: under ``torch.inference_mode()`` (serving) that call is all
+    it costs."""
     for name, t in zip(INPUT_NAMES + ("pre_mix_prev",), tensors):
         if getattr(t, "requires_grad", False):  # a non-tensor is validate()'s to name
             _fail(name, "a tensor that does not require grad (the op is inference-only, with no backward: call it "
@@ -181,8 +187,9 @@ def flat_out(out, lead: tuple[int, ...], hidden: int, device, *, delayed: bool =
     """The caller's output buffers (``out=``) checked (four tensors of the output shapes, five for the delayed
     seam, or the flat alternatives the inputs also accept, dtypes, device, contiguous) and viewed as the flat
     outputs the backends write. ``no_post``: ``out.residual_cur`` must be None (the op returns ``residual_prev``
-    itself and writes no residual). A signature that passed once skips the checks, as in ``validate``. Memory
-    checks (alignment, overlap) need real pointers: ``check_out_memory``."""
+    itself and writes no residual). A signature (shapes, strides, dtypes, devices) that passed once skips the
+    checks: they depend on nothing else. Memory checks (alignment, overlap) need real pointers:
+    ``check_out_memory``."""
     kind = MhcFusedHcDelayedOutput if delayed else MhcFusedHcOutput
     try:
         sig = _signature(out, lead, (hidden, device, delayed, no_post))
@@ -240,16 +247,15 @@ def _shape_in(shape, options) -> bool:
     return False
 
 
-def check_out_memory(out: MhcFusedHcOutput, problem: Problem) -> None:
+def check_out_memory(out: MhcFusedHcOutput, inputs) -> None:
     """``out=`` buffers: 16-byte aligned bases, and no byte shared with another output or with any input the
-    op reads (the flattened problem's tensors; inputs may overlap each other, they are only read). Needs real
-    tensors (not the fake ones ``torch.compile`` traces). Runs on every call: plain loops, names only for the
-    error."""
+    op reads (``inputs``: the flattened problem's tensors, ``Problem.inputs``; inputs may overlap each other, they
+    are only read). Needs real tensors (not the fake ones ``torch.compile`` traces). Runs on every call: plain
+    loops, names only for the error."""
     outs = [(t.data_ptr(), t.nbytes) if t is not None else (0, 0) for t in out]
     for i, (p, _) in enumerate(outs):
         if p % ALIGN_BYTES:
             _fail(OUT_NAMES[i], f"{ALIGN_BYTES}-byte aligned", f"data_ptr % {ALIGN_BYTES} == {p % ALIGN_BYTES}")
-    inputs = (*problem[:len(INPUT_NAMES)], problem.pre_mix)
     spans = outs + [(t.data_ptr(), t.nbytes) if t is not None else (0, 0) for t in inputs]
     names = OUT_NAMES[:len(outs)] + INPUT_NAMES + ("pre_mix_prev",)
     for i, (p, n) in enumerate(outs):
@@ -259,7 +265,8 @@ def check_out_memory(out: MhcFusedHcOutput, problem: Problem) -> None:
                 _fail(OUT_NAMES[i], f"a buffer that shares no memory with {names[j]}", "overlapping memory")
 
 
-def _aligned(t):
+def aligned(t):
+    """``t``, or a copy of it at an aligned base when its base is not ``ALIGN_BYTES``-aligned (None stays None)."""
     return t if t is None or t.data_ptr() % ALIGN_BYTES == 0 else t.clone()
 
 
@@ -272,17 +279,18 @@ def validate(
     hc_scale,
     hc_base,
     norm_weight,
-    scalars: Scalars,
+    scalars: tuple,
     precision: str,
     pre_mix_prev=None,
     delayed: bool = False,
 ) -> tuple[Problem, tuple[int, ...]]:
-    """Check every argument and return the flattened problem plus the leading dims of the outputs.
+    """Check every argument and return the flattened problem plus the leading dims of the outputs. ``scalars``: the
+    six scalar arguments in the order of ``Scalars``.
 
-    Non-contiguous inputs are made contiguous and misaligned ones (base not 16-byte aligned) are copied;
-    inputs are never modified. A signature (shapes, strides, dtypes, devices, scalars) that passed once skips
-    the checks: they depend on nothing else, and they cost tens of µs of host time per call. ``delayed``: the
-    V4.1 seam (``mhc_fused_hc_delayed``), with the carried gates ``pre_mix_prev``; errors name that op.
+    Non-contiguous inputs are made contiguous and misaligned ones (base not 16-byte aligned) are copied (except while
+    ``torch.compile`` traces: the tensors are fake and the op's allocations aligned); inputs are never modified.
+    ``delayed``: the V4.1 seam (``mhc_fused_hc_delayed``), with the carried gates ``pre_mix_prev``; errors name that
+    op. The API checks each call signature once (``api._Plan``).
     """
     tensors = (x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight, pre_mix_prev)
     try:
@@ -295,38 +303,21 @@ def validate(
 
 def _validate(tensors, scalars, precision, delayed):
     if torch.is_grad_enabled():
-        _check_no_grad(tensors)
-    if torch.compiler.is_compiling():  # traced once per graph: no cache; the op's allocations are aligned
-        return _validate_all(*tensors, scalars, precision, delayed, align=False)
-    try:
-        sig = _signature(tensors + (delayed,), scalars, precision)
-        hit = _VALIDATED.get(sig)
-    except TypeError:  # an unhashable argument: the full checks will name it
-        sig, hit = None, None
-    if hit is None:
-        problem, lead = _validate_all(*tensors, scalars, precision, delayed)
-        if sig is not None and len(_VALIDATED) < _MAX_SIGNATURES:
-            flat = (*problem[:len(INPUT_NAMES)], problem.pre_mix)
-            # per argument: None when it is used as it is, else the flat shape to reshape (and copy) it to
-            shapes = tuple(None if a is b or a is None else tuple(b.shape) for a, b in zip(tensors, flat))
-            _VALIDATED[sig] = (lead, shapes, problem.scalars)
-        return problem, lead
-    lead, shapes, checked_scalars = hit
-    flat = [_aligned(t if shape is None else t.reshape(shape).contiguous()) for t, shape in zip(tensors, shapes)]
-    return Problem(*flat[:len(INPUT_NAMES)], checked_scalars, precision, flat[-1], delayed), lead
+        check_no_grad(tensors)
+    return _validate_all(*tensors, Scalars(*scalars), precision, delayed, align=not torch.compiler.is_compiling())
 
 
 def _flatten(x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight, pre_mix_prev,
              lead, scalars, precision, delayed, align: bool = True) -> Problem:
     m, h = math.prod(lead), residual_prev.shape[-1]
 
-    def flat(t, *shape):  # the tensor itself when it already has the shape (so validate() can tell)
+    def flat(t, *shape):
         if t is None:
             return None
         if tuple(t.shape) != shape:
             t = t.reshape(shape)
         t = t.contiguous()
-        return _aligned(t) if align else t
+        return aligned(t) if align else t
 
     broadcast = residual_prev.dim() == len(lead) + 1
     return Problem(

@@ -182,6 +182,15 @@ def nearest(rows: dict[int, Choice], bucket: int) -> Choice | None:
     return rows[best]
 
 
+generation = 0  # changes whenever a selector may resolve differently (a new selector, a reload): callers that keep
+# what ``resolve`` returned (the API's plans) keep it under this generation
+
+
+def _next_generation() -> None:
+    global generation
+    generation += 1
+
+
 class Selector:
     """Resolves (device, M, H, precision, norm) to a Choice; tables are read once per process."""
 
@@ -190,6 +199,7 @@ class Selector:
         self._stand_ins: dict[TuneKey, str] = {}
         self._keys: dict[tuple, str] = {}
         self._resolved: dict[tuple, tuple] = {}
+        _next_generation()
 
     def tables(self) -> dict[str, dict[int, Choice]]:
         if self._tables is None:
@@ -204,6 +214,7 @@ class Selector:
         """Forget the tables and the memoised choices (after tuning, or a change of MHC_CUTE_* variables)."""
         self._tables = None
         self._resolved.clear()
+        _next_generation()
 
     def choose(self, device: torch.device, m: int, hidden: int, precision: str, norm: bool) -> Choice | None:
         """The tuned choice (``table_key``'s table at M's bucket), or None."""

@@ -373,6 +373,55 @@ def test_validation_cache_does_not_hide_errors():
         call(inp, rms_eps=-1.0)
 
 
+def test_a_signature_is_checked_and_prepared_once(monkeypatch):
+    """Later calls of a signature reuse its plan (the host time of an eager call), with fresh outputs each time; a new
+    shape or scalar is a new signature, checked in full."""
+    from mhc_cute import api
+
+    made = []
+    new_plan = api._new_plan
+    monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(api, "_new_plan", lambda *args: made.append(args) or new_plan(*args))
+    inp = make_inputs(3, 64, seed=12, norm=True)
+    first = call(inp)
+    again = [call(inp) for _ in range(3)]
+    assert len(made) == 1
+    for out in again:
+        assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(first, out))
+    call(make_inputs(4, 64, seed=12, norm=True))
+    call(inp, rms_eps=1e-5)
+    call({**inp, "x_prev": inp["x_prev"].t().contiguous().t()})  # not contiguous
+    assert len(made) == 4
+
+
+def test_plans_follow_the_selector(monkeypatch):
+    """A plan keeps auto's choice only while the selector does: after a reload (new tables, ``MHC_CUTE_BACKEND``) the
+    next call resolves again."""
+    from mhc_cute import selector
+
+    inp = make_inputs(2, 64, seed=13)
+    call(inp)
+    monkeypatch.setenv("MHC_CUTE_BACKEND", "nope")
+    try:
+        selector.SELECTOR.reload()
+        with pytest.raises(ValueError, match="unknown backend 'nope'"):
+            call(inp)
+    finally:
+        monkeypatch.delenv("MHC_CUTE_BACKEND")
+        selector.SELECTOR.reload()
+    call(inp)
+
+
+def test_plans_are_bounded(monkeypatch):
+    from mhc_cute import api
+
+    monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(api, "MAX_PLANS", 2)
+    outs = [call(make_inputs(m, 64)) for m in (1, 2, 3)]
+    assert len(api._PLANS) == 2 and [next(iter(key)) for key in api._PLANS] == [(2, 64), (3, 64)]  # x's shape first
+    assert [o.layer_input.shape[0] for o in outs] == [1, 2, 3]
+
+
 @pytest.mark.parametrize("norm", [False, True])
 def test_accuracy_check_catches_errors(norm):
     """The contract check fails on a flipped residual bit, a 2-ulp layer_input error, a 1e-4 mix error."""

@@ -33,3 +33,80 @@ def test_rotation_covers_the_flush_size_with_the_weight_counted():
         n = bm.n_rotation_sets(m, H)
         assert 2 <= n <= bm.MAX_SETS
         assert n == bm.MAX_SETS or n * bm.floor_bytes(m, H) >= bm.L2_FLUSH_BYTES
+
+
+def test_the_host_floor_makes_the_compiled_call_a_plan_makes(monkeypatch):
+    """The bench's floor of host time (``host_floor_call``) calls the compiled kernels with the arguments an eager
+    call passes them (``kernels.KernelLaunch``), only prepared once: the same tensors' shapes and dtypes, scratch and
+    scalars, in the same order."""
+    import torch
+
+    from mhc_cute import api, tactics
+    from mhc_cute.accuracy import make_inputs, problem_of
+    from mhc_cute.kernels import KernelLaunch
+
+    calls = []
+
+    def prepared_launch(problem, backend, tactic, out):
+        tactic = tactics.default_fma_tactic("all_fma", problem.m, problem.hidden)
+        return KernelLaunch(lambda *args: calls.append(args), problem, tactic, counters=1)
+    monkeypatch.setattr(api, "prepared_launch", prepared_launch)
+    s = make_inputs(3, 64, seed=1)
+    bm.host_floor_call(s)(s)
+    problem = problem_of(s)
+    out = problem.empty_outputs()
+    prepared_launch(problem, "auto", None, out)(problem.inputs, out)
+    floor, eager = calls
+    assert len(floor) == len(eager) == 8 + 4 + 2 + 2 + 6  # inputs, outputs, partials, counters, seam, scalars
+    for a, b in zip(floor, eager):
+        if isinstance(b, torch.Tensor):
+            assert (a.shape, a.dtype, a.is_contiguous()) == (b.shape, b.dtype, b.is_contiguous())
+        else:
+            assert a == b
+
+
+def test_host_table():
+    rows = [(7168, 1, bm.HostTimes(15.0, 10.0, "half_fma (default)")),
+            (7168, 256, bm.HostTimes(18.0, 12.0, "half_mma half_mma:k64:m128:s3:fbw", compiled_us=60.0))]
+    lines = bm.format_host_table(rows, "NVIDIA H200").splitlines()
+    assert lines[1].startswith("TVM-FFI ") and "compiled" in lines[2] and lines[3].startswith("---")
+    assert lines[4].split() == ["7168", "1", "|", "15.0", "10.0", "1.50", "-", "|", "half_fma", "(default)"]
+    assert lines[5].split()[3:7] == ["18.0", "12.0", "1.50", "60.0"]
+    assert "compiled" not in bm.format_host_table(rows[:1], "NVIDIA H200").splitlines()[2]
+
+
+@pytest.mark.gpu
+def test_the_host_floor_computes_what_auto_computes():
+    """On a GPU: the floor of ``mhc-cute bench --host`` is auto's own work (its compiled kernels with the call's
+    arguments): its outputs are bit-identical to an eager auto call's. And the host measures run end to end."""
+    import torch
+
+    dev = torch.device("cuda")
+    for m, hidden in ((1, 7168), (32, 7168), (256, 4096)):
+        s = bm.make_sets(m, hidden, 1, dev, norm=m == 32)[0]
+        want = bm.mhc_cute_call("auto")(s)
+        got = bm.host_floor_call(s)(s)
+        for name, a, b in zip(want._fields, want, got):
+            assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                               b.view(a.shape).view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32)), name
+    times = bm.host_times(1, 512, dev, False, compiled=True)
+    assert times.auto_us > 0 and times.floor_us > 0 and times.compiled_us > 0
+
+
+def test_readme_tables_show_auto_host_time_beside_its_floor(tmp_path):
+    """``bench/merge_measured.py`` renders auto's host time per eager call and its floor where the run measured them."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    results = [bm.Result("auto", 1, 512, graph_us=4.4, floor_frac=0.1, host=bm.HostTimes(15.04, 10.0, "x")._asdict()),
+               bm.Result("auto", 2048, 512, graph_us=40.0, floor_frac=0.5)]
+    results += [bm.Result("half_fma", r.m, 512, graph_us=r.graph_us, floor_frac=r.floor_frac) for r in results]
+    bm.write_json(results, str(tmp_path / "run.json"), 4e12, "Fake GPU", {})
+    out = subprocess.run([sys.executable, os.path.join(root, "bench", "merge_measured.py"), str(tmp_path / "run.json")],
+                         env=dict(os.environ, PYTHONPATH=root), capture_output=True, text=True, check=True).stdout
+    head, _, small, large = [[c.strip() for c in line.strip("|").split(" | ")] for line in out.splitlines()
+                             if line.startswith("|")]
+    assert dict(zip(head, small))["auto host (floor)"] == "15.0 (10.0)"
+    assert dict(zip(head, large))["auto host (floor)"] == "—"

@@ -471,3 +471,47 @@ def test_gpu_graph_capture_and_side_stream(backend, op, form, pre):
     torch.cuda.current_stream().wait_stream(side)
     for name, a, b in zip(want._fields, got, want):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
+def test_every_variant_is_planned_once(op, form, pre, monkeypatch):
+    """Every op and form goes through the API's plans: later calls of a signature reuse its plan (same results, fresh
+    outputs; without a post residual_cur stays residual_prev itself)."""
+    from mhc_cute import api
+
+    made = []
+    new_plan = api._new_plan
+    monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(api, "_new_plan", lambda *args: made.append(args) or new_plan(*args))
+    inputs = make_inputs(3, 64, seed=21, form=form, pre=pre)
+    first, again = seam(inputs), seam(inputs)
+    assert len(made) == 1
+    for a, b in zip(first, again):
+        if form == "no_post" and a is first.residual_cur:
+            assert a is b is inputs["residual_prev"]
+        else:
+            assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+
+
+@pytest.mark.parametrize("seam_mode", [None, "carried", "identity"])
+def test_kernel_launch_passes_the_seam_arguments(seam_mode):
+    """A CuTe path's prepared launch calls its compiled kernels in their compiled order: inputs (the prepared weight
+    in fn's place), the four outputs, scratch, then the delayed seam's pre_mix_prev and pre_mix_cur (None, None for
+    mhc_fused_hc), then the scalars."""
+    from mhc_cute import tactics
+    from mhc_cute.kernels import KernelLaunch, scalar_args, spec_problem
+
+    calls = []
+    p = spec_problem(64, "fp32", None, seam_mode)
+    out = p.empty_outputs()
+    tactic = tactics.default_fma_tactic("all_fma", p.m, p.hidden)
+    weight = torch.zeros(1)
+    KernelLaunch(lambda *args: calls.append(args), p, tactic, counters=1, weight=lambda fn: weight)(p.inputs, out)
+    (args,) = calls
+    assert len(args) == 8 + 4 + 2 + 2 + 6
+    expected_inputs = (*p.inputs[:4], weight, *p.inputs[5:8])
+    assert all(a is b for a, b in zip(args[:8], expected_inputs))
+    assert all(a is b for a, b in zip(args[8:12], out[:4]))
+    seam_args = (p.pre_mix, out.pre_mix_cur) if seam_mode else (None, None)
+    assert all(a is b for a, b in zip(args[14:16], seam_args))
+    assert args[16:] == tuple(scalar_args(p.scalars))

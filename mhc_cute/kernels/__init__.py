@@ -22,6 +22,7 @@ import warnings
 from pathlib import Path
 
 from ..tactics import PARTIAL_COLS
+from ..workspace import get_workspace
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the first `import cutlass` anywhere
 
@@ -205,6 +206,38 @@ def delayed_mode(problem) -> str | None:
     return "identity" if problem.pre_mix is None else "carried"
 
 
+class KernelLaunch:
+    """The per-call part of a CuTe path (a backend's prepared ``launch(inputs, out)``), with everything that depends
+    only on the call's signature resolved: it takes the current stream's scratch (split-K partials, and ``counters``
+    election counters unless None), the prepared form of the weight (``weight(fn)``, or ``fn`` itself when None) and
+    calls the ``compiled`` kernels through TVM-FFI. ``inputs``: the flat problem's tensors (``Problem.inputs``,
+    ``pre_mix`` last)."""
+
+    __slots__ = ("compiled", "device", "n_partials", "counters", "weight", "scalars", "delayed")
+
+    def __init__(self, compiled, problem, tactic, counters: int | None, weight=None):
+        self.compiled, self.device = compiled, problem.residual.device
+        self.n_partials = partials_count(tactic, problem.m)
+        self.counters, self.weight = counters, weight
+        self.scalars = scalar_args(problem.scalars)
+        self.delayed = problem.delayed
+
+    def __call__(self, inputs, out) -> None:
+        before, after = self.arguments(inputs, out)
+        self.compiled(*before, *out[:4], *after)
+
+    def arguments(self, inputs, out) -> tuple[tuple, tuple]:
+        """The compiled call's arguments before the four outputs and after them, for ``inputs`` on the current
+        stream (``out``: the delayed seam's ``pre_mix_cur`` is one of the arguments after)."""
+        ws = get_workspace(self.device)
+        tensors = inputs[:8]
+        if self.weight is not None:
+            tensors = (*tensors[:4], self.weight(tensors[4]), *tensors[5:])
+        seam = (inputs[8], out[4]) if self.delayed else (None, None)
+        return tensors, (ws.partials(self.n_partials), None if self.counters is None else ws.counters(self.counters),
+                         *seam, *self.scalars)
+
+
 def spec_problem(hidden: int, precision: str, norm: str | None, delayed: str | None = None):
     """A one-token CPU ``Problem`` with the dtypes of a variant (``delayed``: as ``delayed_mode`` names it): enough
     to compile it (no GPU needed)."""
@@ -229,11 +262,6 @@ def seam_fakes(problem, out, tokens) -> tuple:
     if not problem.delayed:
         return None, None
     return tuple(fake_tensors(problem.pre_mix, out.pre_mix_cur, tokens=tokens))
-
-
-def seam_args(problem, out) -> tuple:
-    """The runtime ``pre_mix_prev`` and ``pre_mix_cur`` arguments (see ``seam_fakes``)."""
-    return (problem.pre_mix, out.pre_mix_cur) if problem.delayed else (None, None)
 
 
 def compile_in_processes(worker, specs, processes: int | None = None) -> list:

@@ -47,10 +47,9 @@ from cutlass.cute.nvgpu import warp  # noqa: E402
 
 from .. import tactics as tac  # noqa: E402
 from ..tactics import HC_MULT, MMA_TILE_ROWS, N_MIXES, FmaTactic  # noqa: E402
-from ..workspace import get_workspace  # noqa: E402
 from . import (  # noqa: E402
-    CompiledKernels, compile_in_processes, compile_kernel, delayed_mode, fake_buffer, fake_tensors, norm_dtype_of,
-    partials_count, resolve_tactic, scalar_args, seam_args, seam_fakes, spec_problem,
+    CompiledKernels, KernelLaunch, compile_in_processes, compile_kernel, delayed_mode, fake_buffer, fake_tensors,
+    norm_dtype_of, resolve_tactic, seam_fakes, spec_problem,
 )
 from . import device_utils as du  # noqa: E402
 from .big_fuse import (  # noqa: E402
@@ -524,26 +523,21 @@ def _default_tactic(path: str, m: int, hidden: int, sm_count: int) -> FmaTactic:
     return tac.default_fma_tactic(path, m, hidden, sm_count)
 
 
-def _run(path: str, problem, tactic, out) -> None:
+def _prepare(path: str, problem, tactic, out):
     tactic = resolve_tactic(path, tactic, problem, FmaTactic, tac.parse_tactic, _default_tactic)
-    fn = compiled_fma(tactic, problem, out)
-    ws = get_workspace(problem.x.device)
-    partials = ws.partials(partials_count(tactic, problem.m))
-    counters = ws.counters(-(-problem.m // tactic.tokens_per_cta)) if tactic.path == "all_fma" else None
-    fn(problem.x, problem.residual, problem.post_mix, problem.comb_mix, problem.fn, problem.hc_scale,
-       problem.hc_base, problem.norm_weight, *out[:4], partials, counters, *seam_args(problem, out),
-       *scalar_args(problem.scalars))
+    counters = -(-problem.m // tactic.tokens_per_cta) if tactic.path == "all_fma" else None
+    return KernelLaunch(compiled_fma(tactic, problem, out), problem, tactic, counters)
 
 
-def run_half_fma(problem, tactic, out) -> None:
+def prepare_half_fma(problem, tactic, out):
     """Path E: projection kernel + standalone big-fuse kernel (two launches in one compiled call); both seams
     (``mhc_fused_hc``, ``mhc_fused_hc_delayed``), regular form."""
-    _run("half_fma", problem, tactic, out)
+    return _prepare("half_fma", problem, tactic, out)
 
 
-def run_all_fma(problem, tactic, out) -> None:
+def prepare_all_fma(problem, tactic, out):
     """Path F: one launch; the last CTA of each token block runs the big fuse for it. Both seams, regular form."""
-    _run("all_fma", problem, tactic, out)
+    return _prepare("all_fma", problem, tactic, out)
 
 
 def _compile_spec(spec) -> str:

@@ -52,11 +52,10 @@ from ..tactics import HC_MULT, MMA_BLOCK_H as BLOCK_H, MMA_WG_THREADS as WG_THRE
 from ..tactics import N_MIXES  # noqa: E402
 from ..tactics import MmaTactic, default_mma_tactic, mma_stage_bytes as stage_bytes  # noqa: E402
 from ..weights import prepared  # noqa: E402
-from ..workspace import get_workspace  # noqa: E402
 from . import device_utils as du  # noqa: E402
 from . import (  # noqa: E402
-    CompiledKernels, compile_in_processes, compile_kernel, delayed_mode, fake_buffer, fake_tensors, norm_dtype_of,
-    partials_count, resolve_tactic, scalar_args, seam_args, seam_fakes, spec_problem,
+    CompiledKernels, KernelLaunch, compile_in_processes, compile_kernel, delayed_mode, fake_buffer, fake_tensors,
+    norm_dtype_of, resolve_tactic, seam_fakes, spec_problem,
 )
 from .big_fuse import (  # noqa: E402
     X1_SUMSQ_COL, BigFusePhase, BigFuseScalars, flat_outputs, gate_rows, partials_view, standalone_big_fuse,
@@ -138,9 +137,17 @@ def prepare_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
     return w.permute(2, 1, 0, 3).contiguous()
 
 
+@functools.lru_cache(maxsize=None)
+def weight_of(precision: str):
+    """``fn -> cached_weight(fn, precision)`` with its arguments to ``weights.prepared`` built once (a launch calls it
+    per call)."""
+    kind, prepare = f"mma_{precision}", functools.partial(prepare_weight, precision=precision)
+    return lambda fn: prepared(fn, kind, prepare)
+
+
 def cached_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
     """``prepare_weight`` once per weight tensor and precision (``weights.prepared``)."""
-    return prepared(fn, f"mma_{precision}", functools.partial(prepare_weight, precision=precision))
+    return weight_of(precision)(fn)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -592,25 +599,20 @@ def _default_tactic(path: str, m: int, hidden: int, sm_count: int) -> MmaTactic:
     return default_mma_tactic(path, m, hidden, sm_count)
 
 
-def _run(path: str, problem, tactic, out) -> None:
+def _prepare(path: str, problem, tactic, out):
     tactic = resolve_tactic(path, tactic, problem, MmaTactic, tac.parse_tactic, _default_tactic)
-    fn = compiled_mma(tactic, problem, out)
-    ws = get_workspace(problem.x.device)
-    partials = ws.partials(partials_count(tactic, problem.m))
-    counters = ws.counters(-(-problem.m // tactic.tile_m))
-    fn(problem.x, problem.residual, problem.post_mix, problem.comb_mix, cached_weight(problem.fn, problem.precision),
-       problem.hc_scale, problem.hc_base, problem.norm_weight, *out[:4], partials, counters, *seam_args(problem, out),
-       *scalar_args(problem.scalars))
+    return KernelLaunch(compiled_mma(tactic, problem, out), problem, tactic, -(-problem.m // tactic.tile_m),
+                        weight_of(problem.precision))
 
 
-def run_half_mma(problem, tactic, out) -> None:
+def prepare_half_mma(problem, tactic, out):
     """Path B: kernel 1, then the big-fuse kernel (two launches, one host call); both seams, regular form."""
-    _run("half_mma", problem, tactic, out)
+    return _prepare("half_mma", problem, tactic, out)
 
 
-def run_all_mma(problem, tactic, out) -> None:
+def prepare_all_mma(problem, tactic, out):
     """Path D: one launch; the CTA that completes an M tile runs its big fuse. Both seams, regular form."""
-    _run("all_mma", problem, tactic, out)
+    return _prepare("all_mma", problem, tactic, out)
 
 
 def _compile_spec(spec) -> str:

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..problem import MhcFusedHcOutput, Problem
+from ..problem import MhcFusedHcDelayedOutput, MhcFusedHcOutput, Problem
 from ..reference import broadcast_fn
 from ..weights import bf16_terms, prepared
 from ..workspace import get_workspace
@@ -485,22 +485,30 @@ def _rows(t, b, e):
     return None if t is None else t[b:e]
 
 
-def run(problem: Problem, tactic: TritonTactic | None, out: MhcFusedHcOutput) -> None:
-    """Backend entry (see ``mhc_cute.backends``), for both seams and every form: the main kernel, then the reduce
-    kernel (per chunk of tokens when the tactic says so)."""
+def prepare(problem: Problem, tactic: TritonTactic | None, out: MhcFusedHcOutput):
+    """Backend entry (see ``mhc_cute.backends``), for both seams and every form: a ``launch(inputs, out)`` that runs
+    the main kernel, then the reduce kernel (per chunk of tokens when the tactic says so)."""
     m, h = problem.m, problem.hidden
     dev = problem.residual.device
     t = _default_tactic(dev, m, h) if tactic is None else fit(tactic, h)
     chunk = t.chunk_m or m
-    part = get_workspace(dev).partials(t.split_k * min(chunk, m) * PARTIAL_COLS)
-    weight = _weight(problem, t)
-    for b in range(0, m, chunk):
-        e = min(b + chunk, m)
-        whole = b == 0 and e == m
-        rows = problem if whole else problem._replace(
-            x=_rows(problem.x, b, e), residual=problem.residual[b:e], post_mix=_rows(problem.post_mix, b, e),
-            comb_mix=_rows(problem.comb_mix, b, e), pre_mix=_rows(problem.pre_mix, b, e))
-        _launch(rows, weight, out if whole else type(out)(*(_rows(o, b, e) for o in out)), part, t)
+    n_partials = t.split_k * min(chunk, m) * PARTIAL_COLS
+    scalars, precision, delayed = problem.scalars, problem.precision, problem.delayed
+    kind = MhcFusedHcDelayedOutput if delayed else MhcFusedHcOutput
+
+    def launch(inputs, out):
+        call = Problem(*inputs[:8], scalars, precision, inputs[8], delayed)
+        out = kind(*out)  # named fields for _launch (a caller may pass a plain sequence)
+        part = get_workspace(dev).partials(n_partials)
+        weight = _weight(call, t)
+        for b in range(0, m, chunk):
+            e = min(b + chunk, m)
+            whole = b == 0 and e == m
+            rows = call if whole else call._replace(
+                x=_rows(call.x, b, e), residual=call.residual[b:e], post_mix=_rows(call.post_mix, b, e),
+                comb_mix=_rows(call.comb_mix, b, e), pre_mix=_rows(call.pre_mix, b, e))
+            _launch(rows, weight, out if whole else type(out)(*(_rows(o, b, e) for o in out)), part, t)
+    return launch
 
 
 def _launch(problem: Problem, weight, out, part, t: TritonTactic):
