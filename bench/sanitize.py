@@ -314,10 +314,10 @@ def select(cases: list[Case], ops=None, backends=None, shard: str | None = None)
 
 # --- the worker (one process, optionally under the sanitizer) -----------------------------------------------------
 
-def _graph_call(spec: OpSpec, case: Case, inputs: dict, check: bool):
+def _graph_call(spec: OpSpec, case: Case, inputs: dict, check: bool, device: str = "cuda"):
     """Capture one call in a CUDA graph (``benchmark.capture``: an eager call first, for compiles, prepared weights
     and scratch) and replay it on two new sets of activations copied into the captured ones; with ``check``, each
-    replay equals an eager call on its inputs bit for bit."""
+    replay equals an eager call on its inputs bit for bit. Returns the last replay's inputs and outputs."""
     import torch
 
     from mhc_cute.accuracy import same_bits
@@ -327,14 +327,15 @@ def _graph_call(spec: OpSpec, case: Case, inputs: dict, check: bool):
     captured = []
     graph = capture(lambda s: captured.append(spec.call(case, s)), [static])
     for i in range(2):
-        fresh = spec.inputs(replace(case, label=f"{case.label}-replay{i}"), "cuda")
+        fresh = spec.inputs(replace(case, label=f"{case.label}-replay{i}"), device)
         for k in spec.activations:
             static[k].copy_(fresh[k])
         graph.replay()
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         if check:
             assert same_bits(captured[-1], spec.call(case, static)), "a replay differs from the eager call"
-    return captured[-1]
+    return static, captured[-1]
 
 
 def run_case(case: Case, check: bool, device: str = "cuda") -> str:
@@ -350,8 +351,8 @@ def run_case(case: Case, check: bool, device: str = "cuda") -> str:
     spec = OPS[case.op]
     try:
         inputs = spec.inputs(case, device)
-        if case.graph:
-            out = _graph_call(spec, case, inputs, check)
+        if case.graph:  # the contract is checked on the inputs of the last replay
+            inputs, out = _graph_call(spec, case, inputs, check, device)
         else:
             out = spec.call(case, inputs)
         sync()

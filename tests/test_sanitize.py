@@ -196,3 +196,21 @@ def test_merge_prints_one_table(sanitize, tmp_path, capsys):
     assert sanitize.main(["--merge", str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--tools", "synccheck"]) == 1
     out = capsys.readouterr().out
     assert "[synccheck] c1: ok, 1 reports" in out and out.splitlines()[-1] == "sanitize: 2 cases, 1 findings, 0 not run"
+
+
+def test_graph_case_is_checked_on_the_inputs_of_its_last_replay(sanitize, monkeypatch):
+    """A graph case replays on new activations: the contract check must see those, not the first set (the H200 sweep
+    of 2026-12-04 reported every graph case off the contract before this)."""
+    import mhc_cute.benchmark
+
+    class Replayed:  # stands in for a captured CUDA graph: a replay makes the call again
+        def __init__(self, call, sets):
+            self.call, self.sets = call, sets
+            call(sets[0])
+
+        def replay(self):
+            self.call(self.sets[0])
+
+    monkeypatch.setattr(mhc_cute.benchmark, "capture", Replayed)
+    case = sanitize.Case("mhc_fused_hc", "torch", 3, 64, True, "graph", graph=True)
+    assert sanitize.run_case(case, check=True, device="cpu") == "ok"
