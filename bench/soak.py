@@ -445,7 +445,10 @@ def draw_fused_hc_delayed(rng: random.Random, env: Env) -> dict:
         return dict(form=form, pre=rng.choice(["carried", "carried", "identity"])), \
             seam_backends(env, "fused_hc_delayed", form)
 
-    return _draw_call(rng, env, "mhc_fused_hc_delayed", configure, _seam_h_multiple, seam=True)
+    d = _draw_call(rng, env, "mhc_fused_hc_delayed", configure, _seam_h_multiple, seam=True)
+    if d["form"] == "broadcast" and len(d["lead"]) > 1 and d["lead"][-1] == 4:
+        d["lead"] = [d["m"]]  # an embedding [..., 4, H] with a leading dim is 4 streams (the API's documented rule)
+    return d
 
 
 def run_fused_hc_delayed(d: dict, env: Env) -> None:
