@@ -600,8 +600,9 @@ def test_delayed_variants_compile(family, tactic, hidden, norm, seam):
 
 def test_compiled_kernels_are_keyed_by_the_seam(monkeypatch):
     """mhc_fused_hc and the delayed seam's carried and identity gates are three compiled kernels of one tactic."""
-    from mhc_cute.kernels import fma, mma, spec_problem
+    from mhc_cute.kernels import KERNEL_CACHE_ENV, fma, mma, spec_problem
 
+    monkeypatch.delenv(KERNEL_CACHE_ENV, raising=False)  # the stand-in compiles cannot be persisted
     for module, compile_name, compiled, tactic in (
             (fma, "compile_fma", fma.compiled_fma, tac.parse_tactic("all_fma:k8:t8:n6:w256:s1:b1:fbw")),
             (mma, "compile_mma", mma.compiled_mma, tac.parse_tactic("all_mma:k2:m64:s4:fbw"))):
