@@ -26,6 +26,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from . import reference
+from .problem import Scalars
 from .reference import HC_MULT
 
 Sublayer = Callable[[torch.Tensor], torch.Tensor]
@@ -48,19 +49,8 @@ class HeadWeights(NamedTuple):
     norm_weight: torch.Tensor | None = None  # [H]
 
 
-class SeamScalars(NamedTuple):
-    """The scalars of every seam of a model (V4 defaults; ``V41_SCALARS`` for V4.1)."""
-
-    rms_eps: float = 1e-6
-    hc_pre_eps: float = 1e-6
-    hc_sinkhorn_eps: float = 1e-6
-    hc_post_mult_value: float = 2.0
-    sinkhorn_repeat: int = 20
-    norm_eps: float = 1e-6
-
-
-V4_SCALARS = SeamScalars()
-V41_SCALARS = SeamScalars(rms_eps=1e-20, norm_eps=1e-20)
+V4_SCALARS = Scalars()  # every seam's scalars: V4's defaults, and V4.1-Flash's
+V41_SCALARS = Scalars(rms_eps=1e-20, norm_eps=1e-20)
 
 
 def _check_model(weights: Sequence[SublayerWeights], sublayers: Sequence[Sublayer]) -> None:
@@ -86,7 +76,7 @@ def _seam_backend(backend: str, op: str, form: str) -> str:
 
 
 def mhc_forward_v4(embedding: torch.Tensor, weights: Sequence[SublayerWeights], sublayers: Sequence[Sublayer],
-                   head: HeadWeights, *, scalars: SeamScalars = V4_SCALARS, backend: str = "auto") -> torch.Tensor:
+                   head: HeadWeights, *, scalars: Scalars = V4_SCALARS, backend: str = "auto") -> torch.Tensor:
     """The mHC ops of a DeepSeek-V4 forward pass around ``sublayers`` (2L of them): ``embedding [..., H]`` bf16 in, the
     head's input ``[..., H]`` bf16 out (``mhc_head`` with ``head.norm_weight`` as the final RMSNorm; ``hc_head``'s
     RMS eps is ``scalars.norm_eps``, as in DeepSeek's reference). ``backend``: the seams' (``mhc_fused_hc``; the entry
@@ -112,7 +102,7 @@ def mhc_forward_v4(embedding: torch.Tensor, weights: Sequence[SublayerWeights], 
 
 def mhc_forward_v41(embedding: torch.Tensor, weights: Sequence[SublayerWeights], sublayers: Sequence[Sublayer],
                     final_norm_weight: torch.Tensor | None, *, engram: Mapping[int, Engram] | None = None,
-                    scalars: SeamScalars = V41_SCALARS, backend: str = "auto") -> torch.Tensor:
+                    scalars: Scalars = V41_SCALARS, backend: str = "auto") -> torch.Tensor:
     """The mHC ops of a DeepSeek-V4.1 forward pass around ``sublayers`` (2L of them): ``embedding [..., H]`` bf16 in,
     the head's input ``[..., H]`` bf16 out (the final collapse with the carried gates, then ``final_norm_weight``'s
     RMSNorm). ``engram``: {layer index: callable on the streams} (V4.1-Flash: layers 1 and 14), run between the
@@ -168,14 +158,14 @@ class _Flat:
         return out.reshape(self.m, *out.shape[len(self.lead):])
 
 
-def _ref_seam(residual_cur, w: SublayerWeights, s: SeamScalars, cd):
+def _ref_seam(residual_cur, w: SublayerWeights, s: Scalars, cd):
     """SPEC steps 2-5 on ``residual_cur [M, 4, H]``: ``(pre, post, comb)`` in ``cd``."""
     return reference.gates(residual_cur, w.fn, w.hc_scale, w.hc_base, rms_eps=s.rms_eps, hc_pre_eps=s.hc_pre_eps,
                            hc_sinkhorn_eps=s.hc_sinkhorn_eps, hc_post_mult_value=s.hc_post_mult_value,
                            sinkhorn_repeat=s.sinkhorn_repeat, compute_dtype=cd)
 
 
-def _ref_input(residual_cur, gates, norm_weight, s: SeamScalars, cd):
+def _ref_input(residual_cur, gates, norm_weight, s: Scalars, cd):
     """SPEC steps 6-7: the sublayer's input ``[M, H]`` bf16."""
     return reference.collapse_norm(residual_cur, gates, norm_weight=norm_weight, norm_eps=s.norm_eps,
                                    compute_dtype=cd)
@@ -185,7 +175,7 @@ def _four_copies(e: torch.Tensor) -> torch.Tensor:
     return e[:, None, :].expand(e.shape[0], HC_MULT, e.shape[1]).contiguous()
 
 
-def reference_forward_v4(embedding, weights, sublayers, head: HeadWeights, *, scalars: SeamScalars = V4_SCALARS,
+def reference_forward_v4(embedding, weights, sublayers, head: HeadWeights, *, scalars: Scalars = V4_SCALARS,
                          compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """``mhc_forward_v4`` on ``mhc_cute.reference``: the entry's 4 streams materialised (the broadcast projection is
     the same in exact arithmetic), every post the fp32 FMA chain, everything else in ``compute_dtype``."""
@@ -205,7 +195,7 @@ def reference_forward_v4(embedding, weights, sublayers, head: HeadWeights, *, sc
 
 
 def reference_forward_v41(embedding, weights, sublayers, final_norm_weight, *, engram=None,
-                          scalars: SeamScalars = V41_SCALARS, compute_dtype: torch.dtype = torch.float64):
+                          scalars: Scalars = V41_SCALARS, compute_dtype: torch.dtype = torch.float64):
     """``mhc_forward_v41`` on ``mhc_cute.reference`` (see ``reference_forward_v4``); the identity gates of the entry
     collapse give stream 0, the embedding, exactly."""
     _check_model(weights, sublayers)
