@@ -175,17 +175,9 @@ def pick_auto(device: torch.device, m: int, hidden: int) -> str:
 
 
 def pick_auto_for(device: torch.device, m: int, hidden: int, op: str, form: str) -> str:
-    """``backend="auto"`` for an (op, form) other than mhc_fused_hc's regular one (no tuned table yet): the order of
-    ``pick_auto``, among the backends that implement it (on Hopper the CuTe paths E and B for the delayed seam's
-    regular form, Triton for the entry forms)."""
-    if device.type == "cuda" and hidden % 64 == 0:
-        if _is_rocm():
-            order = ("triton",)
-        elif m <= HEURISTIC_FMA_MAX_M:
-            order = ("half_fma", "half_mma", "triton")
-        else:
-            order = ("half_mma", "half_fma", "triton")
-        for name in order:
-            if BACKENDS[name].entry_for(op, form) and unavailable_reason(name, device) is None:
-                return name
+    """``backend="auto"`` for an (op, form) other than mhc_fused_hc's regular one (no tuned table yet): Triton, whose
+    delayed seam and entry forms have passed the GPU suite on the H200 (2026-12-04); the CuTe paths' delayed seam is
+    chosen by name until its own GPU suite has run."""
+    if device.type == "cuda" and hidden % 64 == 0 and unavailable_reason("triton", device) is None:
+        return "triton"
     return "torch"

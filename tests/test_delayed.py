@@ -328,14 +328,12 @@ def test_cute_paths_run_the_delayed_seam():
         assert b.entry_for("fused_hc_delayed", "no_post") is None
 
 
-def test_auto_on_hopper_prefers_the_cute_paths_for_the_delayed_seam(monkeypatch):
-    monkeypatch.setattr(torch.version, "hip", None)
+def test_auto_on_a_gpu_takes_triton_for_the_delayed_seam_and_the_entry_forms(monkeypatch):
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, d: None)
     dev = torch.device("cuda", 0)
-    picks = [backends.pick_auto_for(dev, m, 5120, "fused_hc_delayed", "regular") for m in (1, 128, 129, 8192)]
-    assert picks == ["half_fma", "half_fma", "half_mma", "half_mma"]
-    # the entry forms: the CuTe paths do not run them
-    assert backends.pick_auto_for(dev, 1, 5120, "fused_hc_delayed", "broadcast") == "triton"
+    for form in ("regular", "no_post", "broadcast"):
+        assert {backends.pick_auto_for(dev, m, 5120, "fused_hc_delayed", form) for m in (1, 128, 8192)} == {"triton"}
+    assert backends.pick_auto_for(torch.device("cpu"), 1, 5120, "fused_hc_delayed", "regular") == "torch"
 
 
 @pytest.mark.parametrize("pre", [None, "carried"])
