@@ -1,4 +1,8 @@
+import contextlib
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,3 +47,21 @@ def dump_env():
         env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(tests), tests, env.get("PYTHONPATH", "")])
         return env
     return make
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@contextlib.contextmanager
+def bench_script(relative: str):
+    """A script of ``bench/`` loaded as a module, registered in ``sys.modules`` while in use (its dataclasses resolve
+    their annotations through it)."""
+    name = Path(relative).stem
+    spec = importlib.util.spec_from_file_location(name, BENCH / relative)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[name]

@@ -1,13 +1,13 @@
 """bench/sanitize.py without a GPU: its help and case list, the parsing of compute-sanitizer's output, and the
 parent's bookkeeping (attribution to cases, a new process after one dies) against a stand-in sanitizer."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import bench_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "sanitize.py"
@@ -15,12 +15,8 @@ SCRIPT = ROOT / "bench" / "sanitize.py"
 
 @pytest.fixture(scope="module")
 def sanitize():
-    spec = importlib.util.spec_from_file_location("sanitize", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sanitize"] = module  # its dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["sanitize"]
+    with bench_script("sanitize.py") as module:
+        yield module
 
 
 def test_help_needs_no_torch():

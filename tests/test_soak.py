@@ -1,24 +1,16 @@
 """bench/soak.py without a GPU: a short run on the torch backend and Triton's interpreter, and how a failure is
 reported (its reproducer replays the same call)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "soak.py"
+from conftest import bench_script
 
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location("soak", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = module  # its dataclasses resolve their annotations through it
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["soak"]
+    with bench_script("soak.py") as module:
+        yield module
 
 
 def test_short_soak_on_the_cpu(soak, capsys):

@@ -287,13 +287,13 @@ def test_split_bf16x3_is_exact_and_stream_interleaved():
 def test_l2_reread_probe_copies_and_reads_its_windows(ratio):
     """The probe's copy is exact and its extra reads are the windows it claims (the sums in ``sink``), wrapping
     around the weight, at a ratio below, at and above one extra block per step."""
-    import importlib.util
-    import os
+    from conftest import bench_script
 
-    probes = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "probes")
-    spec = importlib.util.spec_from_file_location("probe_l2_reread", os.path.join(probes, "probe_l2_reread.py"))
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    with bench_script("probes/probe_l2_reread.py") as probe:
+        _check_l2_reread_probe(probe, ratio)
+
+
+def _check_l2_reread_probe(probe, ratio):
     block, per_program = 16, 128
     src = torch.randn(5 * per_program)
     weight = torch.randn(3 * block)
