@@ -453,15 +453,14 @@ def sanitizer_path(given: str | None) -> str | None:
 
 
 def tool_options(sanitizer: str, tool: str) -> list[str]:
-    """Options beyond the defaults, each only where this compute-sanitizer knows it: initcheck does not report
-    allocations that are never wholly used (torch's caching allocator leaves most of each segment unused);
-    device-side backtraces only (the host ones are Python frames)."""
+    """Options beyond the defaults, each only where this compute-sanitizer knows it: device-side backtraces only
+    (the host ones are Python frames). Initcheck's report of allocations never wholly used stays at its default, off
+    (torch's caching allocator leaves most of each segment unused): passing ``--track-unused-memory no`` made every
+    initcheck process exit at once on the H200 machine (2026-12-04)."""
     help_text = subprocess.run([sanitizer, "--help"], capture_output=True, text=True).stdout
     opts = []
     if "--show-backtrace" in help_text:
         opts += ["--show-backtrace", "device"]
-    if tool == "initcheck" and "--track-unused-memory" in help_text:
-        opts += ["--track-unused-memory", "no"]
     return opts
 
 

@@ -170,7 +170,7 @@ def test_runner_attributes_reports_and_restarts_after_a_death(sanitize, tmp_path
     runs = log.read_text().splitlines()
     # the chunk, the rest after the death, then the graph case with torch's caching allocator on
     assert len(runs) == 3
-    assert all("--tool initcheck" in r and "--track-unused-memory no" in r for r in runs)
+    assert all("--tool initcheck" in r and "--show-backtrace device" in r and "--track-unused" not in r for r in runs)
     assert [r.rsplit(": ", 1)[1] for r in runs] == ["1", "1", "-"]
     assert [sanitize.finding(r) for r in results.values()] == [False, True, True, True, False, False]
 
