@@ -478,6 +478,36 @@ def delayed_calls(backends: list[str], precision: str = "fp32") -> dict[str, Cal
     return calls
 
 
+def op_sets(op: str, sets: list[dict]) -> list[dict]:
+    """``sets`` (with carried gates) as a standalone op's inputs (``accuracy.op_inputs_of``) under ``"op"``, each
+    beside its seam inputs under ``"seam"`` (the comparison column)."""
+    from .accuracy import op_inputs_of
+
+    return [dict(op=op_inputs_of(op, s), seam=s) for s in sets]
+
+
+def op_calls(op: str, backends: list[str]) -> dict[str, Callable[[dict], object]]:
+    """``mhc-cute bench --op``: the standalone op's ``auto`` and ``backends`` on ``op_sets``, and ``mhc_fused_hc``'s
+    ``auto`` on the same tokens as the comparison column (a seam moves about as many bytes as ``mhc_post`` or
+    ``mhc_head``)."""
+    from . import ops
+    from .api import mhc_fused_hc
+
+    fn = getattr(ops, op)
+
+    def of(backend):
+        def call(s):
+            return fn(**s["op"], backend=backend)
+        return call
+
+    def v4_auto(s):
+        return mhc_fused_hc(**{k: v for k, v in s["seam"].items() if k != "pre_mix_prev"})
+    calls = {"auto": of("auto")}
+    calls.update({n: of(n) for n in backends})
+    calls["mhc_fused_hc auto"] = v4_auto
+    return calls
+
+
 def with_carried_gates(sets: list[dict], seed: int = 1) -> list[dict]:
     """``sets`` with the delayed seam's ``pre_mix_prev`` (gates as a previous seam returns them) added."""
     g = torch.Generator(device=sets[0]["fn"].device).manual_seed(seed)

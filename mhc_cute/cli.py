@@ -95,7 +95,12 @@ def cmd_bench(args) -> int:
     bandwidth = bm.measure_copy_bandwidth(dev)
     if args.model:
         return _bench_model(args, bm, ms, dev, gpu, bandwidth)
-    if args.delayed:  # the delayed seam, with mhc_fused_hc's auto as the comparison column; no peers
+    if args.op:  # a standalone op, with mhc_fused_hc's auto as the comparison column; no peers
+        from . import ops
+
+        names = args.backends or [n for n in ops.available(args.op, dev) if n != "torch"]
+        calls = bm.op_calls(args.op, [n for n in names if n != "auto"])
+    elif args.delayed:  # the delayed seam, with mhc_fused_hc's auto as the comparison column; no peers
         names = args.backends or [n for n in backends.available(dev, "fused_hc_delayed") if n != "torch"]
         calls = bm.delayed_calls([n for n in names if n != "auto"], args.precision)
     else:
@@ -104,20 +109,23 @@ def cmd_bench(args) -> int:
         calls.update({n: bm.mhc_cute_call(n, args.precision) for n in names})
         if not args.no_peers:
             calls.update(bm.peer_calls(args.norm))
-    floor = bm.delayed_floor_bytes if args.delayed else bm.floor_bytes
+    floor = (bm.OP_FLOORS[args.op.removeprefix("mhc_")] if args.op else bm.delayed_floor_bytes if args.delayed
+             else bm.floor_bytes)
     results = []
     for h in hiddens:
         for m in ms:
             sets = bm.rotated_sets(m, h, dev, args.norm)
-            if args.delayed:
+            if args.delayed or args.op:
                 sets = bm.with_carried_gates(sets)
-            contexts = bm.context_predecessors(sets) if m <= bm.CONTEXT_MAX_M else None
+            contexts = bm.context_predecessors(sets) if m <= bm.CONTEXT_MAX_M and not args.op else None
+            if args.op:
+                sets = bm.op_sets(args.op, sets)
             for name, call in calls.items():
                 eager = not (name == "torch-compile" and m > 4096)
                 results.append(bm.bench_one(name, call, m, h, dev, args.norm, bandwidth, sets=sets, eager=eager,
                                             contexts=contexts, floor=floor))
                 r = results[-1]
-                if name == "auto" and not args.delayed and m <= bm.HOST_MAX_M and r.error is None:
+                if name == "auto" and not (args.delayed or args.op) and m <= bm.HOST_MAX_M and r.error is None:
                     r.host = bm.host_times(m, h, dev, args.norm, args.precision)._asdict()
                 print(f"  H={h} M={m} {name}: {r.graph_us if r.error is None else r.error}", file=sys.stderr,
                       flush=True)
@@ -125,7 +133,7 @@ def cmd_bench(args) -> int:
             torch.cuda.empty_cache()
             if args.json:  # after every shape, so that a run cut short keeps what it measured
                 bm.write_json(results, args.json, bandwidth, gpu,
-                              dict(norm=args.norm, precision=args.precision, delayed=args.delayed))
+                              dict(norm=args.norm, precision=args.precision, delayed=args.delayed, op=args.op))
     print(bm.format_table(results, bandwidth, gpu))
     print(bm.auto_summary(results, names))
     if args.plot:
@@ -245,6 +253,9 @@ def main(argv=None) -> int:
     b.add_argument("--delayed", action="store_true",
                    help="time V4.1's delayed seam (mhc_fused_hc_delayed; floor (20H + 192) M + 384H bytes) against "
                         "mhc_fused_hc's auto on the same inputs")
+    b.add_argument("--op", choices=["mhc_post", "mhc_collapse", "mhc_head"],
+                   help="time a standalone op (floor from SPEC's cost model) against mhc_fused_hc's auto on the "
+                        "same tokens")
     b.add_argument("--json", help="write the results here")
     b.add_argument("--model", choices=["v4-pro", "v4-flash", "v4.1-flash"],
                    help="time one forward pass's mHC ops instead (--backends: of auto, torch, tilekernels)")

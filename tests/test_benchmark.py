@@ -110,3 +110,22 @@ def test_readme_tables_show_auto_host_time_beside_its_floor(tmp_path):
                              if line.startswith("|")]
     assert dict(zip(head, small))["auto host (floor)"] == "15.0 (10.0)"
     assert dict(zip(head, large))["auto host (floor)"] == "—"
+
+
+def test_op_bench_calls_run_the_op_and_the_seam_on_the_same_tokens():
+    """``bench --op``: each standalone op's calls on ``op_sets`` give the op's output (the same as a direct call), and
+    the comparison column the seam's on the same tokens."""
+    import torch
+
+    from mhc_cute import benchmark as bm, ops
+    from mhc_cute.accuracy import op_inputs_of
+
+    sets = bm.with_carried_gates(bm.make_sets(3, 64, 2, "cpu", True))
+    for op in ("mhc_post", "mhc_collapse", "mhc_head"):
+        calls = bm.op_calls(op, ["torch"])
+        assert list(calls) == ["auto", "torch", "mhc_fused_hc auto"]
+        s = bm.op_sets(op, sets)[1]
+        want = getattr(ops, op)(**op_inputs_of(op, sets[1]), backend="torch")
+        assert torch.equal(calls["torch"](s), want)
+        assert calls["mhc_fused_hc auto"](s).layer_input.shape == (3, 64)
+        assert bm.OP_FLOORS[op.removeprefix("mhc_")](3, 64) > 0
