@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -492,6 +493,21 @@ def precompile(cases: list[Case], sm_count: int, workers: int) -> None:
             print(f"precompile: {len(specs)} {label} variants in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
+def run_bounded(cmd: list[str], env: dict, timeout: float) -> tuple[str, int | None, bool]:
+    """(output, exit status or None, hung) of ``cmd`` run for at most ``timeout`` seconds. It runs in a process group
+    of its own, killed whole on timeout: the sanitized worker is the sanitizer's child and holds the output pipe, so
+    killing the sanitizer alone would leave the read waiting on the worker."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(ROOT),
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return out, proc.returncode, False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return out or "", None, True
+
+
 class Runner:
     """Launches worker processes for (tool, cases) and collects per-case results, within a time budget."""
 
@@ -530,13 +546,7 @@ class Runner:
             if left < 30:
                 return
             t0 = time.monotonic()
-            try:
-                proc = subprocess.run(self.command(tool, names), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=env, timeout=min(self.timeout, left), cwd=str(ROOT))
-                text, rc, hung = proc.stdout, proc.returncode, False
-            except subprocess.TimeoutExpired as e:
-                text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-                rc, hung = None, True
+            text, rc, hung = run_bounded(self.command(tool, names), env, min(self.timeout, left))
             parsed = parse_output(text)
             ran = [n for n in names if n in parsed.statuses]
             print(f"  {tool or 'unsanitized'}: {len(ran)}/{len(names)} cases in {time.monotonic() - t0:.0f} s "

@@ -34,6 +34,7 @@ import math
 import os
 import random
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field, replace
@@ -554,15 +555,51 @@ def is_fatal(env: Env) -> bool:
         return True
 
 
-def soak(seconds: float, seed: int, env: Env, ops: list[str], progress_s: float) -> int:
+class Watchdog:
+    """Reports the call in flight (with its reproducer) once it has run ``slow_s`` seconds, and after ``hang_s``
+    counts it as hung: prints the last line and ends the process with status 1 (a hang must not eat the run)."""
+
+    def __init__(self, slow_s: float, hang_s: float, device: str, on_hang=lambda: os._exit(1)):
+        self.slow_s, self.hang_s, self.device, self.on_hang = slow_s, hang_s, device, on_hang
+        self.current = None  # (call index, draw, start time, calls so far, failures so far)
+        self.lock = threading.Lock()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def start(self, i: int, d: dict, calls: int, failures: int) -> None:
+        with self.lock:
+            self.current = (i, d, time.monotonic(), calls, failures)
+
+    def _watch(self) -> None:
+        reported = None
+        while True:
+            time.sleep(1)
+            with self.lock:
+                if self.current is None:
+                    continue
+                i, d, t0, calls, failures = self.current
+            ran = time.monotonic() - t0
+            line = f"--device {self.device} --replay '{json.dumps(d)}'"
+            if ran >= self.hang_s:
+                print(f"FAIL call {i}: hung ({ran:.0f} s)\n  reproduce: python bench/soak.py {line}\n"
+                      f"soak: {calls + 1} calls, {failures + 1} failures", flush=True)
+                self.on_hang()
+                return
+            if ran >= self.slow_s and reported != i:
+                reported = i
+                print(f"slow call {i}: {ran:.0f} s so far; python bench/soak.py {line}", flush=True)
+
+
+def soak(seconds: float, seed: int, env: Env, ops: list[str], progress_s: float, hang_s: float = 600) -> int:
     weights = [OPS[o].weight for o in ops]
     start = last = time.monotonic()
     calls, failures, counts = 0, [], {}
     i = 0
+    watchdog = Watchdog(min(60.0, hang_s), hang_s, env.device)
     while time.monotonic() - start < seconds:
         rng = call_rng(seed, i)
         op = rng.choices(ops, weights)[0]
         d = OPS[op].draw(rng, env)
+        watchdog.start(i, d, calls, len(failures))
         try:
             OPS[op].run(d, env)
         except Exception as e:  # noqa: BLE001 - every failure is reported with its reproducer
@@ -599,6 +636,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-config", type=float, help=f"share of draws with a new kernel configuration, the others "
                     f"reuse an earlier one with new sizes and data (default: {NEW_CONFIG_GPU} on a GPU, 1 on the CPU)")
     ap.add_argument("--replay", help="one call: a draw as a failure printed it (JSON)")
+    ap.add_argument("--hang-after", type=float, default=600, help="seconds after which a call in flight counts as "
+                    "hung: its reproducer is printed and the soak ends with status 1 (calls past a minute are "
+                    "reported as slow)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -619,7 +659,7 @@ def main(argv=None) -> int:
     ops = [o for o in args.ops.split(",") if env.op_backends.get(o, True)]
     if not ops:
         raise SystemExit(f"no op to soak on these backends: {args.ops}")
-    return soak(args.seconds, seed, env, ops, args.progress)
+    return soak(args.seconds, seed, env, ops, args.progress, args.hang_after)
 
 
 if __name__ == "__main__":

@@ -210,3 +210,18 @@ def test_graph_case_is_checked_on_the_inputs_of_its_last_replay(sanitize, monkey
     monkeypatch.setattr(mhc_cute.benchmark, "capture", Replayed)
     case = sanitize.Case("mhc_fused_hc", "torch", 3, 64, True, "graph", graph=True)
     assert sanitize.run_case(case, check=True, device="cpu") == "ok"
+
+
+def test_a_hung_process_and_its_children_are_killed_at_the_timeout(sanitize):
+    """The sanitizer's child (the worker) holds the output pipe: the timeout kills the whole process group, so the
+    runner gets the output so far instead of waiting on the child."""
+    import time
+
+    hang = ("import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            "print('started', flush=True)\n"
+            "time.sleep(120)\n")
+    t0 = time.monotonic()
+    out, rc, hung = sanitize.run_bounded([sys.executable, "-c", hang], dict(os.environ), timeout=3)
+    assert hung and rc is None and "started" in out
+    assert time.monotonic() - t0 < 30

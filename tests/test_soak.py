@@ -70,3 +70,17 @@ def test_a_failure_is_reported_with_a_reproducer(soak, capsys, monkeypatch):
     assert capsys.readouterr().out.splitlines()[-1] == "soak: 1 calls, 1 failures"
     draw["m"], draw["lead"] = 2, [2]
     assert soak.main(["--device", "cpu", "--replay", json.dumps(draw)]) == 0
+
+
+def test_a_slow_then_hung_call_is_reported_with_its_reproducer(soak, capsys):
+    import time
+
+    hung = []
+    watchdog = soak.Watchdog(0.5, 2.0, "cpu", on_hang=lambda: hung.append(True))
+    draw = {"op": "mhc_fused_hc", "m": 5}
+    watchdog.start(4, draw, 4, 0)
+    time.sleep(4)
+    out = capsys.readouterr().out
+    assert hung == [True]
+    assert "slow call 4:" in out and "FAIL call 4: hung" in out and json.dumps(draw) in out
+    assert out.strip().splitlines()[-1] == "soak: 5 calls, 1 failures"
