@@ -33,7 +33,11 @@ def picks_of(grid):
     """(H, M, norm, tactic, explicit) per point: a point's own tactic (explicit), else the one ``auto`` runs there on
     an H200: the user's tuning cache, then the shipped tables, a table with the point's norm flag first (as
     ``selector.Selector.choose``)."""
-    from mhc_cute import selector, tactics
+    from mhc_cute import tactics
+    try:
+        from mhc_cute import selector
+    except ImportError:  # trees before 2026-12-04 kept the runtime table lookup in the tuner's module
+        from mhc_cute import autotune as selector
 
     tables = selector.load_shipped_tables()
     tables.update(selector.load_user_tables())
