@@ -2,6 +2,7 @@ import contextlib
 import importlib.util
 import os
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -16,16 +17,18 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
 LARGE_M = 4096  # GPU tests from this many tokens hold up to ~20 GB each (float64 checks)
+LARGE_M_WORKERS = 3  # at most this many of them at once: ~60 GB of an H200's 140
 
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
-        # under ``pytest -n N --dist loadgroup`` the large tests share one worker, so that eight of them never hold
-        # the GPU's memory at once (out of memory on the H200 with -n 8, 2026-12-04)
+        # under ``pytest -n N --dist loadgroup`` the large tests go to LARGE_M_WORKERS workers, so that eight of
+        # them never hold the GPU's memory at once (out of memory on the H200 with -n 8, 2026-12-04)
         for item in items:
             params = getattr(getattr(item, "callspec", None), "params", {})
             if "gpu" in item.keywords and (params.get("m", 0) >= LARGE_M or "2_31" in item.name):
-                item.add_marker(pytest.mark.xdist_group("large_m"))
+                group = zlib.crc32(item.nodeid.encode()) % LARGE_M_WORKERS
+                item.add_marker(pytest.mark.xdist_group(f"large_m_{group}"))
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
