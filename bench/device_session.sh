@@ -2,13 +2,14 @@
 # One batched GPU run (run from the repository root on the GPU machine, under .devbundle/gpu.sh):
 # unpack kernels precompiled on a CPU machine (`bench/precompile.py --session`, packed as .kcarry/kcache.tar.xz),
 # compile what is missing in parallel (the same --session set, then Triton's test and bench configurations), run
-# the GPU tests listed in $TESTS (pytest node ids, one per line; default: every gpu test), then `mhc-cute bench`.
+# the GPU tests listed in $TESTS (pytest node ids or files, one per line; default: every gpu test) in 8 xdist workers
+# ($PYTEST_ARGS; the large-M tests spread over three of them, tests/conftest.py), then `mhc-cute bench`.
 # Everything is logged under $OUT. Each stage has its own time limit (WARM_S, TEST_S, BENCH_S seconds; 0 skips the
 # stage) so that one slow stage cannot eat the rest.
 #
 # Where one command is limited to 10 minutes, run the tests and the bench as separate calls while the machine stays
-# warm (the peers staged in between); with the kernels precompiled and carried, warm + the whole GPU suite take about
-# 6.5 minutes on the H200 and the bench 2 (docs/developer.md):
+# warm (the peers staged in between). The suite has grown past one call (3633 tests; with -n 8 it reached 83% in
+# 470 s on the H200, 2026-12-04): list its files in $TESTS over two calls (docs/developer.md):
 #   BENCH_S=0 ...   then (stage the peers)   WARM_S=0 TEST_S=0 BENCH_S=570 ...
 set -u
 OUT=${OUT:-/tmp/mhc-out}
@@ -36,8 +37,9 @@ EOF_PY
 echo "warm $(( $(date +%s) - t0 )) s"
 
 [ "${TEST_S:-240}" = 0 ] || {
-if [ -n "${TESTS:-}" ]; then sel=$(cat "$TESTS"); else sel="-m gpu tests"; fi
-timeout "${TEST_S:-240}" python -m pytest -q -p no:cacheprovider --tb=line -rfs $sel > "$OUT/tests.log" 2>&1
+if [ -n "${TESTS:-}" ]; then sel="-m gpu $(cat "$TESTS")"; else sel="-m gpu tests"; fi
+timeout "${TEST_S:-240}" python -m pytest -q -p no:cacheprovider --tb=line -rfs ${PYTEST_ARGS:--n 8 --dist loadgroup} $sel \
+  > "$OUT/tests.log" 2>&1
 echo "tests rc=$? $(( $(date +%s) - t0 )) s"; grep -E "passed|failed" "$OUT/tests.log" | tail -1
 grep -E "^FAILED|Error|assert" "$OUT/tests.log" | head -40
 }
