@@ -20,6 +20,7 @@ LARGE_M = 4096  # GPU tests from this many tokens hold up to ~20 GB each (float6
 LARGE_M_WORKERS = 3  # at most this many of them at once: ~60 GB of an H200's 140
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         # under ``pytest -n N --dist loadgroup`` the large tests go to LARGE_M_WORKERS workers, so that eight of
