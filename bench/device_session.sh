@@ -3,7 +3,7 @@
 # unpack kernels precompiled on a CPU machine (`bench/precompile.py --session`, packed as .kcarry/kcache.tar.xz),
 # compile what is missing in parallel (the same --session set, then Triton's test and bench configurations), run
 # the GPU tests listed in $TESTS (pytest node ids or files, one per line; default: every gpu test) in 8 xdist workers
-# ($PYTEST_ARGS; the large-M tests spread over three of them, tests/conftest.py), then `mhc-cute bench`.
+# ($PYTEST_ARGS; at most three large-M tests at once, tests/conftest.py), then `mhc-cute bench`.
 # Everything is logged under $OUT. Each stage has its own time limit (WARM_S, TEST_S, BENCH_S seconds; 0 skips the
 # stage) so that one slow stage cannot eat the rest.
 #
@@ -38,7 +38,7 @@ echo "warm $(( $(date +%s) - t0 )) s"
 
 [ "${TEST_S:-240}" = 0 ] || {
 if [ -n "${TESTS:-}" ]; then sel="-m gpu $(cat "$TESTS")"; else sel="-m gpu tests"; fi
-timeout "${TEST_S:-240}" python -m pytest -q -p no:cacheprovider --tb=line -rfs ${PYTEST_ARGS:--n 8 --dist loadgroup} $sel \
+timeout "${TEST_S:-240}" python -m pytest -q -p no:cacheprovider --tb=line -rfs ${PYTEST_ARGS:--n 8} $sel \
   > "$OUT/tests.log" 2>&1
 echo "tests rc=$? $(( $(date +%s) - t0 )) s"; grep -E "passed|failed" "$OUT/tests.log" | tail -1
 grep -E "^FAILED|Error|assert" "$OUT/tests.log" | head -40

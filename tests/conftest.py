@@ -1,8 +1,10 @@
 import contextlib
+import fcntl
 import importlib.util
 import os
 import sys
-import zlib
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -17,19 +19,11 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
 LARGE_M = 4096  # GPU tests from this many tokens hold up to ~20 GB each (float64 checks)
-LARGE_M_WORKERS = 3  # at most this many of them at once: ~60 GB of an H200's 140
+LARGE_M_SLOTS = 3  # at most this many of them at once across pytest-xdist's workers: ~60 GB of an H200's 140
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
-        # under ``pytest -n N --dist loadgroup`` the large tests go to LARGE_M_WORKERS workers, so that eight of
-        # them never hold the GPU's memory at once (out of memory on the H200 with -n 8, 2026-12-04)
-        for item in items:
-            params = getattr(getattr(item, "callspec", None), "params", {})
-            if "gpu" in item.keywords and (params.get("m", 0) >= LARGE_M or "2_31" in item.name):
-                group = zlib.crc32(item.nodeid.encode()) % LARGE_M_WORKERS
-                item.add_marker(pytest.mark.xdist_group(f"large_m_{group}"))
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
@@ -37,13 +31,44 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _is_large(item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("m", 0) >= LARGE_M or "2_31" in item.name
+
+
+@contextlib.contextmanager
+def _large_m_slot():
+    """One of ``LARGE_M_SLOTS`` lock files, held while a large-M test runs: under ``pytest -n 8`` eight of them at once
+    would not fit in the GPU's memory; the workers are processes, so the slots are file locks."""
+    folder = Path(tempfile.gettempdir()) / "mhc_cute_test_slots"
+    folder.mkdir(exist_ok=True)
+    while True:
+        for i in range(LARGE_M_SLOTS):
+            f = open(folder / f"slot{i}", "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.close()
+                continue
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+                f.close()
+            return
+        time.sleep(0.1)
+
+
 @pytest.fixture(autouse=True)
-def release_cached_gpu_memory(request):
-    """After each GPU test, the memory torch's caching allocator keeps is given back: under ``pytest -n N`` the
-    workers' processes share the GPU, and blocks one keeps cached are memory the others cannot have."""
-    yield
-    if "gpu" in request.keywords and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def share_the_gpu(request):
+    """GPU tests under ``pytest -n N`` share one GPU: the large-M ones take a slot (``_large_m_slot``), and after each
+    test the memory torch's caching allocator keeps is given back for the other workers."""
+    if "gpu" not in request.keywords or not torch.cuda.is_available():
+        yield
+        return
+    with _large_m_slot() if _is_large(request.node) else contextlib.nullcontext():
+        yield
+    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")
