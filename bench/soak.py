@@ -563,16 +563,21 @@ class Watchdog:
         self.slow_s, self.hang_s, self.device, self.on_hang = slow_s, hang_s, device, on_hang
         self.current = None  # (call index, draw, start time, calls so far, failures so far)
         self.lock = threading.Lock()
+        self.stopped = threading.Event()
         threading.Thread(target=self._watch, daemon=True).start()
 
     def start(self, i: int, d: dict, calls: int, failures: int) -> None:
         with self.lock:
             self.current = (i, d, time.monotonic(), calls, failures)
 
+    def stop(self) -> None:
+        """The soak is over: no call is in flight any more (a process that goes on, a test session, must not be
+        ended by a stale one)."""
+        self.stopped.set()
+
     def _watch(self) -> None:
         reported = None
-        while True:
-            time.sleep(1)
+        while not self.stopped.wait(1):
             with self.lock:
                 if self.current is None:
                     continue
@@ -595,28 +600,31 @@ def soak(seconds: float, seed: int, env: Env, ops: list[str], progress_s: float,
     calls, failures, counts = 0, [], {}
     i = 0
     watchdog = Watchdog(min(60.0, hang_s), hang_s, env.device)
-    while time.monotonic() - start < seconds:
-        rng = call_rng(seed, i)
-        op = rng.choices(ops, weights)[0]
-        d = OPS[op].draw(rng, env)
-        watchdog.start(i, d, calls, len(failures))
-        try:
-            OPS[op].run(d, env)
-        except Exception as e:  # noqa: BLE001 - every failure is reported with its reproducer
-            failures.append((i, d, failure_text(e)))
-            print(f"FAIL call {i}: {failure_text(e)}", flush=True)
-            if is_fatal(env):
-                print("the CUDA context is unusable: stopping", flush=True)
-                calls += 1
-                break
-        calls += 1
-        i += 1
-        key = f"{op}:{OPS[op].label(d)}"
-        counts[key] = counts.get(key, 0) + 1
-        if time.monotonic() - last >= progress_s:
-            last = time.monotonic()
-            print(f"soak: {last - start:.0f} s, {calls} calls, {len(failures)} failures  "
-                  + " ".join(f"{k}={v}" for k, v in sorted(counts.items())), flush=True)
+    try:
+        while time.monotonic() - start < seconds:
+            rng = call_rng(seed, i)
+            op = rng.choices(ops, weights)[0]
+            d = OPS[op].draw(rng, env)
+            watchdog.start(i, d, calls, len(failures))
+            try:
+                OPS[op].run(d, env)
+            except Exception as e:  # noqa: BLE001 - every failure is reported with its reproducer
+                failures.append((i, d, failure_text(e)))
+                print(f"FAIL call {i}: {failure_text(e)}", flush=True)
+                if is_fatal(env):
+                    print("the CUDA context is unusable: stopping", flush=True)
+                    calls += 1
+                    break
+            calls += 1
+            i += 1
+            key = f"{op}:{OPS[op].label(d)}"
+            counts[key] = counts.get(key, 0) + 1
+            if time.monotonic() - last >= progress_s:
+                last = time.monotonic()
+                print(f"soak: {last - start:.0f} s, {calls} calls, {len(failures)} failures  "
+                      + " ".join(f"{k}={v}" for k, v in sorted(counts.items())), flush=True)
+    finally:
+        watchdog.stop()
     for i, d, text in failures:
         print(f"\nfailure at call {i} (--seed {seed}): {text}\n  reproduce: python bench/soak.py "
               f"--device {env.device} --replay '{json.dumps(d)}'")

@@ -459,22 +459,28 @@ def mhc_cute_call(backend: str, precision: str = "fp32", tactic=None) -> Callabl
     return call
 
 
+def v4_auto(s: dict, precision: str = "fp32") -> MhcFusedHcOutput:
+    """``mhc_fused_hc``'s ``auto`` on a set (its ``pre_mix_prev``, if any, left out): the comparison column of the
+    delayed seam's and the standalone ops' benches."""
+    from .api import mhc_fused_hc
+
+    return mhc_fused_hc(s["x_prev"], s["residual_prev"], s["post_mix_prev"], s["comb_mix_prev"], s["fn"],
+                        s["hc_scale"], s["hc_base"], norm_weight=s["norm_weight"], precision=precision)
+
+
 def delayed_calls(backends: list[str], precision: str = "fp32") -> dict[str, Callable[[dict], object]]:
     """``mhc-cute bench --delayed``: the delayed seam's ``auto`` and ``backends`` on sets with ``pre_mix_prev``
     (``with_carried_gates``), and ``mhc_fused_hc``'s ``auto`` on the same sets as the comparison column."""
-    from .api import mhc_fused_hc, mhc_fused_hc_delayed
+    from .api import mhc_fused_hc_delayed
 
     def delayed(backend):
         def call(s):
             return mhc_fused_hc_delayed(**s, backend=backend, precision=precision)
         return call
 
-    def v4_auto(s):
-        return mhc_fused_hc(s["x_prev"], s["residual_prev"], s["post_mix_prev"], s["comb_mix_prev"], s["fn"],
-                            s["hc_scale"], s["hc_base"], norm_weight=s["norm_weight"], precision=precision)
     calls = {"auto": delayed("auto")}
     calls.update({n: delayed(n) for n in backends})
-    calls["mhc_fused_hc auto"] = v4_auto
+    calls["mhc_fused_hc auto"] = lambda s: v4_auto(s, precision)
     return calls
 
 
@@ -491,7 +497,6 @@ def op_calls(op: str, backends: list[str]) -> dict[str, Callable[[dict], object]
     ``auto`` on the same tokens as the comparison column (a seam moves about as many bytes as ``mhc_post`` or
     ``mhc_head``)."""
     from . import ops
-    from .api import mhc_fused_hc
 
     fn = getattr(ops, op)
 
@@ -500,11 +505,9 @@ def op_calls(op: str, backends: list[str]) -> dict[str, Callable[[dict], object]
             return fn(**s["op"], backend=backend)
         return call
 
-    def v4_auto(s):
-        return mhc_fused_hc(**{k: v for k, v in s["seam"].items() if k != "pre_mix_prev"})
     calls = {"auto": of("auto")}
     calls.update({n: of(n) for n in backends})
-    calls["mhc_fused_hc auto"] = v4_auto
+    calls["mhc_fused_hc auto"] = lambda s: v4_auto(s["seam"])
     return calls
 
 
@@ -809,7 +812,7 @@ def bench_model(model: str, ms, device, bandwidth: float, names=None, log=None) 
         inputs = model_inputs(config, m, device)
         floor_s = model_floor_bytes(config, m) / bandwidth
         for name, call in calls.items():
-            if names and name not in names or not names and name == "torch" and m > TORCH_MODEL_MAX_M:
+            if (name not in names) if names else (name == "torch" and m > TORCH_MODEL_MAX_M):
                 continue
             try:
                 t_us = time_graph(call, [inputs], reps=10)

@@ -84,3 +84,15 @@ def test_a_slow_then_hung_call_is_reported_with_its_reproducer(soak, capsys):
     assert hung == [True]
     assert "slow call 4:" in out and "FAIL call 4: hung" in out and json.dumps(draw) in out
     assert out.strip().splitlines()[-1] == "soak: 5 calls, 1 failures"
+
+
+def test_a_stopped_watchdog_never_fires(soak, capsys):
+    """After the soak ends its watchdog stops: a process that goes on (a test session) is not ended by the last call."""
+    import time
+
+    hung = []
+    watchdog = soak.Watchdog(0.5, 1.0, "cpu", on_hang=lambda: hung.append(True))
+    watchdog.start(0, {"op": "mhc_fused_hc"}, 0, 0)
+    watchdog.stop()
+    time.sleep(2.5)
+    assert hung == [] and "hung" not in capsys.readouterr().out
