@@ -39,7 +39,7 @@ def _resolve(problem: Problem, backend: str, tactic):
     op, form = problem.op, problem.form
     name = "mhc_" + op
     if backend == "auto":
-        if op == "fused_hc" and form == "regular":
+        if form == "regular":  # the delayed seam runs the same kernels with a flag: the V4 seam's tuned pick
             backend, tactic = selector.SELECTOR.resolve(dev, problem.m, problem.hidden, problem.precision,
                                                         problem.norm_weight is not None)
         else:

@@ -175,9 +175,8 @@ def pick_auto(device: torch.device, m: int, hidden: int) -> str:
 
 
 def pick_auto_for(device: torch.device, m: int, hidden: int, op: str, form: str) -> str:
-    """``backend="auto"`` for an (op, form) other than mhc_fused_hc's regular one (no tuned table yet): Triton, whose
-    delayed seam and entry forms have passed the GPU suite on the H200 (2026-12-04); the CuTe paths' delayed seam is
-    chosen by name until its own GPU suite has run."""
+    """``backend="auto"`` for the entry forms of both seams (the CuTe paths have no kernels for them): Triton on a
+    GPU, else the reference."""
     if device.type == "cuda" and hidden % 64 == 0 and unavailable_reason("triton", device) is None:
         return "triton"
     return "torch"

@@ -328,12 +328,27 @@ def test_cute_paths_run_the_delayed_seam():
         assert b.entry_for("fused_hc_delayed", "no_post") is None
 
 
-def test_auto_on_a_gpu_takes_triton_for_the_delayed_seam_and_the_entry_forms(monkeypatch):
+def test_auto_takes_the_v4_seams_pick_for_the_delayed_seam_and_triton_for_the_entry_forms(monkeypatch):
+    """The delayed seam runs the V4 seam's kernels with a flag, so ``auto`` asks the V4 seam's selector (its tuned
+    table); the entry forms, which the CuTe paths do not implement, take Triton on a GPU."""
+    from mhc_cute import api, selector
+
+    asked = []
+
+    def resolve(dev, m, h, precision, norm):
+        asked.append((m, h, precision, norm))
+        return "half_fma", "half_fma:k80:t1:n6:w256:s1:b1:flat"
+
+    monkeypatch.setattr(selector.SELECTOR, "resolve", resolve)
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, d: None)
+    problem = problem_of(make_inputs(3, 5120, pre="carried", norm=True))
+    b, tactic = api._resolve(problem, "auto", None)
+    assert b is backends.BACKENDS["half_fma"] and tactic == "half_fma:k80:t1:n6:w256:s1:b1:flat"
+    assert asked == [(3, 5120, "fp32", True)]
     dev = torch.device("cuda", 0)
-    for form in ("regular", "no_post", "broadcast"):
+    for form in ("no_post", "broadcast"):
         assert {backends.pick_auto_for(dev, m, 5120, "fused_hc_delayed", form) for m in (1, 128, 8192)} == {"triton"}
-    assert backends.pick_auto_for(torch.device("cpu"), 1, 5120, "fused_hc_delayed", "regular") == "torch"
+    assert backends.pick_auto_for(torch.device("cpu"), 1, 5120, "fused_hc_delayed", "no_post") == "torch"
 
 
 @pytest.mark.parametrize("pre", [None, "carried"])
