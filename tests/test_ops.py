@@ -53,6 +53,19 @@ def test_triton_multi_tile_rows(op, h):
     _run_and_check(op, "triton", 2, h, op != "mhc_post", "cpu")
 
 
+@pytest.mark.parametrize("m,h,norm,split", [(1, 1088, True, (1, 5)), (2, 4160, False, (1, 17)),
+                                            (256, 320, True, (8, 2)), (300, 192, False, (8, 1))])
+def test_triton_head_splits(m, h, norm, split):
+    """The Triton head's two phases at each kind of split (``triton.ops.head_split``: tokens per program, H chunks):
+    one token over many chunks, blocks of tokens (the weight read once per block) over one or more; the partials are
+    summed in order."""
+    from mhc_cute.triton.ops import head_split
+
+    block_t, _, chunks = head_split(m, h)
+    assert (block_t, chunks) == split
+    _run_and_check("mhc_head", "triton", m, h, norm, "cpu")
+
+
 def test_check_in_row_chunks(monkeypatch):
     """The check of many rows runs in chunks (any M fits the float64 reference) and still finds a wrong row."""
     import mhc_cute.accuracy as acc
