@@ -247,7 +247,9 @@ def future_cases(attr: str, norm_applies: bool) -> Callable[[], list]:
             names = [b for b in ops.OP_BACKENDS[attr] if b != "torch"]
         else:
             names = [b for b in kernel_backends() if backends.BACKENDS[b].entry_for(attr.removeprefix("mhc_"))]
-        return [c for b in names + ["auto"] for c in checkerboard(attr, b, norm_applies)]
+        def runs_norm(b):  # a standalone op's backend that refuses norm_weight runs its grid without it
+            return b == "auto" or attr not in ops.OP_BACKENDS or ops.OP_BACKENDS[attr][b].fused_norm
+        return [c for b in names + ["auto"] for c in checkerboard(attr, b, norm_applies and runs_norm(b))]
     return cases
 
 
@@ -381,12 +383,19 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:200]
 
 
-def worker(names: list[str], check: bool, device: str = "cuda") -> int:
-    """Run ``names`` once each between markers (``parse_output``); stop after a fatal one."""
+def worker(names: list[str], check: bool, device: str = "cuda", case_timeout: float = 0) -> int:
+    """Run ``names`` once each between markers (``parse_output``); stop after a fatal one. A case still running
+    after ``case_timeout`` seconds (0: no limit) ends the process with every thread's Python stack printed
+    (``faulthandler``, which needs no GIL), so that a hang costs one case's time and shows where it waits."""
+    import faulthandler
+
     by_name = {c.name: c for c in all_cases()}
     for name in names:
         print(f"{BEGIN} {name}", flush=True)
+        if case_timeout > 0:
+            faulthandler.dump_traceback_later(case_timeout, exit=True, file=sys.stdout)
         status = run_case(by_name[name], check, device)
+        faulthandler.cancel_dump_traceback_later()
         print(f"{END} {name} {status}", flush=True)
         if status.startswith("fatal"):
             return FATAL_EXIT
@@ -403,15 +412,20 @@ _NOT_A_REPORT = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEA
                  "Error: process didn't terminate", "Saved host backtrace", "Program exited", "No ", "Note:")
 
 
+_STACK_HEAD = re.compile(r"^Timeout \(\d+:\d\d:\d\d\)!")  # faulthandler's line before the stacks
+
+
 class Parsed(NamedTuple):
     """What one sanitized process reported: the total of its ``ERROR SUMMARY`` lines (None when it printed none,
     i.e. it did not finish), racecheck warnings, the first line of each report per case (the case running or, between
-    cases, the one that ran last; ``None``: before any), and each case's status from the worker's markers."""
+    cases, the one that ran last; ``None``: before any), each case's status from the worker's markers, and the
+    Python stack of a case the worker's ``case_timeout`` ended (its innermost frames)."""
 
     errors: int | None
     warnings: int
     reports: dict
     statuses: dict
+    stacks: dict
 
 
 def parse_output(text: str) -> Parsed:
@@ -419,8 +433,19 @@ def parse_output(text: str) -> Parsed:
     errors, warnings = None, 0
     reports: dict = {}
     statuses: dict = {}
+    stacks: dict = {}
     current = None  # the case running, else the last one that ran (a report may come after its end marker)
+    stack = None  # the lines of a faulthandler dump being read
     for line in text.splitlines():
+        if _STACK_HEAD.match(line):
+            stack = stacks.setdefault(current, [])
+            statuses[current] = "timed out"
+            continue
+        if stack is not None:
+            if line.startswith(("Thread ", "Current thread ", "  File ")):
+                stack.append(line.strip())
+                continue
+            stack = None
         if line.startswith(BEGIN + " "):
             current = line[len(BEGIN) + 1:].strip()
             statuses[current] = "running"
@@ -441,7 +466,7 @@ def parse_output(text: str) -> Parsed:
             head = line[len(PREFIX):].strip()
             if not head.startswith(_NOT_A_REPORT):
                 reports.setdefault(current, []).append(head)
-    return Parsed(errors, warnings, reports, statuses)
+    return Parsed(errors, warnings, reports, statuses, stacks)
 
 
 # --- the parent -----------------------------------------------------------------------------------------------------
@@ -508,16 +533,31 @@ def run_bounded(cmd: list[str], env: dict, timeout: float) -> tuple[str, int | N
         return out or "", None, True
 
 
+def _innermost(stack: list[str], frames: int = 6) -> list[str]:
+    """The innermost ``frames`` frames of the main thread in a faulthandler dump (innermost first; threads newest
+    first, so the main thread is the last one, as the timer's dump names no current thread)."""
+    heads = [i for i, line in enumerate(stack) if line.startswith(("Thread ", "Current thread "))]
+    lines = stack[heads[-1] + 1:] if heads else stack
+    out = []
+    for line in lines:
+        if not line.startswith("File "):
+            break
+        out.append(line)
+    return out[:frames]
+
+
 class Runner:
     """Launches worker processes for (tool, cases) and collects per-case results, within a time budget."""
 
-    def __init__(self, sanitizer, chunk, timeout, budget, print_limit):
+    def __init__(self, sanitizer, chunk, timeout, budget, print_limit, case_timeout=0):
         self.sanitizer, self.chunk, self.timeout, self.print_limit = sanitizer, chunk, timeout, print_limit
+        self.case_timeout = case_timeout
         self.deadline = time.monotonic() + budget
         self.options = {}
 
     def command(self, tool: str | None, names: list[str]) -> list[str]:
-        worker_cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--cases", ",".join(names)]
+        worker_cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--cases", ",".join(names),
+                      "--case-timeout", str(self.case_timeout)]
         if tool is None:
             return worker_cmd + ["--check"]
         if tool not in self.options:
@@ -562,6 +602,8 @@ class Runner:
                     status = "hung" if hung else f"died (exit {rc})"
                 reports = parsed.reports.get(n, [])
                 results[n] = {"status": status, "errors": len(reports) if tool else None, "reports": reports[:5]}
+                if n in parsed.stacks:  # the main thread's innermost frames: where the case waited
+                    results[n]["stack"] = _innermost(parsed.stacks[n])
             if tool is not None:
                 # reports before the first case, and those the summary counts but the print limit kept back, are
                 # charged to the last case that printed one (the limit was reached there or after), else the last
@@ -618,6 +660,8 @@ def print_table(results: dict, names: list[str], tools: list[str]) -> tuple[int,
                 print(f"\n[{col}] {name}: {e['status']}, {e.get('errors')} reports")
                 for r in e.get("reports", []):
                     print(f"    {r}")
+                for frame in e.get("stack", []):
+                    print(f"    stack: {frame}")
     return findings, missing
 
 
@@ -632,6 +676,8 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="print one table from results files and exit")
     ap.add_argument("--budget", type=float, default=540, help="seconds: launch no process after this (default 540)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per process before it counts as hung")
+    ap.add_argument("--case-timeout", type=float, default=90,
+                    help="seconds one case may run before its process prints its stack and ends (0: no limit)")
     ap.add_argument("--chunk", type=int, default=64, help="cases per sanitized process")
     ap.add_argument("--print-limit", type=int, default=100, help="reports a sanitized process prints")
     ap.add_argument("--sanitizer", help="path of compute-sanitizer (default: PATH, then /usr/local/cuda/bin)")
@@ -650,7 +696,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
     if args.worker:
-        return worker(args.cases.split(","), args.check, args.device)
+        return worker(args.cases.split(","), args.check, args.device, args.case_timeout)
     tools = [t for t in args.tools.split(",") if t]
     if bad := [t for t in tools if t not in TOOLS]:
         ap.error(f"unknown tools {bad}; have {TOOLS}")
@@ -688,7 +734,8 @@ def main(argv=None) -> int:
     if sanitizer is None and tools:
         print("compute-sanitizer not found (give --sanitizer)", file=sys.stderr)
         return 2
-    runner = Runner(sanitizer, args.chunk, args.timeout, args.budget - (time.monotonic() - t0), args.print_limit)
+    runner = Runner(sanitizer, args.chunk, args.timeout, args.budget - (time.monotonic() - t0), args.print_limit,
+                    args.case_timeout)
     results = {}
     if not args.no_check:
         print(f"unsanitized pass: {len(cases)} cases", flush=True)

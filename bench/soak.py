@@ -36,6 +36,7 @@ import random
 import sys
 import threading
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -467,8 +468,13 @@ def label_delayed(d: dict) -> str:
 def draw_standalone(op: str) -> Callable[[random.Random, Env], dict]:
     from mhc_cute import ops
 
-    return lambda rng, env: _draw_call(rng, env, op, lambda rng: ({}, env.op_backends[op]),
-                                       lambda b: ops.OP_BACKENDS[op][b].h_multiple, seam=False)
+    def draw(rng: random.Random, env: Env) -> dict:
+        d = _draw_call(rng, env, op, lambda rng: ({}, env.op_backends[op]),
+                       lambda b: ops.OP_BACKENDS[op][b].h_multiple, seam=False)
+        if d["backend"] != "auto" and not ops.OP_BACKENDS[op][d["backend"]].fused_norm:
+            d["norm"] = None  # a backend that refuses norm_weight (ops.OpBackend.fused_norm)
+        return d
+    return draw
 
 
 def run_standalone(d: dict, env: Env) -> None:
@@ -555,6 +561,14 @@ def is_fatal(env: Env) -> bool:
         return True
 
 
+def _main_thread_stack(frames: int = 8) -> str:
+    """The main thread's innermost ``frames`` frames, indented (read from another thread)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "  (no stack)"
+    return "".join(traceback.format_stack(frame)[-frames:]).rstrip()
+
+
 class Watchdog:
     """Reports the call in flight (with its reproducer) once it has run ``slow_s`` seconds, and after ``hang_s``
     counts it as hung: prints the last line and ends the process with status 1 (a hang must not eat the run)."""
@@ -592,6 +606,7 @@ class Watchdog:
             if ran >= self.slow_s and reported != i:
                 reported = i
                 print(f"slow call {i}: {ran:.0f} s so far; python bench/soak.py {line}", flush=True)
+                print(_main_thread_stack(), flush=True)  # where it waits: compile, launch, synchronize
 
 
 def soak(seconds: float, seed: int, env: Env, ops: list[str], progress_s: float, hang_s: float = 600) -> int:

@@ -96,6 +96,10 @@ def test_gpu_backends(op, backend, m, h, norm):
         pytest.skip("mhc_post has no norm")
     if m * h > 100_003 * 4096:
         pytest.skip("inputs drawn on the host: the largest M at the two small H only (2^31 offsets: their own test)")
+    if norm and not ops.OP_BACKENDS[op][backend].fused_norm:
+        with pytest.raises(ValueError, match="norm_weight"):
+            _run_and_check(op, backend, m, h, norm, "cuda")
+        return
     _run_and_check(op, backend, m, h, norm, "cuda")
 
 
@@ -106,7 +110,31 @@ def test_gpu_past_2_31_elements(op):
     m, h = 75_000, 7168
     for backend in ops.available(op, torch.device("cuda")):
         if backend != "torch":
-            _run_and_check(op, backend, m, h, op != "mhc_post", "cuda")
+            _run_and_check(op, backend, m, h, op != "mhc_post" and ops.OP_BACKENDS[op][backend].fused_norm, "cuda")
+
+
+def test_a_backend_without_the_fused_norm(monkeypatch):
+    """A backend marked ``fused_norm=False``: ``auto`` passes over it when ``norm_weight`` is given, and a call by
+    name with ``norm_weight`` fails naming it (never runs)."""
+    torch_collapse = ops.OP_BACKENDS["mhc_collapse"]["torch"]
+    calls = []
+
+    def no_norm_collapse(*args):
+        calls.append(args[2] is None)
+        return ops._collapse_torch(*args)
+
+    monkeypatch.setattr(ops, "_no_norm_collapse", no_norm_collapse, raising=False)
+    monkeypatch.setitem(ops.OP_BACKENDS, "mhc_collapse", {
+        "plain": ops.OpBackend("mhc_cute.ops:_no_norm_collapse", "reference", fused_norm=False),
+        "torch": torch_collapse})
+    inputs = make_op_inputs("mhc_collapse", 3, 64, seed=5, norm=True)
+    with pytest.raises(ValueError, match="norm_weight"):
+        mhc_collapse(**inputs, backend="plain")
+    assert calls == []
+    assert torch.equal(mhc_collapse(**inputs, backend="auto"), mhc_collapse(**inputs, backend="torch"))
+    assert calls == []
+    mhc_collapse(inputs["residual"], inputs["pre_mix"], backend="plain")  # without the norm it runs
+    assert calls == [True]
 
 
 # --- the ops against the seams ------------------------------------------------------------------------------------

@@ -111,7 +111,7 @@ def test_parse_summary_forms(sanitize):
     beyond = ("========= ERROR SUMMARY: 250 errors\n"
               "========= ERROR SUMMARY: 150 errors were not printed. Use --print-limit option to adjust the number\n")
     assert sanitize.parse_output(beyond).errors == 250
-    assert sanitize.parse_output("@@sanitize-begin a\nKilled\n") == sanitize.Parsed(None, 0, {}, {"a": "running"})
+    assert sanitize.parse_output("@@sanitize-begin a\nKilled\n") == sanitize.Parsed(None, 0, {}, {"a": "running"}, {})
     race = ("========= Warning: Race reported between Write access at 0x10 in k\n"
             "=========     and Read access at 0x20 in k [4 hazards]\n"
             "========= RACECHECK SUMMARY: 1 hazard displayed (0 errors, 1 warning)\n"
@@ -225,3 +225,25 @@ def test_a_hung_process_and_its_children_are_killed_at_the_timeout(sanitize):
     out, rc, hung = sanitize.run_bounded([sys.executable, "-c", hang], dict(os.environ), timeout=3)
     assert hung and rc is None and "started" in out
     assert time.monotonic() - t0 < 30
+
+
+def test_a_case_past_its_timeout_ends_its_worker_with_the_stack(sanitize):
+    """A case that hangs (here a sleep standing in for a kernel that never finishes) ends its worker after
+    ``case_timeout`` with every thread's stack printed; the parent reads the case as timed out and keeps the
+    innermost frames of the main thread, which show where it waited."""
+    import time
+
+    code = ("import runpy, sys, time\n"
+            f"m = runpy.run_path({str(SCRIPT)!r})\n"
+            "case = m['Case']('mhc_collapse', 'torch', 1, 64, True)\n"
+            "def wait_for_the_gpu(): time.sleep(120)\n"
+            "m['worker'].__globals__['all_cases'] = lambda: [case]\n"
+            "m['worker'].__globals__['run_case'] = lambda *a: wait_for_the_gpu()\n"
+            "sys.exit(m['worker']([case.name], False, 'cpu', 2))\n")
+    t0 = time.monotonic()
+    out, rc, hung = sanitize.run_bounded([sys.executable, "-c", code], dict(os.environ), timeout=60)
+    assert not hung and rc != 0 and time.monotonic() - t0 < 50
+    parsed = sanitize.parse_output(out)
+    name = "mhc_collapse/torch/M1/H64/norm/fp32/default"
+    assert parsed.statuses == {name: "timed out"}
+    assert any("wait_for_the_gpu" in frame for frame in sanitize._innermost(parsed.stacks[name]))

@@ -83,6 +83,7 @@ def test_a_slow_then_hung_call_is_reported_with_its_reproducer(soak, capsys):
     out = capsys.readouterr().out
     assert hung == [True]
     assert "slow call 4:" in out and "FAIL call 4: hung" in out and json.dumps(draw) in out
+    assert "in test_a_slow_then_hung_call_is_reported_with_its_reproducer" in out  # the stack of the call in flight
     assert out.strip().splitlines()[-1] == "soak: 5 calls, 1 failures"
 
 
