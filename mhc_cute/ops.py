@@ -63,11 +63,30 @@ def available(op: str, device: torch.device) -> list[str]:
     return [n for n in OP_BACKENDS[op] if unavailable_reason(op, n, device) is None]
 
 
-def _resolve(op: str, backend: str, device: torch.device, hidden: int, norm: bool) -> OpBackend:
+# mhc_head's auto from this many tokens: the seam form (a no-post seam) beat the two-phase Triton head at M = 2048
+# and lost by 5% at M = 8192 on the H200 (H = 7168, 2026-12-04; bench/measured/h200_head_split_2026-12-04.txt)
+HEAD_SEAM_MIN_M = 1024
+
+
+def _auto_order(op: str, m: int) -> list[str]:
+    """The backends ``auto`` tries, in order: the table's order, but mhc_head's seam form first from
+    ``HEAD_SEAM_MIN_M`` tokens."""
+    names = list(OP_BACKENDS[op])
+    if op == "mhc_head" and m >= HEAD_SEAM_MIN_M:
+        names.remove("seam")
+        names.insert(0, "seam")
+    return names
+
+
+def _auto_may_take(op: str, name: str, device: torch.device, hidden: int, norm: bool) -> bool:
+    b = OP_BACKENDS[op][name]
+    return (unavailable_reason(op, name, device) is None and hidden % b.h_multiple == 0 and (b.fused_norm or not norm)
+            and (name == "torch" or device.type == "cuda"))
+
+
+def _resolve(op: str, backend: str, device: torch.device, hidden: int, norm: bool, m: int = 1) -> OpBackend:
     if backend == "auto":
-        backend = next(n for n, b in OP_BACKENDS[op].items() if unavailable_reason(op, n, device) is None
-                       and hidden % b.h_multiple == 0 and (b.fused_norm or not norm)
-                       and (n == "torch" or device.type == "cuda"))
+        backend = next(n for n in _auto_order(op, m) if _auto_may_take(op, n, device, hidden, norm))
     if backend not in OP_BACKENDS[op]:
         raise ValueError(f"{op}: unknown backend {backend!r}; available here: {['auto'] + available(op, device)}")
     why = unavailable_reason(op, backend, device)
@@ -93,7 +112,7 @@ def _dispatch(op: str, backend: str, device: torch.device, hidden: int, m: int, 
         return out
     at = _NORM_WEIGHT_AT.get(op)
     norm = at is not None and args[at] is not None
-    run = backends._load_entry(_resolve(op, backend, device, hidden, norm).entry)
+    run = backends._load_entry(_resolve(op, backend, device, hidden, norm, m).entry)
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
             run(*args, out)
