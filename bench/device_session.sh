@@ -38,7 +38,10 @@ echo "warm $(( $(date +%s) - t0 )) s"
 
 [ "${TEST_S:-240}" = 0 ] || {
 if [ -n "${TESTS:-}" ]; then sel="-m gpu $(cat "$TESTS")"; else sel="-m gpu tests"; fi
-timeout "${TEST_S:-240}" python -m pytest -q -p no:cacheprovider --tb=line -rfs ${PYTEST_ARGS:--n 8} $sel \
+# a test past 300 s prints its stacks and ends its worker (pytest-timeout, on the GPU image): a hang becomes a named
+# failure and the other workers go on
+timeout "${TEST_S:-240}" python -m pytest -q -p no:cacheprovider --tb=line -rfs \
+  ${PYTEST_ARGS:--n 8 --timeout 300 --timeout-method thread --durations 25} $sel \
   > "$OUT/tests.log" 2>&1
 echo "tests rc=$? $(( $(date +%s) - t0 )) s"; grep -E "passed|failed" "$OUT/tests.log" | tail -1
 grep -E "^FAILED|Error|assert" "$OUT/tests.log" | head -40
