@@ -325,7 +325,9 @@ def test_cute_paths_run_the_delayed_seam():
     for name in ("half_fma", "all_fma", "half_mma", "all_mma"):
         b = backends.BACKENDS[name]
         assert b.entry_for("fused_hc_delayed", "regular") == b.entry
-        assert b.entry_for("fused_hc_delayed", "no_post") is None
+        # without post on the FMA paths (paths E/F) only; the broadcast entry on none
+        assert (b.entry_for("fused_hc_delayed", "no_post") is not None) == (name in ("half_fma", "all_fma"))
+        assert b.entry_for("fused_hc_delayed", "broadcast") is None
 
 
 def test_auto_takes_the_v4_seams_pick_for_the_delayed_seam_and_triton_for_the_entry_forms(monkeypatch):
