@@ -12,7 +12,8 @@ same checkout (the file names carry a digest of the kernel sources and the CuTe 
 it): the GPU tests' default tactics over their grid (fp32 and tf32) and their explicit tactics (the big-fuse
 shapes, the warp-MMA tactics), the bench grid's defaults and the shipped tables' tactics, with and without the norm;
 and the delayed seam's (``mhc_fused_hc_delayed``: tests/test_delayed.py's GPU grid and the bench grid, carried and
-identity gates, with and without the norm; ``--delayed`` compiles only those). About 400 + 490 variants: 15-20
+identity gates, with and without the norm, and paths E/F's seams without post; ``--delayed`` compiles only
+those). About 400 + 490 variants: 15-20
 minutes on a 2-core CPU machine for the first, about as long again for the delayed ones (estimated from single
 compiles of 5-15 s); packed for the device (2-4 MB, more with the delayed ones):
 
@@ -29,16 +30,19 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def split_specs(pairs, norms, precisions, seams=(None,)):
+def split_specs(pairs, norms, precisions, seams=(None,), form="regular"):
     """(FMA specs, MMA specs) of (H, tactic) ``pairs``, each with every norm (and, for MMA, every precision) and
-    seam (None: ``mhc_fused_hc``; "carried" / "identity": the delayed seam's gates)."""
+    seam (None: ``mhc_fused_hc``; "carried" / "identity": the delayed seam's gates), in seam ``form`` ("regular",
+    or "no_post": the FMA paths only)."""
     from mhc_cute import tactics
 
     fma, mma = [], []
     for h, t in pairs:
+        if form != "regular" and t.path not in tactics.FMA_PATHS:
+            continue
         for norm in norms:
             for seam in seams:
-                tail = () if seam is None else (seam,)
+                tail = (seam, form) if form != "regular" else () if seam is None else (seam,)
                 if t.path in tactics.FMA_PATHS:
                     fma.append((t.name, h, norm, *tail))
                 else:
@@ -46,13 +50,13 @@ def split_specs(pairs, norms, precisions, seams=(None,)):
     return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
 
 
-def specs_for(backends, ms, hiddens, norms, precisions, sm_count, seams=(None,)):
+def specs_for(backends, ms, hiddens, norms, precisions, sm_count, seams=(None,), form="regular"):
     """The default tactics of these backends at these M and H."""
     from mhc_cute import tactics
 
     pairs = [(h, tactics.default_tactic(b, m, h, sm_count)) for h in hiddens for m in ms for b in backends
              if b in tactics.FMA_PATHS + tactics.MMA_PATHS]
-    return split_specs(pairs, norms, precisions, seams)
+    return split_specs(pairs, norms, precisions, seams, form)
 
 
 def delayed_session_specs(sm_count):
@@ -66,8 +70,12 @@ def delayed_session_specs(sm_count):
 
     ms = sorted(set(GPU_MS) | set(BENCH_MS) | {33, 4096})
     hiddens = sorted(set(GPU_HS) | {4096, 5120, 7168})
-    return specs_for(tactics.FMA_PATHS + tactics.MMA_PATHS, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count,
-                     ("carried", "identity"))
+    paths = tactics.FMA_PATHS + tactics.MMA_PATHS
+    fma, mma = specs_for(paths, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count, ("carried", "identity"))
+    # the seams without post on paths E and F (tests/test_delayed.py's no-post variants: V4's, and V4.1's carried)
+    no_post, _ = specs_for(tactics.FMA_PATHS, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count, (None, "carried"),
+                           "no_post")
+    return fma + no_post, mma
 
 
 def tune_specs(backends, ms, hiddens, norms, precisions, sm_count):

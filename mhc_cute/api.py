@@ -39,10 +39,11 @@ def _resolve(problem: Problem, backend: str, tactic):
     op, form = problem.op, problem.form
     name = "mhc_" + op
     if backend == "auto":
-        if form == "regular":  # the delayed seam runs the same kernels with a flag: the V4 seam's tuned pick
-            backend, tactic = selector.SELECTOR.resolve(dev, problem.m, problem.hidden, problem.precision,
-                                                        problem.norm_weight is not None)
-        else:
+        # the delayed seam and the no-post form run the same kernels with a flag: the V4 seam's tuned pick, where
+        # that backend has the form (the FMA paths run no-post seams, the tensor-core paths do not)
+        backend, tactic = selector.SELECTOR.resolve(dev, problem.m, problem.hidden, problem.precision,
+                                                    problem.norm_weight is not None)
+        if backend in backends.BACKENDS and backends.BACKENDS[backend].entry_for(op, form) is None:
             backend, tactic = backends.pick_auto_for(dev, problem.m, problem.hidden, op, form), None
     if backend not in backends.BACKENDS:
         raise ValueError(

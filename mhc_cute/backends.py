@@ -59,6 +59,11 @@ def _delayed_regular(entry: str) -> tuple:
     return ((("fused_hc_delayed", "regular"), entry),)
 
 
+def _delayed_and_no_post(entry: str) -> tuple:
+    """``entry`` for the delayed seam's regular form and both seams without post (compile-time flags too)."""
+    return _delayed_regular(entry) + tuple(((op, "no_post"), entry) for op in OPS)
+
+
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
@@ -69,10 +74,10 @@ BACKENDS: dict[str, Backend] = {
                 entries=_every_form("mhc_cute.triton.fused_hc:prepare")),
         Backend("half_fma", "mhc_cute.kernels.fma:prepare_half_fma", "cute",
                 "path E: CuTe DSL, FFMA projection + big-fuse kernel (2 launches)", 64,
-                entries=_delayed_regular("mhc_cute.kernels.fma:prepare_half_fma")),
+                entries=_delayed_and_no_post("mhc_cute.kernels.fma:prepare_half_fma")),
         Backend("all_fma", "mhc_cute.kernels.fma:prepare_all_fma", "cute",
                 "path F: CuTe DSL, FFMA projection, last-CTA big fuse (1 launch)", 64,
-                entries=_delayed_regular("mhc_cute.kernels.fma:prepare_all_fma")),
+                entries=_delayed_and_no_post("mhc_cute.kernels.fma:prepare_all_fma")),
         Backend("half_mma", "mhc_cute.kernels.mma:prepare_half_mma", "cute",
                 "path B: CuTe DSL, TF32 wgmma projection + big-fuse kernel (2 launches)", 64,
                 entries=_delayed_regular("mhc_cute.kernels.mma:prepare_half_mma")),
@@ -175,8 +180,8 @@ def pick_auto(device: torch.device, m: int, hidden: int) -> str:
 
 
 def pick_auto_for(device: torch.device, m: int, hidden: int, op: str, form: str) -> str:
-    """``backend="auto"`` for the entry forms of both seams (the CuTe paths have no kernels for them): Triton on a
-    GPU, else the reference."""
+    """``backend="auto"`` for an entry form where the V4 seam's tuned pick has no kernel for it (the broadcast entry;
+    no post past the FMA paths' M): Triton on a GPU, else the reference."""
     if device.type == "cuda" and hidden % 64 == 0 and unavailable_reason("triton", device) is None:
         return "triton"
     return "torch"

@@ -613,3 +613,63 @@ def test_compiled_kernels_are_keyed_by_the_seam(monkeypatch):
         assert len({id(f) for f in fns}) == 3
         p = spec_problem(512, "fp32", None, "carried")
         assert compiled(tactic, p, p.empty_outputs()) is fns[1]
+
+
+# --- the seams without post on paths E and F: residual_prev read as the streams, nothing written to residual_cur ---
+
+NO_POST_VARIANTS = [
+    ("half_fma:k112:t1:n6:w256:s1:b1:flat", 7168, "bfloat16", None),
+    ("half_fma:k64:t16:n12:w128:s1:b1:flat:mma:o1", 4096, None, "carried"),
+    ("all_fma:k8:t8:n6:w256:s1:b1:fbw", 512, "float32", None),
+    ("all_fma:k28:t8:n6:w256:s1:b1:fbw", 7168, None, "identity"),
+]
+
+
+@pytest.mark.parametrize("tactic, hidden, norm, seam", NO_POST_VARIANTS,
+                         ids=[f"{v[0].split(':')[0]}-{v[2]}-{v[3]}" for v in NO_POST_VARIANTS])
+def test_no_post_variants_compile(tactic, hidden, norm, seam):
+    from mhc_cute.kernels import fma, spec_problem
+
+    problem = spec_problem(hidden, "fp32", norm, seam, "no_post")
+    assert problem.form == "no_post" and problem.x is None
+    assert fma.compile_fma(tac.parse_tactic(tactic), problem, problem.empty_outputs()) is not None  # running needs a GPU
+
+
+def test_no_post_is_its_own_compiled_kernel(monkeypatch):
+    """A seam without post and the regular seam of one tactic are two compiled kernels (per seam flag)."""
+    from mhc_cute.kernels import KERNEL_CACHE_ENV, fma, spec_problem
+
+    monkeypatch.delenv(KERNEL_CACHE_ENV, raising=False)
+    monkeypatch.setattr(fma, "_compiled", type(fma._compiled)("test"))
+    monkeypatch.setattr(fma, "compile_fma", lambda tactic, problem, out: object())
+    tactic = tac.parse_tactic("half_fma:k8:t8:n6:w256:s1:b1:flat")
+    fns = [fma.compiled_fma(tactic, p, p.empty_outputs()) for seam in (None, "carried") for form in ("regular", "no_post")
+           for p in [spec_problem(512, "fp32", None, seam, form)]]
+    assert len({id(f) for f in fns}) == 4
+
+
+def test_the_fma_paths_run_the_seams_without_post():
+    from mhc_cute import backends
+
+    for name in ("half_fma", "all_fma"):
+        for op in ("fused_hc", "fused_hc_delayed"):
+            assert backends.BACKENDS[name].entry_for(op, "no_post") is not None
+        assert backends.BACKENDS[name].entry_for("fused_hc", "broadcast") is None
+    for name in ("half_mma", "all_mma"):
+        assert backends.BACKENDS[name].entry_for("fused_hc", "no_post") is None
+
+
+def test_a_launch_without_post_passes_residual_prev_as_residual_cur():
+    """The compiled call gets ``residual_prev`` where ``residual_cur`` goes (the big fuse collapses it), and the
+    regular form its own output buffer."""
+    from mhc_cute.kernels import KernelLaunch, spec_problem
+
+    tactic = tac.parse_tactic("half_fma:k8:t8:n6:w256:s1:b1:flat")
+    for form in ("regular", "no_post"):
+        problem = spec_problem(512, "fp32", None, None, form)
+        out = problem.empty_outputs()
+        calls = []
+        KernelLaunch(lambda *args: calls.append(args), problem, tactic, None)(problem.inputs, out)
+        (args,) = calls
+        assert args[8] is (problem.residual if form == "no_post" else out.residual_cur)
+        assert args[9:12] == tuple(out[1:4])

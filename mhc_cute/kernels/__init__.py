@@ -213,7 +213,7 @@ class KernelLaunch:
     calls the ``compiled`` kernels through TVM-FFI. ``inputs``: the flat problem's tensors (``Problem.inputs``,
     ``pre_mix`` last)."""
 
-    __slots__ = ("compiled", "device", "n_partials", "counters", "weight", "scalars", "delayed")
+    __slots__ = ("compiled", "device", "n_partials", "counters", "weight", "scalars", "delayed", "no_post")
 
     def __init__(self, compiled, problem, tactic, counters: int | None, weight=None):
         self.compiled, self.device = compiled, problem.residual.device
@@ -221,10 +221,12 @@ class KernelLaunch:
         self.counters, self.weight = counters, weight
         self.scalars = scalar_args(problem.scalars)
         self.delayed = problem.delayed
+        self.no_post = problem.form == "no_post"
 
     def __call__(self, inputs, out) -> None:
         before, after = self.arguments(inputs, out)
-        self.compiled(*before, *out[:4], *after)
+        # without a post residual_cur is residual_prev (the kernels read it there and write nothing)
+        self.compiled(*before, *((inputs[1], *out[1:4]) if self.no_post else out[:4]), *after)
 
     def arguments(self, inputs, out) -> tuple[tuple, tuple]:
         """The compiled call's arguments before the four outputs and after them, for ``inputs`` on the current
@@ -238,9 +240,9 @@ class KernelLaunch:
                          *seam, *self.scalars)
 
 
-def spec_problem(hidden: int, precision: str, norm: str | None, delayed: str | None = None):
-    """A one-token CPU ``Problem`` with the dtypes of a variant (``delayed``: as ``delayed_mode`` names it): enough
-    to compile it (no GPU needed)."""
+def spec_problem(hidden: int, precision: str, norm: str | None, delayed: str | None = None, form: str = "regular"):
+    """A one-token CPU ``Problem`` with the dtypes of a variant (``delayed``: as ``delayed_mode`` names it; ``form``:
+    "regular" or "no_post"): enough to compile it (no GPU needed)."""
     import torch
 
     from ..problem import Problem, Scalars
@@ -249,9 +251,11 @@ def spec_problem(hidden: int, precision: str, norm: str | None, delayed: str | N
     bf16 = torch.bfloat16
     norm_weight = None if norm is None else torch.empty(hidden, dtype=getattr(torch, norm.removeprefix("torch.")))
     pre_mix = torch.empty(1, HC_MULT) if delayed == "carried" else None
+    post = form == "regular"
     return Problem(
-        torch.empty(1, hidden, dtype=bf16), torch.empty(1, HC_MULT, hidden, dtype=bf16), torch.empty(1, HC_MULT),
-        torch.empty(1, HC_MULT, HC_MULT), torch.empty(N_MIXES, HC_MULT * hidden), torch.empty(3),
+        torch.empty(1, hidden, dtype=bf16) if post else None, torch.empty(1, HC_MULT, hidden, dtype=bf16),
+        torch.empty(1, HC_MULT) if post else None, torch.empty(1, HC_MULT, HC_MULT) if post else None,
+        torch.empty(N_MIXES, HC_MULT * hidden), torch.empty(3),
         torch.empty(N_MIXES), norm_weight, Scalars(), precision, pre_mix, delayed is not None,
     )
 

@@ -64,14 +64,16 @@ PRE_AT = HC_MULT + HC_MULT * HC_MULT  # the carried pre gates' place in a task's
 
 
 class FmaFusedHc:
-    """Paths E/F for one tactic, hidden size, norm flag and seam (``delayed``: None, or for the delayed seam
-    "carried" / "identity", ``kernels.delayed_mode``), all compile-time."""
+    """Paths E/F for one tactic, hidden size, norm flag, seam (``delayed``: None, or for the delayed seam
+    "carried" / "identity", ``kernels.delayed_mode``) and form (``no_post``: the seam without post, whose streams
+    are ``residual_prev`` itself, read and never written), all compile-time."""
 
-    def __init__(self, tactic: FmaTactic, hidden: int, norm_dtype, delayed: str | None = None):
+    def __init__(self, tactic: FmaTactic, hidden: int, norm_dtype, delayed: str | None = None, no_post: bool = False):
         tactic.check(hidden)
         self.tactic = tactic
         self.hidden = hidden
         self.delayed = delayed
+        self.no_post = no_post
         self.x1_norm = delayed is not None and norm_dtype is not None  # kernel 1 sums x1's squares
         self.tokens = tactic.tokens_per_cta
         self.threads = tactic.threads
@@ -134,11 +136,13 @@ class FmaFusedHc:
         norm_eps: Float32,
         stream,
     ):
-        m, h = x.shape[0], self.hidden
-        mX = cute.make_tensor(x.iterator, du.row_major(m, h))
+        m, h = (residual if self.no_post else x).shape[0], self.hidden
         mRes = cute.make_tensor(residual.iterator, du.row_major(m, HC_MULT * h))
-        mPost = cute.make_tensor(post_mix.iterator, du.row_major(m, HC_MULT))
-        mComb = cute.make_tensor(comb_mix.iterator, du.row_major(m, HC_MULT * HC_MULT))
+        mX, mPost, mComb = None, None, None  # no post: x, post_mix, comb_mix are None
+        if cutlass.const_expr(not self.no_post):
+            mX = cute.make_tensor(x.iterator, du.row_major(m, h))
+            mPost = cute.make_tensor(post_mix.iterator, du.row_major(m, HC_MULT))
+            mComb = cute.make_tensor(comb_mix.iterator, du.row_major(m, HC_MULT * HC_MULT))
         outs = flat_outputs(h, m, residual_cur, post_mix_cur, comb_mix_cur, layer_input)
         mPartials = partials_view(workspace, self.split_k, m)
         mPre, mPreOut = gate_rows(m, pre_mix), gate_rows(m, pre_mix_cur)
@@ -221,7 +225,7 @@ class FmaFusedHc:
         cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(self.fused):
             cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its own prologue
-        coefs = self.load_post_coefficients(m0, mPost, mComb, mPre)
+        coefs = self.load_post_coefficients(m0, mRes if self.no_post else mPost, mPost, mComb, mPre)
         for c in cutlass.range(self.n_chunks, unroll=1):
             if cutlass.const_expr(self.tactic.stages == 2):
                 next_weights = cute.make_rmem_tensor(self.w_shape, Float32)
@@ -278,20 +282,22 @@ class FmaFusedHc:
                     mCounters[block] = Int32(0)  # every CTA of the block has arrived: ready for the next call
 
     @cute.jit
-    def load_post_coefficients(self, m0: Int32, mPost: cute.Tensor, mComb: cute.Tensor, mPre):
-        """post[j] and comb[k][j] of the token of each post-map task this thread runs (20 fp32 per task), then
-        the carried pre gates (``mPre``, the delayed seam's "carried": 4 more at ``PRE_AT``)."""
+    def load_post_coefficients(self, m0: Int32, mTokens: cute.Tensor, mPost, mComb, mPre):
+        """post[j] and comb[k][j] of the token of each post-map task this thread runs (20 fp32 per task; none
+        without a post), then the carried pre gates (``mPre``, the delayed seam's "carried": 4 more at ``PRE_AT``).
+        ``mTokens``: a row-per-token input (its rows are the tokens)."""
         tidx, _, _ = cute.arch.thread_idx()
-        m_last = mPost.shape[0] - 1
+        m_last = mTokens.shape[0] - 1
         n_coef = PRE_AT + (HC_MULT if mPre is not None else 0)
         coefs = cute.make_rmem_tensor((self.post_rounds, n_coef), Float32)
         for r in cutlass.range_constexpr(self.post_rounds):
             task = tidx + r * self.threads
             m = cutlass.min(m0 + task // self.octets, m_last)  # clamped: the tail tasks' values are unused
-            for j in cutlass.range_constexpr(HC_MULT):
-                coefs[r, j] = mPost[m, j]
-            for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
-                coefs[r, HC_MULT + i] = mComb[m, i]
+            if cutlass.const_expr(not self.no_post):
+                for j in cutlass.range_constexpr(HC_MULT):
+                    coefs[r, j] = mPost[m, j]
+                for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
+                    coefs[r, HC_MULT + i] = mComb[m, i]
             if cutlass.const_expr(mPre is not None):
                 for j in cutlass.range_constexpr(HC_MULT):
                     coefs[r, PRE_AT + j] = mPre[m, j]
@@ -350,23 +356,25 @@ class FmaFusedHc:
     @cute.jit
     def post_map(self, m0: Int32, h0: Int32, coefs: cute.Tensor, mX, mRes, mResCur, sAct: cute.Tensor, mLayerIn,
                  x1_sumsq):
-        """SPEC step 1 for the ``burst`` chunks at h0: residual_cur to global memory, fp32 values to ``sAct``;
-        the delayed seam's collapse ``x1`` of the rounded streams to ``layer_input`` (``collapse_carried``), and
-        with the norm its squares added to the task's ``x1_sumsq``.
+        """SPEC step 1 for the ``burst`` chunks at h0: residual_cur to global memory, fp32 values to ``sAct``
+        (without a post: residual_prev's values, nothing stored); the delayed seam's collapse ``x1`` of the rounded
+        streams to ``layer_input`` (``collapse_carried``), and with the norm its squares added to the task's
+        ``x1_sumsq``.
 
         Every task's loads are issued first, unconditionally (token and task clamped to valid ones), and a warp
         barrier follows them: otherwise ptxas issued two of the four residual loads only after computing with
         the first two, which cost a second memory round trip on the critical path at small M (seen in the SASS).
         """
         tidx, _, _ = cute.arch.thread_idx()
-        m_total = mX.shape[0]
+        m_total = (mRes if self.no_post else mX).shape[0]
         octets_h = self.hidden // du.VEC_BF16
         raw = cute.make_rmem_tensor(du.row_major(self.post_rounds, 1 + HC_MULT, du.VEC_BF16), BFloat16)
         for r in cutlass.range_constexpr(self.post_rounds):
             task = cutlass.min(tidx + r * self.threads, self.post_tasks - 1)
             m = cutlass.min(m0 + task // self.octets, m_total - 1)
             vec = h0 // du.VEC_BF16 + task % self.octets  # index of this 8-vector within a stream row
-            cute.autovec_copy(cute.local_tile(du.token_row(mX, m), (du.VEC_BF16,), (vec,)), raw[r, 0, None])
+            if cutlass.const_expr(not self.no_post):
+                cute.autovec_copy(cute.local_tile(du.token_row(mX, m), (du.VEC_BF16,), (vec,)), raw[r, 0, None])
             for k in cutlass.range_constexpr(HC_MULT):
                 src = cute.local_tile(du.token_row(mRes, m), (du.VEC_BF16,), (k * octets_h + vec,))
                 cute.autovec_copy(src, raw[r, 1 + k, None])
@@ -378,17 +386,22 @@ class FmaFusedHc:
                 m = m0 + t
                 if m < m_total:
                     vec = h0 // du.VEC_BF16 + o
-                    row_out = du.token_row(mResCur, m)
-                    xv = raw[r, 0, None].load().to(Float32)
+                    if cutlass.const_expr(not self.no_post):
+                        row_out = du.token_row(mResCur, m)
+                        xv = raw[r, 0, None].load().to(Float32)
                     res = [raw[r, 1 + k, None].load().to(Float32) for k in range(HC_MULT)]
                     streams = []
                     for j in cutlass.range_constexpr(HC_MULT):
-                        out = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
-                        comb_col = [coefs[r, HC_MULT + HC_MULT * k + j] for k in range(HC_MULT)]
-                        for e in cutlass.range_constexpr(du.VEC_BF16):
-                            out[e] = du.post_element(coefs[r, j], xv[e], comb_col, [res[k][e] for k in range(HC_MULT)])
-                        rounded = du.store_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (j * octets_h + vec,)),
-                                                  out.load())
+                        if cutlass.const_expr(self.no_post):
+                            rounded = res[j]  # bf16 values, exact in fp32
+                        else:
+                            out = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
+                            comb_col = [coefs[r, HC_MULT + HC_MULT * k + j] for k in range(HC_MULT)]
+                            for e in cutlass.range_constexpr(du.VEC_BF16):
+                                out[e] = du.post_element(coefs[r, j], xv[e], comb_col,
+                                                         [res[k][e] for k in range(HC_MULT)])
+                            rounded = du.store_bf16x8(
+                                cute.local_tile(row_out, (du.VEC_BF16,), (j * octets_h + vec,)), out.load())
                         cute.local_tile(sAct[t, j, None], (du.VEC_BF16,), (o,)).store(rounded)
                         streams.append(rounded)
                     if cutlass.const_expr(self.delayed is not None):
@@ -500,17 +513,21 @@ def compiled_fma(tactic: FmaTactic, problem, out):
     key = (tactic, problem.hidden, norm)
     if problem.delayed:  # mhc_fused_hc's keys (and persisted file names) stay as they were
         key += (delayed_mode(problem),)
+    if problem.form == "no_post":
+        key += ("no_post",)
     return _compiled.get(key, lambda: compile_fma(tactic, problem, out))
 
 
 def compile_fma(tactic: FmaTactic, problem, out, kernel_class=None):
     """Compile paths E/F for ``tactic`` against fake tensors shaped like ``problem`` and ``out``; ``kernel_class``:
     ``FmaFusedHc`` or a subclass (``bench/probes/probe_fma_phases.py``'s variants)."""
+    no_post = problem.form == "no_post"
     kernel = (kernel_class or FmaFusedHc)(tactic, problem.hidden, norm_dtype_of(problem.norm_weight),
-                                          delayed_mode(problem))
+                                          delayed_mode(problem), no_post)
     m = cute.sym_int()
     token_tensors = fake_tensors(problem.x, problem.residual, problem.post_mix, problem.comb_mix, tokens=m)
-    outputs = fake_tensors(*out[:4], tokens=m)
+    # without a post the big fuse collapses residual_prev, passed where residual_cur goes (``KernelLaunch``)
+    outputs = fake_tensors(problem.residual if no_post else out[0], *out[1:4], tokens=m)
     fn, norm_weight = fake_tensors(problem.fn, problem.norm_weight)
     scale, base = fake_tensors(problem.hc_scale, problem.hc_base, align=4)  # read as scalars
     counters = fake_buffer(Int32) if tactic.path == "all_fma" else None
@@ -531,24 +548,25 @@ def _prepare(path: str, problem, tactic, out):
 
 def prepare_half_fma(problem, tactic, out):
     """Path E: projection kernel + standalone big-fuse kernel (two launches in one compiled call); both seams
-    (``mhc_fused_hc``, ``mhc_fused_hc_delayed``), regular form."""
+    (``mhc_fused_hc``, ``mhc_fused_hc_delayed``), regular form and without post."""
     return _prepare("half_fma", problem, tactic, out)
 
 
 def prepare_all_fma(problem, tactic, out):
-    """Path F: one launch; the last CTA of each token block runs the big fuse for it. Both seams, regular form."""
+    """Path F: one launch; the last CTA of each token block runs the big fuse for it. Both seams, regular form and
+    without post."""
     return _prepare("all_fma", problem, tactic, out)
 
 
 def _compile_spec(spec) -> str:
-    """Process-pool worker of ``precompile``: compile (and persist) one (tactic name, H, norm dtype[, seam])."""
-    name, hidden, norm, *delayed = spec
-    problem = spec_problem(hidden, "fp32", norm, *delayed)
+    """Process-pool worker of ``precompile``: compile (and persist) one (tactic name, H, norm dtype[, seam[, form]])."""
+    name, hidden, norm, *seam = spec
+    problem = spec_problem(hidden, "fp32", norm, *seam)
     compiled_fma(tac.parse_tactic(name), problem, problem.empty_outputs())
     return name
 
 
 def precompile(specs, processes: int | None = None) -> list[str]:
-    """Compile (tactic name, H, norm dtype name or None[, seam: ``delayed_mode``'s "carried" / "identity"])
-    variants in parallel worker processes."""
+    """Compile (tactic name, H, norm dtype name or None[, seam: ``delayed_mode``'s "carried" / "identity" or None[,
+    form: "regular" / "no_post"]]) variants in parallel worker processes."""
     return compile_in_processes(_compile_spec, specs, processes)
