@@ -244,6 +244,14 @@ def sum_squares(v) -> Float32:
     return sq
 
 
+@dsl_user_op
+def tf32_rn(x: Float32, *, loc=None, ip=None) -> Int32:
+    """The bits of ``x`` rounded to the nearest TF32 value, ties to even (``cvt.rn.tf32.f32``, sm_90): one
+    instruction, NaN stays NaN and infinity infinity."""
+    return Int32(nvvm.convert_float_to_tf32(Float32(x).ir_value(loc=loc, ip=ip), rnd=nvvm.FPRoundingMode.RN,
+                                            loc=loc, ip=ip))
+
+
 @cute.jit
 def round_tf32(t: cute.Tensor):
     """Round every fp32 element of the register tensor ``t`` to the nearest TF32 value (10 explicit mantissa
@@ -251,10 +259,7 @@ def round_tf32(t: cute.Tensor):
     operand's top 19 bits, so a value passed unrounded would be truncated."""
     bits = cute.recast_tensor(t, Int32)
     for i in cutlass.range_constexpr(cute.size(t)):
-        b = bits[i]
-        rounded = (b + 0xFFF + ((b >> 13) & 1)) & -0x2000
-        # a NaN stays a NaN (the rounding carry would make an infinity or a zero of its payload)
-        bits[i] = Int32(cutlass.select_((b & 0x7FFFFFFF) > 0x7F800000, Int32(0x7FC00000), rounded))
+        bits[i] = tf32_rn(t[i])
 
 
 @cute.jit
