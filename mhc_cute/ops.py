@@ -84,7 +84,7 @@ def _auto_may_take(op: str, name: str, device: torch.device, hidden: int, norm: 
             and (name == "torch" or device.type == "cuda"))
 
 
-def _resolve(op: str, backend: str, device: torch.device, hidden: int, norm: bool, m: int = 1) -> OpBackend:
+def _resolve(op: str, backend: str, device: torch.device, hidden: int, norm: bool, m: int) -> OpBackend:
     if backend == "auto":
         backend = next(n for n in _auto_order(op, m) if _auto_may_take(op, n, device, hidden, norm))
     if backend not in OP_BACKENDS[op]:
