@@ -48,7 +48,7 @@ mkdir -p /tmp/san; pids=
 for tool in memcheck synccheck racecheck initcheck; do for sh in 1 2 3; do
   chk=--no-check; [ "$tool$sh" = memcheck1 ] && chk=
   python bench/sanitize.py --tools $tool --shard $sh/3 --no-precompile $chk --budget $(( SAN_S - 40 )) \
-    --case-timeout 90 --timeout 240 --json /tmp/san/${tool}_$sh.json > /tmp/san/${tool}_$sh.txt 2>&1 &
+    --case-timeout 150 --timeout $(( SAN_S - 40 )) --json /tmp/san/${tool}_$sh.json > /tmp/san/${tool}_$sh.txt 2>&1 &
   pids="$pids $!"
 done; done
 wait $pids
