@@ -5,7 +5,9 @@
 # the GPU tests listed in $TESTS (pytest node ids or files, one per line; default: every gpu test) in 8 xdist workers
 # ($PYTEST_ARGS; at most three large-M tests at once, tests/conftest.py), then `mhc-cute bench`.
 # Everything is logged under $OUT. Each stage has its own time limit (WARM_S, TEST_S, BENCH_S seconds; 0 skips the
-# stage) so that one slow stage cannot eat the rest.
+# stage) so that one slow stage cannot eat the rest. Off unless given a time: PROBE_S (the collapse hang probe),
+# SAN_S (the sanitizer sweep, 4 tools x 3 shards at once), SOAK_S (the soak; with SOAK_BG=1 it runs on past this call,
+# which a 10-minute soak needs, and a later call's SOAK_WAIT_S collects it).
 #
 # Where one command is limited to 10 minutes, run the tests and the bench as separate calls while the machine stays
 # warm (the peers staged in between). The suite has grown past one call (3633 tests; with -n 8 it reached 83% in
@@ -35,6 +37,41 @@ bench_triton.precompile(jobs, 16)
 EOF_PY
 }
 echo "warm $(( $(date +%s) - t0 )) s"
+
+[ "${PROBE_S:-0}" = 0 ] || {  # where the CuTe collapse with the norm hangs (bench/probes/probe_collapse_hang.py)
+timeout "${PROBE_S}" python bench/probes/probe_collapse_hang.py --timeout 20 > "$OUT/probe_collapse.txt" 2>&1
+echo "probe rc=$? $(( $(date +%s) - t0 )) s"; cat "$OUT/probe_collapse.txt" | grep -v "^    " | head -12
+}
+
+[ "${SAN_S:-0}" = 0 ] || {  # every tool in 3 shards at once, one JSON per process, then one merged table
+mkdir -p /tmp/san; pids=
+for tool in memcheck synccheck racecheck initcheck; do for sh in 1 2 3; do
+  chk=--no-check; [ "$tool$sh" = memcheck1 ] && chk=
+  python bench/sanitize.py --tools $tool --shard $sh/3 --no-precompile $chk --budget $(( SAN_S - 40 )) \
+    --case-timeout 150 --timeout $(( SAN_S - 40 )) --json /tmp/san/${tool}_$sh.json > /tmp/san/${tool}_$sh.txt 2>&1 &
+  pids="$pids $!"
+done; done
+wait $pids
+python bench/sanitize.py --merge /tmp/san/*.json > "$OUT/sanitize.txt" 2>&1
+echo "sanitize rc=$? $(( $(date +%s) - t0 )) s"; tail -3 "$OUT/sanitize.txt"
+tar -C /tmp -czf "$OUT/sanitize_logs.tgz" san
+}
+
+[ "${SOAK_S:-0}" = 0 ] || {  # the soak; SOAK_BG=1: in a process session of its own, which outlives this call
+soak="python bench/soak.py --seconds $SOAK_S --seed ${SOAK_SEED:-21} --progress 60"
+if [ "${SOAK_BG:-0}" = 1 ]; then
+  rm -f /tmp/soak.txt; setsid nohup bash -c "$soak > /tmp/soak.txt 2>&1; echo soak-rc=\$? >> /tmp/soak.txt" \
+    < /dev/null > /dev/null 2>&1 &
+  echo "soak started in the background ($SOAK_S s): collect it with SOAK_WAIT_S in a later call on this machine"
+else
+  $soak > "$OUT/soak.txt" 2>&1; echo "soak rc=$? $(( $(date +%s) - t0 )) s"; grep -E "^FAIL|^soak:" "$OUT/soak.txt" | tail -4
+fi
+}
+
+[ "${SOAK_WAIT_S:-0}" = 0 ] || {  # a background soak's end (at most SOAK_WAIT_S seconds), its log to $OUT
+for _ in $(seq "$SOAK_WAIT_S"); do grep -q "^soak-rc=" /tmp/soak.txt 2>/dev/null && break; sleep 1; done
+cp /tmp/soak.txt "$OUT/soak.txt"; grep -E "^FAIL|^soak:|^soak-rc" "$OUT/soak.txt" | tail -4
+}
 
 [ "${TEST_S:-240}" = 0 ] || {
 if [ -n "${TESTS:-}" ]; then sel="-m gpu $(cat "$TESTS")"; else sel="-m gpu tests"; fi

@@ -682,7 +682,7 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="print one table from results files and exit")
     ap.add_argument("--budget", type=float, default=540, help="seconds: launch no process after this (default 540)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per process before it counts as hung")
-    ap.add_argument("--case-timeout", type=float, default=90,
+    ap.add_argument("--case-timeout", type=float, default=150,
                     help="seconds one case may run before its process prints its stack and ends (0: no limit)")
     ap.add_argument("--chunk", type=int, default=64, help="cases per sanitized process")
     ap.add_argument("--print-limit", type=int, default=100, help="reports a sanitized process prints")

@@ -68,14 +68,12 @@ def available(op: str, device: torch.device) -> list[str]:
 HEAD_SEAM_MIN_M = 1024
 
 
-def _auto_order(op: str, m: int) -> list[str]:
+def _auto_order(op: str, m: int):
     """The backends ``auto`` tries, in order: the table's order, but mhc_head's seam form first from
     ``HEAD_SEAM_MIN_M`` tokens."""
-    names = list(OP_BACKENDS[op])
     if op == "mhc_head" and m >= HEAD_SEAM_MIN_M:
-        names.remove("seam")
-        names.insert(0, "seam")
-    return names
+        return ("seam", *(n for n in OP_BACKENDS[op] if n != "seam"))
+    return OP_BACKENDS[op]
 
 
 def _auto_may_take(op: str, name: str, device: torch.device, hidden: int, norm: bool) -> bool:
@@ -84,7 +82,7 @@ def _auto_may_take(op: str, name: str, device: torch.device, hidden: int, norm: 
             and (name == "torch" or device.type == "cuda"))
 
 
-def _resolve(op: str, backend: str, device: torch.device, hidden: int, norm: bool, m: int = 1) -> OpBackend:
+def _resolve(op: str, backend: str, device: torch.device, hidden: int, norm: bool, m: int) -> OpBackend:
     if backend == "auto":
         backend = next(n for n in _auto_order(op, m) if _auto_may_take(op, n, device, hidden, norm))
     if backend not in OP_BACKENDS[op]:

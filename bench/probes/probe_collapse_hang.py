@@ -32,7 +32,9 @@ def step(name: str) -> None:
 
 
 def probe_kernel_class():
-    """``CollapseKernel`` with the toggles of the variants (its kernel body, each piece switchable)."""
+    """``CollapseKernel`` with the variants' toggles: its kernel body as shipped, the launch without PDL
+    (``pdl=False``), the norm weight read in the second pass (``prefetch=False``: the phase's own switch), each warp
+    normalising by its own sum (``reduce=False``: the phase's CTA reduction replaced on this instance)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32
@@ -44,44 +46,21 @@ def probe_kernel_class():
     class ProbeCollapse(CollapseKernel):
         def __init__(self, hidden, norm_dtype, pdl=True, prefetch=True, reduce=True):
             super().__init__(hidden, norm_dtype)
-            self.pdl, self.reduce = pdl, reduce
+            self.pdl = pdl
             self.phase.prefetch_norm = self.phase.prefetch_norm and prefetch
+            if not reduce:
+                self.phase.group_sum = lambda val, scratch, group: du.warp_sum(val)
 
         @cute.jit
         def __call__(self, residual: cute.Tensor, pre_mix: cute.Tensor, norm_weight, out: cute.Tensor,
                      rms_eps: Float32, hc_pre_eps: Float32, hc_sinkhorn_eps: Float32, hc_post_mult_value: Float32,
                      sinkhorn_repeat: cutlass.Int32, norm_eps: Float32, stream):
-            m, h = residual.shape[0], self.hidden
-            mRes = cute.make_tensor(residual.iterator, du.row_major(m, HC_MULT * h))
-            mPre = cute.make_tensor(pre_mix.iterator, du.row_major(m, HC_MULT))
-            mOut = cute.make_tensor(out.iterator, du.row_major(m, h))
-            self.kernel(mRes, mPre, norm_weight, mOut, norm_eps).launch(
+            # the shipped launch but for ``use_pdl`` (the kernel's griddepcontrol instructions do nothing without it)
+            m = residual.shape[0]
+            self.kernel(cute.make_tensor(residual.iterator, du.row_major(m, HC_MULT * self.hidden)),
+                        cute.make_tensor(pre_mix.iterator, du.row_major(m, HC_MULT)), norm_weight,
+                        cute.make_tensor(out.iterator, du.row_major(m, self.hidden)), norm_eps).launch(
                 grid=[m, 1, 1], block=[self.phase.threads, 1, 1], stream=stream, use_pdl=self.pdl)
-
-        @cute.kernel
-        def kernel(self, mRes: cute.Tensor, mPre: cute.Tensor, mNormW, mOut: cute.Tensor, norm_eps: Float32):
-            phase = self.phase
-            tidx, _, _ = cute.arch.thread_idx()
-            m, _, _ = cute.arch.block_idx()
-            smem = cutlass.memory.SmemAllocator()
-            scratch = smem.allocate_tensor(Float32, du.row_major(phase.warps), 16)
-            norm_w = phase.load_norm_weights(mNormW) if cutlass.const_expr(phase.prefetch_norm) else None
-            if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_wait()
-                cute.arch.griddepcontrol_launch_dependents()
-            row_res, row_out = du.token_row(mRes, m), du.token_row(mOut, m)
-            batches = [phase.load_batch(b, tidx, row_res) for b in range(phase.batches)]
-            pre = [mPre[m, j] for j in range(HC_MULT)]
-            rounded = cute.make_rmem_tensor((phase.slots if phase.keep_rounded else 1, du.VEC_BF16), Float32)
-            sumsq = Float32(0.0)
-            valid = m < mOut.shape[0]
-            for b in cutlass.range_constexpr(phase.batches):
-                sumsq = phase.collapse_batch(b, tidx, valid, batches[b], pre, row_out, rounded, sumsq)
-            if cutlass.const_expr(self.norm_dtype is not None):
-                total = phase.group_sum(sumsq, scratch, 0) if cutlass.const_expr(self.reduce) else du.warp_sum(sumsq)
-                r_norm = du.rsqrt(total * Float32(1.0 / self.hidden) + norm_eps)
-                for b in cutlass.range_constexpr(phase.batches):
-                    phase.normalise_batch(b, tidx, r_norm, mNormW, row_out, rounded, norm_w)
 
     return ProbeCollapse
 
