@@ -46,7 +46,7 @@ echo "probe rc=$? $(( $(date +%s) - t0 )) s"; cat "$OUT/probe_collapse.txt" | gr
 [ "${SAN_S:-0}" = 0 ] || {  # every tool in 3 shards at once, one JSON per process, then one merged table
 mkdir -p /tmp/san; pids=
 for tool in memcheck synccheck racecheck initcheck; do for sh in 1 2 3; do
-  chk=--no-check; [ "$tool$sh" = memcheck1 ] && chk=
+  chk=--no-check; [ "$tool" = memcheck ] && chk=  # the unsanitized check of every case, once
   python bench/sanitize.py --tools $tool --shard $sh/3 --no-precompile $chk --budget $(( SAN_S - 40 )) \
     --case-timeout 150 --timeout $(( SAN_S - 40 )) --json /tmp/san/${tool}_$sh.json > /tmp/san/${tool}_$sh.txt 2>&1 &
   pids="$pids $!"

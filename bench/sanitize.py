@@ -412,7 +412,7 @@ def worker(names: list[str], check: bool, device: str = "cuda", case_timeout: fl
 
 PREFIX = "========= "
 _SUMMARY = re.compile(r"^========= ERROR SUMMARY: (\d+) errors?\b(?! were)")
-_RACE_SUMMARY = re.compile(r"^========= RACECHECK SUMMARY: \d+ hazards? displayed \(\d+ errors?, (\d+) warnings?\)")
+_RACE_SUMMARY = re.compile(r"^========= RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
 # sanitizer lines that are not the first line of a report
 _NOT_A_REPORT = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY", "Target application",
                  "Error: process didn't terminate", "Saved host backtrace", "Program exited", "No ", "Note:")
@@ -436,7 +436,7 @@ class Parsed(NamedTuple):
 
 def parse_output(text: str) -> Parsed:
     """Parse the merged stdout/stderr of a ``compute-sanitizer ... --worker`` process."""
-    errors, warnings = None, 0
+    errors, race_errors, warnings = None, None, 0
     reports: dict = {}
     statuses: dict = {}
     stacks: dict = {}
@@ -466,13 +466,15 @@ def parse_output(text: str) -> Parsed:
             continue
         m = _RACE_SUMMARY.match(line)
         if m:
-            warnings += int(m.group(1))
+            race_errors = (race_errors or 0) + int(m.group(1))
+            warnings += int(m.group(2))
             continue
         if line.startswith(PREFIX) and len(line) > len(PREFIX) and not line[len(PREFIX)].isspace():
             head = line[len(PREFIX):].strip()
             if not head.startswith(_NOT_A_REPORT):
                 reports.setdefault(current, []).append(head)
-    return Parsed(errors, warnings, reports, statuses, stacks)
+    # racecheck (2025.3) ends with its own summary only
+    return Parsed(race_errors if errors is None else errors, warnings, reports, statuses, stacks)
 
 
 # --- the parent -----------------------------------------------------------------------------------------------------

@@ -362,7 +362,7 @@ def host_floor_call(s: dict, backend: str = "auto", precision: str = "fp32") -> 
 
     with torch.inference_mode():
         problem = problem_of(s, precision)
-        m, h, dev = problem.m, problem.hidden, problem.x.device
+        m, h, dev = problem.m, problem.hidden, problem.residual.device
         launch = prepared_launch(problem, backend, None, problem.empty_outputs())
         bf16, f32 = torch.bfloat16, torch.float32
         if isinstance(launch, KernelLaunch):

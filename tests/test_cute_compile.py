@@ -534,6 +534,80 @@ def test_big_fuse_barriers_count_the_threads_that_reach_them(tmp_path, cuobjdump
                                                               f"BAR.SYNC.DEFER_BLOCKING 0x2, {hex(threads)} ;"]
 
 
+def lane_divergent_collectives(ptx: str) -> list:
+    """Warp- or CTA-collective instructions (``shfl.sync``, ``vote.sync``, ``bar.sync``, ...) that PTX reaches only
+    on a branch taken by some lanes of a warp: the code after ``@p bra L`` up to ``L``, where ``p`` compares the lane
+    index (``%laneid``, or ``%tid.x`` & 31). Such an instruction waits for lanes that never come (a hang: the CuTe
+    collapse with the norm, 2026-12-04, on ``cute.arch.warp_idx()``, itself a shuffle, under ``lane == 0``)."""
+    lane_regs, lane_preds, found = set(), set(), []
+    lines = [line.strip() for line in ptx.splitlines()]
+    for i, line in enumerate(lines):
+        if m := re.match(r"mov\.u32\s+(%r\d+),\s*%laneid;", line):
+            lane_regs.add(m[1])
+        elif m := re.match(r"and\.b32\s+(%r\d+),\s*%r\d+,\s*31;", line):
+            lane_regs.add(m[1])  # tid & 31 (conservative: any value masked to a lane index)
+        elif (m := re.match(r"setp\.\w+\.[a-z]+\d+\s+(%p\d+),\s*(%r\d+),\s*(%r\d+|-?\d+);", line)) and (
+                m[2] in lane_regs or m[3] in lane_regs):
+            lane_preds.add(m[1])
+        elif (m := re.match(r"@!?(%p\d+)\s+bra(?:\.uni)?\s+(\$\w+);", line)) and m[1] in lane_preds:
+            end = lines.index(f"{m[2]}:", i)
+            found += [f"{m[1]} -> {m[2]}: {inner}" for inner in lines[i + 1:end]
+                      if re.match(r"(shfl|vote|match|redux|bar\.warp|bar|barrier)\.(\S*\.)?sync", inner)]
+    return found
+
+
+def test_lane_divergent_collectives_finds_a_shuffle_under_the_lane_test():
+    ptx = """
+	mov.u32 	%r386, %laneid;
+	setp.ne.b32 	%p2, %r386, 0;
+	@%p2 bra 	$L__BB0_10;
+	shr.u32 	%r388, %r387, 5;
+	shfl.sync.idx.b32 	%r389, %r388, 0, 31, -1;
+	st.shared.b32 	[%r391], %r72;
+$L__BB0_10:
+	bar.sync 	0;
+"""
+    assert lane_divergent_collectives(ptx) == ["%p2 -> $L__BB0_10: shfl.sync.idx.b32 	%r389, %r388, 0, 31, -1;"]
+    assert lane_divergent_collectives(ptx.replace("%laneid", "%tid.x")) == []
+
+
+_COMPILE_FOR_PTX = """
+import sys
+from mhc_cute import tactics
+from mhc_cute.kernels import collapse, fma, mma, post, spec_problem
+kind, hidden, norm = sys.argv[1], int(sys.argv[2]), (None if sys.argv[3] == "none" else sys.argv[3])
+if kind == "collapse":
+    collapse.compile_collapse(*collapse.spec_operands(hidden, norm))
+elif kind == "post":
+    post.compile_post(hidden, *post.spec_operands(hidden))
+else:
+    problem = spec_problem(hidden, "fp32", norm)
+    compile_fn = mma.compile_mma if kind.split(":")[0].endswith("_mma") else fma.compile_fma
+    compile_fn(tactics.parse_tactic(kind), problem, problem.empty_outputs())
+"""
+
+# every kernel body with a lane test: the collapse (norm on/off), the post, paths E/F with each big-fuse shape and
+# the warp-MMA projection, and paths B/D
+PTX_KERNELS = [
+    ("collapse", 7168, "bfloat16"), ("collapse", 1088, "float32"), ("collapse", 512, "none"), ("post", 7168, "none"),
+    ("half_fma:k64:t1:n6:w256:s1:b1:flat", 4096, "float32"), ("half_fma:k64:t1:n6:w256:s1:b1:flatp", 4096, "none"),
+    ("half_fma:k56:t8:n6:w256:s1:b1:fbw", 7168, "bfloat16"), ("half_fma:k56:t8:n6:w256:s1:b1:fbwp", 7168, "none"),
+    ("half_fma:k112:t32:n6:w256:s1:b1:flat:mma", 7168, "float32"), ("all_fma:k8:t8:n6:w256:s1:b1:fbw", 512, "float32"),
+    ("all_mma:k2:m64:s4:fbw", 512, "float32"), ("half_mma:k16:m64:s5:flat", 4096, "bfloat16"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, hidden, norm", PTX_KERNELS, ids=[f"{k}-{h}-{n}" for k, h, n in PTX_KERNELS])
+def test_no_collective_under_a_lane_test(tmp_path, dump_env, kind, hidden, norm):
+    """No kernel reaches a warp shuffle or a barrier on a branch that only some lanes take (the PTX of each)."""
+    subprocess.run([sys.executable, "-c", _COMPILE_FOR_PTX, kind, str(hidden), norm], env=dump_env(tmp_path, "ptx"),
+                   check=True, timeout=1800, capture_output=True)
+    ptx = [p.read_text() for p in tmp_path.glob("*.ptx")]
+    assert ptx
+    assert [f for text in ptx for f in lane_divergent_collectives(text)] == []
+
+
 # --- the standalone ops' kernels (mhc_post, mhc_collapse) ------------------------------------------------------
 
 OP_HIDDENS = (64, 512, 1088, 4096, 5120, 7168, 16384)
@@ -673,3 +747,17 @@ def test_a_launch_without_post_passes_residual_prev_as_residual_cur():
         (args,) = calls
         assert args[8] is (problem.residual if form == "no_post" else out.residual_cur)
         assert args[9:12] == tuple(out[1:4])
+
+
+def test_the_default_tactic_of_a_seam_without_post(monkeypatch):
+    """A seam without post has no ``x``: its default tactic is looked up for ``residual_prev``'s device (the H200
+    soak and sanitizer sweep of 2026-12-04 failed there with an AttributeError)."""
+    from mhc_cute import kernels
+    from mhc_cute.kernels import fma, spec_problem
+
+    monkeypatch.setattr(kernels, "sm_count", lambda index: 132)
+    for form in ("regular", "no_post"):
+        problem = spec_problem(512, "fp32", None, None, form)
+        tactic = kernels.resolve_tactic("half_fma", None, problem, tac.FmaTactic, tac.parse_tactic,
+                                        fma._default_tactic)
+        assert tactic.path == "half_fma"

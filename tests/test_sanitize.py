@@ -119,6 +119,10 @@ def test_parse_summary_forms(sanitize):
     p = sanitize.parse_output(race)
     assert (p.errors, p.warnings, p.reports) == (0, 1, {None: ["Warning: Race reported between Write access at 0x10 "
                                                                 "in k"]})
+    # racecheck of compute-sanitizer 2025.3.1 (H200, 2026-12-04) ends with its own summary only
+    assert sanitize.parse_output("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n").errors == 0
+    only_race = sanitize.parse_output("========= RACECHECK SUMMARY: 3 hazards displayed (2 errors, 1 warning)\n")
+    assert (only_race.errors, only_race.warnings) == (2, 1)
 
 
 FAKE_SANITIZER = r"""#!{python}

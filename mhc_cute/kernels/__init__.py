@@ -190,7 +190,7 @@ def resolve_tactic(path: str, tactic, problem, tactic_type, parse, default):
     """The tactic a path runs: ``default(path, M, H, SMs)`` (memoised by the caller) when ``tactic`` is None, a
     parsed name, or the given ``tactic_type`` object, checked to belong to ``path``."""
     if tactic is None:
-        return default(path, problem.m, problem.hidden, sm_count(problem.x.device.index))
+        return default(path, problem.m, problem.hidden, sm_count(problem.residual.device.index))
     if isinstance(tactic, str):
         tactic = parse(tactic)
     if not isinstance(tactic, tactic_type) or tactic.path != path:

@@ -453,8 +453,10 @@ class BigFusePhase:
     def group_sum(self, val: Float32, scratch: cute.Tensor, group) -> Float32:
         """Sum over the threads of this token group (fixed order); every thread that collapses must call it."""
         val = du.warp_sum(val)
+        # warp_idx is a shuffle over the whole warp: under the lane test only lane 0 would reach it (a hang)
+        warp = cute.arch.warp_idx()
         if cute.arch.lane_idx() == 0:
-            scratch[cute.arch.warp_idx()] = val
+            scratch[warp] = val
         self.collapse_barrier()
         total = Float32(0.0)
         for w in cutlass.range_constexpr(self.group_warps):
