@@ -253,9 +253,7 @@ def future_cases(attr: str, norm_applies: bool) -> Callable[[], list]:
             names = [b for b in ops.OP_BACKENDS[attr] if b != "torch"]
         else:
             names = [b for b in kernel_backends() if backends.BACKENDS[b].entry_for(attr.removeprefix("mhc_"))]
-        def runs_norm(b):  # a standalone op's backend that refuses norm_weight runs its grid without it
-            return b == "auto" or attr not in ops.OP_BACKENDS or ops.OP_BACKENDS[attr][b].fused_norm
-        return [c for b in names + ["auto"] for c in checkerboard(attr, b, norm_applies and runs_norm(b))]
+        return [c for b in names + ["auto"] for c in checkerboard(attr, b, norm_applies)]
     return cases
 
 

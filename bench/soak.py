@@ -468,13 +468,8 @@ def label_delayed(d: dict) -> str:
 def draw_standalone(op: str) -> Callable[[random.Random, Env], dict]:
     from mhc_cute import ops
 
-    def draw(rng: random.Random, env: Env) -> dict:
-        d = _draw_call(rng, env, op, lambda rng: ({}, env.op_backends[op]),
-                       lambda b: ops.OP_BACKENDS[op][b].h_multiple, seam=False)
-        if d["backend"] != "auto" and not ops.OP_BACKENDS[op][d["backend"]].fused_norm:
-            d["norm"] = None  # a backend that refuses norm_weight (ops.OpBackend.fused_norm)
-        return d
-    return draw
+    return lambda rng, env: _draw_call(rng, env, op, lambda rng: ({}, env.op_backends[op]),
+                                       lambda b: ops.OP_BACKENDS[op][b].h_multiple, seam=False)
 
 
 def run_standalone(d: dict, env: Env) -> None:

@@ -26,7 +26,6 @@ class OpBackend(NamedTuple):
     entry: str  # "module:function" running the op on flat tensors into the flat ``out``
     kind: str  # "reference" | "triton" | "cute": availability as the seam backends of that kind
     h_multiple: int = 1
-    fused_norm: bool = True  # runs the op with ``norm_weight`` (else ``auto`` passes over it and a call by name fails)
 
 
 # the seam backend whose availability stands for a kind (same device, GPU and module requirements)
@@ -39,8 +38,7 @@ OP_BACKENDS: dict[str, dict[str, OpBackend]] = {
         "torch": OpBackend("mhc_cute.ops:_post_torch", "reference"),
     },
     "mhc_collapse": {
-        # with norm_weight the CuTe collapse hung on the H200 (2026-12-04, docs/experiments.md): off until it is fixed
-        "cute": OpBackend("mhc_cute.kernels.collapse:run_collapse", "cute", 8, fused_norm=False),
+        "cute": OpBackend("mhc_cute.kernels.collapse:run_collapse", "cute", 8),
         "triton": OpBackend("mhc_cute.triton.ops:run_collapse", "triton"),
         "torch": OpBackend("mhc_cute.ops:_collapse_torch", "reference"),
     },
@@ -76,15 +74,15 @@ def _auto_order(op: str, m: int):
     return OP_BACKENDS[op]
 
 
-def _auto_may_take(op: str, name: str, device: torch.device, hidden: int, norm: bool) -> bool:
+def _auto_may_take(op: str, name: str, device: torch.device, hidden: int) -> bool:
     b = OP_BACKENDS[op][name]
-    return (unavailable_reason(op, name, device) is None and hidden % b.h_multiple == 0 and (b.fused_norm or not norm)
+    return (unavailable_reason(op, name, device) is None and hidden % b.h_multiple == 0
             and (name == "torch" or device.type == "cuda"))
 
 
-def _resolve(op: str, backend: str, device: torch.device, hidden: int, norm: bool, m: int) -> OpBackend:
+def _resolve(op: str, backend: str, device: torch.device, hidden: int, m: int) -> OpBackend:
     if backend == "auto":
-        backend = next(n for n in _auto_order(op, m) if _auto_may_take(op, n, device, hidden, norm))
+        backend = next(n for n in _auto_order(op, m) if _auto_may_take(op, n, device, hidden))
     if backend not in OP_BACKENDS[op]:
         raise ValueError(f"{op}: unknown backend {backend!r}; available here: {['auto'] + available(op, device)}")
     why = unavailable_reason(op, backend, device)
@@ -94,23 +92,14 @@ def _resolve(op: str, backend: str, device: torch.device, hidden: int, norm: boo
     b = OP_BACKENDS[op][backend]
     if hidden % b.h_multiple:
         raise ValueError(f"{op}: backend {backend!r} needs H % {b.h_multiple} == 0; got H = {hidden}")
-    if norm and not b.fused_norm:
-        raise ValueError(f"{op}: backend {backend!r} does not run the fused norm yet; got a `norm_weight` (use "
-                         f"backend='auto' or another backend, or apply the norm apart)")
     return b
-
-
-# where a standalone op's flat arguments carry ``norm_weight``
-_NORM_WEIGHT_AT = {"mhc_collapse": 2, "mhc_head": 4}
 
 
 def _dispatch(op: str, backend: str, device: torch.device, hidden: int, m: int, args: tuple, out: torch.Tensor):
     """Run ``backend`` (resolved) on the flat ``args`` into the flat ``out``; nothing to do for M = 0."""
     if m == 0:
         return out
-    at = _NORM_WEIGHT_AT.get(op)
-    norm = at is not None and args[at] is not None
-    run = backends._load_entry(_resolve(op, backend, device, hidden, norm, m).entry)
+    run = backends._load_entry(_resolve(op, backend, device, hidden, m).entry)
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
             run(*args, out)

@@ -96,10 +96,6 @@ def test_gpu_backends(op, backend, m, h, norm):
         pytest.skip("mhc_post has no norm")
     if m * h > 100_003 * 4096:
         pytest.skip("inputs drawn on the host: the largest M at the two small H only (2^31 offsets: their own test)")
-    if norm and not ops.OP_BACKENDS[op][backend].fused_norm:
-        with pytest.raises(ValueError, match="norm_weight"):
-            _run_and_check(op, backend, m, h, norm, "cuda")
-        return
     _run_and_check(op, backend, m, h, norm, "cuda")
 
 
@@ -110,31 +106,7 @@ def test_gpu_past_2_31_elements(op):
     m, h = 75_000, 7168
     for backend in ops.available(op, torch.device("cuda")):
         if backend != "torch":
-            _run_and_check(op, backend, m, h, op != "mhc_post" and ops.OP_BACKENDS[op][backend].fused_norm, "cuda")
-
-
-def test_a_backend_without_the_fused_norm(monkeypatch):
-    """A backend marked ``fused_norm=False``: ``auto`` passes over it when ``norm_weight`` is given, and a call by
-    name with ``norm_weight`` fails naming it (never runs)."""
-    torch_collapse = ops.OP_BACKENDS["mhc_collapse"]["torch"]
-    calls = []
-
-    def no_norm_collapse(*args):
-        calls.append(args[2] is None)
-        return ops._collapse_torch(*args)
-
-    monkeypatch.setattr(ops, "_no_norm_collapse", no_norm_collapse, raising=False)
-    monkeypatch.setitem(ops.OP_BACKENDS, "mhc_collapse", {
-        "plain": ops.OpBackend("mhc_cute.ops:_no_norm_collapse", "reference", fused_norm=False),
-        "torch": torch_collapse})
-    inputs = make_op_inputs("mhc_collapse", 3, 64, seed=5, norm=True)
-    with pytest.raises(ValueError, match="norm_weight"):
-        mhc_collapse(**inputs, backend="plain")
-    assert calls == []
-    assert torch.equal(mhc_collapse(**inputs, backend="auto"), mhc_collapse(**inputs, backend="torch"))
-    assert calls == []
-    mhc_collapse(inputs["residual"], inputs["pre_mix"], backend="plain")  # without the norm it runs
-    assert calls == [True]
+            _run_and_check(op, backend, m, h, op != "mhc_post", "cuda")
 
 
 # --- the ops against the seams ------------------------------------------------------------------------------------
@@ -397,8 +369,8 @@ def test_head_auto_takes_the_seam_form_from_many_tokens(monkeypatch):
     """mhc_head's auto: the Triton head below ``HEAD_SEAM_MIN_M`` tokens, the seam form from there (as measured)."""
     monkeypatch.setattr(ops, "unavailable_reason", lambda op, name, device: None)
     cuda = torch.device("cuda")
-    assert ops._resolve("mhc_head", "auto", cuda, 7168, False, 1) is ops.OP_BACKENDS["mhc_head"]["triton"]
-    assert ops._resolve("mhc_head", "auto", cuda, 7168, True, ops.HEAD_SEAM_MIN_M - 1) is \
+    assert ops._resolve("mhc_head", "auto", cuda, 7168, 1) is ops.OP_BACKENDS["mhc_head"]["triton"]
+    assert ops._resolve("mhc_head", "auto", cuda, 7168, ops.HEAD_SEAM_MIN_M - 1) is \
         ops.OP_BACKENDS["mhc_head"]["triton"]
-    assert ops._resolve("mhc_head", "auto", cuda, 7168, True, ops.HEAD_SEAM_MIN_M) is ops.OP_BACKENDS["mhc_head"]["seam"]
-    assert ops._resolve("mhc_head", "auto", torch.device("cpu"), 64, False, 4096) is ops.OP_BACKENDS["mhc_head"]["torch"]
+    assert ops._resolve("mhc_head", "auto", cuda, 7168, ops.HEAD_SEAM_MIN_M) is ops.OP_BACKENDS["mhc_head"]["seam"]
+    assert ops._resolve("mhc_head", "auto", torch.device("cpu"), 64, 4096) is ops.OP_BACKENDS["mhc_head"]["torch"]
