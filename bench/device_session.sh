@@ -45,9 +45,10 @@ echo "probe rc=$? $(( $(date +%s) - t0 )) s"; cat "$OUT/probe_collapse.txt" | gr
 
 [ "${SAN_S:-0}" = 0 ] || {  # every tool in 3 shards at once, one JSON per process, then one merged table
 mkdir -p /tmp/san; pids=
-for tool in memcheck synccheck racecheck initcheck; do for sh in 1 2 3; do
-  chk=--no-check; [ "$tool" = memcheck ] && chk=  # the unsanitized check of every case, once
-  python bench/sanitize.py --tools $tool --shard $sh/3 --no-precompile $chk --budget $(( SAN_S - 40 )) \
+for tool in check memcheck synccheck racecheck initcheck; do for sh in 1 2 3; do
+  # "check": the unsanitized pass in processes of its own (in a tool's shard it ate that tool's budget on a loaded GPU)
+  if [ $tool = check ]; then sel=(--tools ""); else sel=(--tools $tool --no-check); fi
+  python bench/sanitize.py "${sel[@]}" --shard $sh/3 --no-precompile --budget $(( SAN_S - 40 )) \
     --case-timeout 150 --timeout $(( SAN_S - 40 )) --json /tmp/san/${tool}_$sh.json > /tmp/san/${tool}_$sh.txt 2>&1 &
   pids="$pids $!"
 done; done

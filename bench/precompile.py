@@ -112,7 +112,10 @@ def session_specs(sm_count):
     named += [(h, t.name) for h in GPU_HS for path in tactics.FMA_PATHS  # the warp-MMA test
               for t in warp_mma_tactics(path, h)]
     named_fma, named_mma = split_specs([(h, tactics.parse_tactic(n)) for h, n in named], [None, "bfloat16"], ["fp32"])
-    return list(dict.fromkeys(fma + named_fma)), list(dict.fromkeys(mma + named_mma))
+    import sanitize  # the sweep's explicit tactics (a variant compiled under a sanitizer took minutes on the H200)
+
+    san_fma, san_mma = sanitize.cute_specs(sanitize.all_cases(), sm_count)
+    return list(dict.fromkeys(fma + named_fma + san_fma)), list(dict.fromkeys(mma + named_mma + san_mma))
 
 
 def main() -> int:

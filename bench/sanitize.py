@@ -507,6 +507,8 @@ def cute_specs(cases: list[Case], sm_count: int):
         t = tac.parse_tactic(c.tactic) if c.tactic else tac.default_tactic(c.backend, c.m, c.h, sm_count)
         norm = "bfloat16" if c.norm else None
         seam = ("carried",) if c.op == "mhc_fused_hc_delayed" else ()  # delayed_inputs carries gates
+        if c.label == "no_post":  # the FMA paths' compile-time form
+            seam = (seam[0] if seam else None, "no_post")
         if t.path in tac.FMA_PATHS:
             fma.append((t.name, c.h, norm, *seam))
         else:
