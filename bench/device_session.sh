@@ -10,9 +10,10 @@
 # which a 10-minute soak needs, and a later call's SOAK_WAIT_S collects it).
 #
 # Where one command is limited to 10 minutes, run the tests and the bench as separate calls while the machine stays
-# warm (the peers staged in between). The suite has grown past one call (3633 tests; with -n 8 it reached 83% in
-# 470 s on the H200, 2026-12-04): list its files in $TESTS over two calls (docs/developer.md):
-#   BENCH_S=0 ...   then (stage the peers)   WARM_S=0 TEST_S=0 BENCH_S=570 ...
+# warm (the peers staged in between). The suite has grown past one call (3921 tests; with -n 8 it reached 83% in
+# 470 s on the H200, 2026-12-04): run it over two calls, the second with TESTS_REST=1 (the tests the first did not
+# reach), then the bench (docs/developer.md):
+#   BENCH_S=0 TEST_S=560 ...   then   WARM_S=0 TESTS_REST=1 BENCH_S=0 ...   then (stage the peers)   WARM_S=0 TEST_S=0 BENCH_S=570 ...
 set -u
 OUT=${OUT:-/tmp/mhc-out}
 mkdir -p "$OUT"
@@ -75,14 +76,23 @@ cp /tmp/soak.txt "$OUT/soak.txt"; grep -E "^FAIL|^soak:|^soak-rc" "$OUT/soak.txt
 }
 
 [ "${TEST_S:-240}" = 0 ] || {
-if [ -n "${TESTS:-}" ]; then sel="-m gpu $(cat "$TESTS")"; else sel="-m gpu tests"; fi
-# a test past 300 s prints its stacks and ends its worker (pytest-timeout, on the GPU image): a hang becomes a named
-# failure and the other workers go on
-timeout "${TEST_S:-240}" python -m pytest -q -p no:cacheprovider --tb=line -rfs \
-  ${PYTEST_ARGS:--n 8 --timeout 300 --timeout-method thread --durations 25} $sel \
-  > "$OUT/tests.log" 2>&1
-echo "tests rc=$? $(( $(date +%s) - t0 )) s"; grep -E "passed|failed" "$OUT/tests.log" | tail -1
-grep -E "^FAILED|Error|assert" "$OUT/tests.log" | head -40
+# "STATUS test-id" per finished test of a -v log (xdist: "[gw0] [ 5%] PASSED tests/...", else "tests/... PASSED")
+outcomes() { sed -nE 's/.*\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (tests\/[^ ]+).*/\1 \2/p;
+                      s/^(tests\/[^ ]+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS).*/\2 \1/p'; }
+sel=(-m gpu tests); [ -n "${TESTS:-}" ] && mapfile -t sel < "$TESTS"
+if [ "${TESTS_REST:-0}" = 1 ]; then  # the GPU tests that no earlier call on this machine reached (their -v logs)
+  python -m pytest --collect-only -q -p no:cacheprovider -m gpu tests 2>/dev/null | grep "::" | LC_ALL=C sort > /tmp/gpu_ids
+  cat /tmp/mhc-tests-*.log 2>/dev/null | outcomes | awk '{print $2}' | LC_ALL=C sort -u \
+    | LC_ALL=C comm -23 /tmp/gpu_ids - > /tmp/gpu_rest
+  mapfile -t sel < /tmp/gpu_rest; echo "tests not reached before: ${#sel[@]}"
+fi
+# -v: each test's outcome on its own line, which TESTS_REST=1 reads in the next call; a test past 300 s prints its
+# stacks and ends its worker (pytest-timeout, on the GPU image): a hang becomes a named failure, the others go on
+log=/tmp/mhc-tests-$(date +%s).log
+[ ${#sel[@]} -gt 0 ] && timeout "${TEST_S:-240}" python -m pytest -v -p no:cacheprovider --tb=line -rfE \
+  ${PYTEST_ARGS:--n 8 --timeout 300 --timeout-method thread} "${sel[@]}" > "$log" 2>&1
+echo "tests rc=$? $(( $(date +%s) - t0 )) s: $(outcomes < "$log" | cut -d' ' -f1 | sort | uniq -c | xargs)"
+outcomes < "$log" | grep -E "^(FAILED|ERROR)" | head -40; cp "$log" "$OUT/tests.log"
 }
 
 [ "${BENCH_S:-300}" = 0 ] || {
