@@ -1,6 +1,6 @@
 """Where does the CuTe ``mhc_collapse`` with ``norm_weight`` hang? (H200, 2026-12-04: the GPU tests, the sanitizer
 sweep and the soak all stopped in it; without the norm it runs.) Answer: the CTA reduction, where ``warp_idx()``, a
-whole-warp shuffle, ran under the lane-0 test (fixed in fa66543; ``docs/experiments.md``); every variant now finishes.
+whole-warp shuffle, ran under the lane-0 test (fixed in fa66543; ``docs/experiments.md``).
 
 Each variant runs in a child process that prints every step it reaches (compile, launch, synchronize, check) and,
 past ``--timeout`` seconds, every thread's Python stack (``faulthandler``); the parent prints one line per variant:
