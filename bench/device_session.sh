@@ -26,6 +26,7 @@ t0=$(date +%s)
 
 [ "${WARM_S:-300}" = 0 ] || {
 timeout "${WARM_S:-300}" python bench/precompile.py --session --workers 16 2>&1 | grep -v -i warn | tail -2
+timeout 120 python bench/sanitize.py --precompile-only --workers 16 2>&1 | grep -v -i warn | tail -2  # the sweep's
 timeout 90 python - <<'EOF_PY' 2>&1 | tail -1
 import sys
 sys.path.insert(0, "bench")

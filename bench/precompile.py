@@ -112,10 +112,16 @@ def session_specs(sm_count):
     named += [(h, t.name) for h in GPU_HS for path in tactics.FMA_PATHS  # the warp-MMA test
               for t in warp_mma_tactics(path, h)]
     named_fma, named_mma = split_specs([(h, tactics.parse_tactic(n)) for h, n in named], [None, "bfloat16"], ["fp32"])
-    import sanitize  # the sweep's explicit tactics (a variant compiled under a sanitizer took minutes on the H200)
+    return list(dict.fromkeys(fma + named_fma)), list(dict.fromkeys(mma + named_mma))
 
-    san_fma, san_mma = sanitize.cute_specs(sanitize.all_cases(), sm_count)
-    return list(dict.fromkeys(fma + named_fma + san_fma)), list(dict.fromkeys(mma + named_mma + san_mma))
+
+def compile_jobs(jobs, workers: int) -> None:
+    """``module.precompile(specs)`` for each (label, module, specs) of ``jobs``, timed."""
+    for name, module, specs in jobs:
+        if specs:
+            t0 = time.perf_counter()
+            module.precompile(specs, processes=max(1, min(workers, len(specs))))
+            print(f"{name}: {len(specs)} variants in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def main() -> int:
@@ -160,11 +166,7 @@ def main() -> int:
         op_hs = sorted(set(OP_HS) | {4096, 5120, 7168})
         jobs += [("mhc_post", post, op_hs), ("mhc_collapse", collapse,
                                              [(h, n) for h in op_hs for n in (None, "bfloat16", "float32")])]
-    for name, module, specs in jobs:
-        if specs:
-            t0 = time.perf_counter()
-            module.precompile(specs, processes=min(args.workers, len(specs)))
-            print(f"{name}: {len(specs)} variants in {time.perf_counter() - t0:.0f} s", flush=True)
+    compile_jobs(jobs, args.workers)
     return 0
 
 

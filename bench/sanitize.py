@@ -496,34 +496,40 @@ def tool_options(sanitizer: str, tool: str) -> list[str]:
     return opts
 
 
+def _precompile_script():
+    """``bench/precompile.py`` (its spec format and compile loop), importable however this script was loaded."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    import precompile
+
+    return precompile
+
+
 def cute_specs(cases: list[Case], sm_count: int):
-    """(FMA specs, MMA specs) in ``kernels.fma/mma.precompile``'s form, for the CuTe cases."""
+    """(FMA specs, MMA specs) in ``kernels.fma/mma.precompile``'s form (``precompile.split_specs``), for the CuTe
+    cases."""
     from mhc_cute import tactics as tac
 
+    split_specs = _precompile_script().split_specs
     fma, mma = [], []
     for c in cases:
         if c.op not in ("mhc_fused_hc", "mhc_fused_hc_delayed") or c.backend not in tac.FMA_PATHS + tac.MMA_PATHS:
             continue
         t = tac.parse_tactic(c.tactic) if c.tactic else tac.default_tactic(c.backend, c.m, c.h, sm_count)
-        norm = "bfloat16" if c.norm else None
-        seam = ("carried",) if c.op == "mhc_fused_hc_delayed" else ()  # delayed_inputs carries gates
-        if c.label == "no_post":  # the FMA paths' compile-time form
-            seam = (seam[0] if seam else None, "no_post")
-        if t.path in tac.FMA_PATHS:
-            fma.append((t.name, c.h, norm, *seam))
-        else:
-            mma.append((t.name, c.h, c.precision, norm, *seam))
+        seam = "carried" if c.op == "mhc_fused_hc_delayed" else None  # delayed_inputs carries gates
+        f, m = split_specs([(c.h, t)], ["bfloat16" if c.norm else None], [c.precision], [seam],
+                           "no_post" if c.label == "no_post" else "regular")
+        fma += f
+        mma += m
     return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
 
 
 def precompile(cases: list[Case], sm_count: int, workers: int) -> None:
     from mhc_cute.kernels import fma, mma
 
-    for label, module, specs in zip(("FMA", "MMA"), (fma, mma), cute_specs(cases, sm_count)):
-        if specs:
-            t0 = time.perf_counter()
-            module.precompile(specs, processes=max(1, min(workers, len(specs))))
-            print(f"precompile: {len(specs)} {label} variants in {time.perf_counter() - t0:.0f} s", flush=True)
+    fma_specs, mma_specs = cute_specs(cases, sm_count)
+    _precompile_script().compile_jobs([("precompile: FMA", fma, fma_specs), ("precompile: MMA", mma, mma_specs)],
+                                      workers)
 
 
 def run_bounded(cmd: list[str], env: dict, timeout: float) -> tuple[str, int | None, bool]:
