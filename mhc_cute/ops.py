@@ -126,20 +126,22 @@ def _head_torch(residual, head_fn, head_scale, head_base, norm_weight, rms_eps, 
 # --- mhc_head on the seam kernels ----------------------------------------------------------------------------
 
 def _head_as_seam(residual, head_fn, head_scale, head_base, norm_weight, rms_eps, hc_eps, norm_eps, out):
-    """``mhc_head`` as a seam without post (``mhc_fused_hc`` on ``auto``: its pick for that form, the Triton kernels
-    on a GPU, as the CuTe paths run the regular form only): the head weight as the pre rows of a 24-row weight (zero
-    rows after them, ``head_scale`` for every group, zero bias), prepared once per weight; the seam's pre gates and
-    collapse (and norm) are then the head's. Its post gates and Sinkhorn are
-    computed on zero mixes and dropped (a few hundred bytes a token beside 10H)."""
+    """``mhc_head`` as a seam without post (``mhc_fused_hc`` on ``auto``: the V4 seam's pick where that backend runs
+    the form, the FMA paths or Triton): the head weight as the pre rows of a 24-row weight (zero rows after them,
+    ``head_scale`` for every group, zero bias), prepared once per weight; the seam's pre gates and collapse (and norm)
+    are then the head's, written into ``out`` as its ``layer_input`` (no copy). Its post gates and Sinkhorn are
+    computed on zero mixes into scratch and dropped (a few hundred bytes a token beside 10H)."""
     from .api import mhc_fused_hc
     from .weights import prepared
 
     fn = prepared(head_fn, "head_as_seam", lambda f: torch.cat([f, f.new_zeros(N_MIXES - HC_MULT, f.shape[1])]))
     scale = prepared(head_scale, "head_as_seam", lambda t: t.reshape(1).expand(3).contiguous())
     base = prepared(head_base, "head_as_seam", lambda b: torch.cat([b, b.new_zeros(N_MIXES - HC_MULT)]))
-    seam = mhc_fused_hc(None, residual, None, None, fn, scale, base, rms_eps=rms_eps, hc_pre_eps=hc_eps,
-                        norm_weight=norm_weight, norm_eps=norm_eps)
-    out.copy_(seam.layer_input)
+    m = residual.shape[0]
+    mixes = (residual.new_empty((m, HC_MULT, 1), dtype=torch.float32),
+             residual.new_empty((m, HC_MULT, HC_MULT), dtype=torch.float32))
+    mhc_fused_hc(None, residual, None, None, fn, scale, base, rms_eps=rms_eps, hc_pre_eps=hc_eps,
+                 norm_weight=norm_weight, norm_eps=norm_eps, out=(None, *mixes, out))
 
 
 # --- validation -------------------------------------------------------------------------------------------------
