@@ -43,9 +43,10 @@ OP_BACKENDS: dict[str, dict[str, OpBackend]] = {
         "torch": OpBackend("mhc_cute.ops:_collapse_torch", "reference"),
     },
     "mhc_head": {
-        "triton": OpBackend("mhc_cute.triton.ops:run_head", "triton"),
-        # a seam without post on the padded head weight, on mhc_fused_hc's auto pick for that form
+        # a seam without post on the padded head weight, on mhc_fused_hc's auto pick for that form: first, as it beat
+        # the Triton head at every M measured on the H200 but 256 and 320 (bench/measured/h200_head_auto_2026-12-04.txt)
         "seam": OpBackend("mhc_cute.ops:_head_as_seam", "reference"),
+        "triton": OpBackend("mhc_cute.triton.ops:run_head", "triton"),
         "torch": OpBackend("mhc_cute.ops:_head_torch", "reference"),
     },
 }
@@ -61,28 +62,15 @@ def available(op: str, device: torch.device) -> list[str]:
     return [n for n in OP_BACKENDS[op] if unavailable_reason(op, n, device) is None]
 
 
-# mhc_head's auto from this many tokens: the seam form (a no-post seam) beat the two-phase Triton head at M = 2048
-# and lost by 5% at M = 8192 on the H200 (H = 7168, 2026-12-04; bench/measured/h200_head_split_2026-12-04.txt)
-HEAD_SEAM_MIN_M = 1024
-
-
-def _auto_order(op: str, m: int):
-    """The backends ``auto`` tries, in order: the table's order, but mhc_head's seam form first from
-    ``HEAD_SEAM_MIN_M`` tokens."""
-    if op == "mhc_head" and m >= HEAD_SEAM_MIN_M:
-        return ("seam", *(n for n in OP_BACKENDS[op] if n != "seam"))
-    return OP_BACKENDS[op]
-
-
 def _auto_may_take(op: str, name: str, device: torch.device, hidden: int) -> bool:
     b = OP_BACKENDS[op][name]
     return (unavailable_reason(op, name, device) is None and hidden % b.h_multiple == 0
             and (name == "torch" or device.type == "cuda"))
 
 
-def _resolve(op: str, backend: str, device: torch.device, hidden: int, m: int) -> OpBackend:
+def _resolve(op: str, backend: str, device: torch.device, hidden: int) -> OpBackend:
     if backend == "auto":
-        backend = next(n for n in _auto_order(op, m) if _auto_may_take(op, n, device, hidden))
+        backend = next(n for n in OP_BACKENDS[op] if _auto_may_take(op, n, device, hidden))
     if backend not in OP_BACKENDS[op]:
         raise ValueError(f"{op}: unknown backend {backend!r}; available here: {['auto'] + available(op, device)}")
     why = unavailable_reason(op, backend, device)
@@ -99,7 +87,7 @@ def _dispatch(op: str, backend: str, device: torch.device, hidden: int, m: int, 
     """Run ``backend`` (resolved) on the flat ``args`` into the flat ``out``; nothing to do for M = 0."""
     if m == 0:
         return out
-    run = backends._load_entry(_resolve(op, backend, device, hidden, m).entry)
+    run = backends._load_entry(_resolve(op, backend, device, hidden).entry)
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
             run(*args, out)
