@@ -114,8 +114,8 @@ def _head_torch(residual, head_fn, head_scale, head_base, norm_weight, rms_eps, 
 # --- mhc_head on the seam kernels ----------------------------------------------------------------------------
 
 def _head_as_seam(residual, head_fn, head_scale, head_base, norm_weight, rms_eps, hc_eps, norm_eps, out):
-    """``mhc_head`` as a seam without post (``mhc_fused_hc`` on ``auto``: the V4 seam's pick where that backend runs
-    the form, the FMA paths or Triton): the head weight as the pre rows of a 24-row weight (zero rows after them,
+    """``mhc_head`` as a seam without post (``mhc_fused_hc`` on ``auto``: the V4 seam's tuned pick, every CuTe path
+    running that form): the head weight as the pre rows of a 24-row weight (zero rows after them,
     ``head_scale`` for every group, zero bias), prepared once per weight; the seam's pre gates and collapse (and norm)
     are then the head's, written into ``out`` as its ``layer_input`` (no copy). Its post gates and Sinkhorn are
     computed on zero mixes into scratch and dropped (a few hundred bytes a token beside 10H)."""
