@@ -44,7 +44,7 @@ OP_BACKENDS: dict[str, dict[str, OpBackend]] = {
     },
     "mhc_head": {
         # a seam without post on the padded head weight, on mhc_fused_hc's auto pick for that form: first, as it beat
-        # the Triton head at every M measured on the H200 but 256 and 320 (bench/measured/h200_head_auto_2026-12-04.txt)
+        # the Triton head at every M measured on the H200 (bench/measured/h200_mma_no_post_dd22a12_2026-12-04.txt)
         "seam": OpBackend("mhc_cute.ops:_head_as_seam", "reference"),
         "triton": OpBackend("mhc_cute.triton.ops:run_head", "triton"),
         "torch": OpBackend("mhc_cute.ops:_head_torch", "reference"),
