@@ -54,14 +54,10 @@ def _every_form(entry: str) -> tuple:
     return tuple(((op, form), entry) for op in OPS for form in SEAM_FORMS if (op, form) != ("fused_hc", "regular"))
 
 
-def _delayed_regular(entry: str) -> tuple:
-    """``entry`` for mhc_fused_hc_delayed's regular form (the kernels take the seam as a compile-time flag)."""
-    return ((("fused_hc_delayed", "regular"), entry),)
-
-
 def _delayed_and_no_post(entry: str) -> tuple:
-    """``entry`` for the delayed seam's regular form and both seams without post (compile-time flags too)."""
-    return _delayed_regular(entry) + tuple(((op, "no_post"), entry) for op in OPS)
+    """``entry`` for the delayed seam's regular form and both seams without post (the kernels take the seam and the
+    form as compile-time flags)."""
+    return ((("fused_hc_delayed", "regular"), entry),) + tuple(((op, "no_post"), entry) for op in OPS)
 
 
 BACKENDS: dict[str, Backend] = {
@@ -80,10 +76,10 @@ BACKENDS: dict[str, Backend] = {
                 entries=_delayed_and_no_post("mhc_cute.kernels.fma:prepare_all_fma")),
         Backend("half_mma", "mhc_cute.kernels.mma:prepare_half_mma", "cute",
                 "path B: CuTe DSL, TF32 wgmma projection + big-fuse kernel (2 launches)", 64,
-                entries=_delayed_regular("mhc_cute.kernels.mma:prepare_half_mma")),
+                entries=_delayed_and_no_post("mhc_cute.kernels.mma:prepare_half_mma")),
         Backend("all_mma", "mhc_cute.kernels.mma:prepare_all_mma", "cute",
                 "path D: CuTe DSL, TF32 wgmma projection, last-CTA big fuse (1 launch)", 64,
-                entries=_delayed_regular("mhc_cute.kernels.mma:prepare_all_mma")),
+                entries=_delayed_and_no_post("mhc_cute.kernels.mma:prepare_all_mma")),
     )
 }
 

@@ -44,7 +44,7 @@ OP_BACKENDS: dict[str, dict[str, OpBackend]] = {
     },
     "mhc_head": {
         # a seam without post on the padded head weight, on mhc_fused_hc's auto pick for that form: first, as it beat
-        # the Triton head at every M measured on the H200 but 256 and 320 (bench/measured/h200_head_auto_2026-12-04.txt)
+        # the Triton head at every M measured on the H200 (bench/measured/h200_mma_no_post_dd22a12_2026-12-04.txt)
         "seam": OpBackend("mhc_cute.ops:_head_as_seam", "reference"),
         "triton": OpBackend("mhc_cute.triton.ops:run_head", "triton"),
         "torch": OpBackend("mhc_cute.ops:_head_torch", "reference"),
@@ -114,8 +114,8 @@ def _head_torch(residual, head_fn, head_scale, head_base, norm_weight, rms_eps, 
 # --- mhc_head on the seam kernels ----------------------------------------------------------------------------
 
 def _head_as_seam(residual, head_fn, head_scale, head_base, norm_weight, rms_eps, hc_eps, norm_eps, out):
-    """``mhc_head`` as a seam without post (``mhc_fused_hc`` on ``auto``: the V4 seam's pick where that backend runs
-    the form, the FMA paths or Triton): the head weight as the pre rows of a 24-row weight (zero rows after them,
+    """``mhc_head`` as a seam without post (``mhc_fused_hc`` on ``auto``: the V4 seam's tuned pick, every CuTe path
+    running that form): the head weight as the pre rows of a 24-row weight (zero rows after them,
     ``head_scale`` for every group, zero bias), prepared once per weight; the seam's pre gates and collapse (and norm)
     are then the head's, written into ``out`` as its ``layer_input`` (no copy). Its post gates and Sinkhorn are
     computed on zero mixes into scratch and dropped (a few hundred bytes a token beside 10H)."""

@@ -337,6 +337,7 @@ def default_mma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> M
     return MmaTactic(path, split_k, tile_m, 2, fuse).check(hidden)
 
 
-def mma_stage_bytes(tile_m: int, n_parts: int) -> int:
-    """Bytes one pipeline stage receives: residual + x tiles (bf16) and the weight tile (fp32)."""
-    return tile_m * (HC_MULT + 1) * MMA_BLOCK_H * 2 + N_MIXES * n_parts * HC_MULT * MMA_BLOCK_H * 4
+def mma_stage_bytes(tile_m: int, n_parts: int, with_x: bool = True) -> int:
+    """Bytes one pipeline stage receives: residual + x tiles (bf16; no x tile without a post) and the weight tile
+    (fp32)."""
+    return tile_m * (HC_MULT + (1 if with_x else 0)) * MMA_BLOCK_H * 2 + N_MIXES * n_parts * HC_MULT * MMA_BLOCK_H * 4

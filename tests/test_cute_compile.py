@@ -690,41 +690,47 @@ NO_POST_VARIANTS = [
     ("half_fma:k64:t16:n12:w128:s1:b1:flat:mma:o1", 4096, None, "carried"),
     ("all_fma:k8:t8:n6:w256:s1:b1:fbw", 512, "float32", None),
     ("all_fma:k28:t8:n6:w256:s1:b1:fbw", 7168, None, "identity"),
+    ("half_mma:k64:m128:s3:flat", 7168, None, None),
+    ("half_mma:k16:m128:s3:fbw", 5120, "bfloat16", "carried"),
+    ("all_mma:k64:m64:s4:fbw", 4096, "float32", None),
+    ("all_mma:k8:m64:s4:fbw", 512, None, "identity"),
 ]
 
 
 @pytest.mark.parametrize("tactic, hidden, norm, seam", NO_POST_VARIANTS,
                          ids=[f"{v[0].split(':')[0]}-{v[2]}-{v[3]}" for v in NO_POST_VARIANTS])
 def test_no_post_variants_compile(tactic, hidden, norm, seam):
-    from mhc_cute.kernels import fma, spec_problem
+    from mhc_cute.kernels import fma, mma, spec_problem
 
     problem = spec_problem(hidden, "fp32", norm, seam, "no_post")
     assert problem.form == "no_post" and problem.x is None
-    assert fma.compile_fma(tac.parse_tactic(tactic), problem, problem.empty_outputs()) is not None  # running needs a GPU
+    compile_fn = mma.compile_mma if tactic.split(":")[0] in tac.MMA_PATHS else fma.compile_fma
+    assert compile_fn(tac.parse_tactic(tactic), problem, problem.empty_outputs()) is not None  # running needs a GPU
 
 
-def test_no_post_is_its_own_compiled_kernel(monkeypatch):
+@pytest.mark.parametrize("tactic", ["half_fma:k8:t8:n6:w256:s1:b1:flat", "half_mma:k16:m128:s3:fbw"])
+def test_no_post_is_its_own_compiled_kernel(monkeypatch, tactic):
     """A seam without post and the regular seam of one tactic are two compiled kernels (per seam flag)."""
-    from mhc_cute.kernels import KERNEL_CACHE_ENV, fma, spec_problem
+    from mhc_cute.kernels import KERNEL_CACHE_ENV, fma, mma, spec_problem
 
+    module, name = (mma, "mma") if tactic.startswith("half_mma") else (fma, "fma")
     monkeypatch.delenv(KERNEL_CACHE_ENV, raising=False)
-    monkeypatch.setattr(fma, "_compiled", type(fma._compiled)("test"))
-    monkeypatch.setattr(fma, "compile_fma", lambda tactic, problem, out: object())
-    tactic = tac.parse_tactic("half_fma:k8:t8:n6:w256:s1:b1:flat")
-    fns = [fma.compiled_fma(tactic, p, p.empty_outputs()) for seam in (None, "carried") for form in ("regular", "no_post")
+    monkeypatch.setattr(module, "_compiled", type(module._compiled)("test"))
+    monkeypatch.setattr(module, f"compile_{name}", lambda tactic, problem, out: object())
+    compiled = getattr(module, f"compiled_{name}")
+    t = tac.parse_tactic(tactic)
+    fns = [compiled(t, p, p.empty_outputs()) for seam in (None, "carried") for form in ("regular", "no_post")
            for p in [spec_problem(512, "fp32", None, seam, form)]]
     assert len({id(f) for f in fns}) == 4
 
 
-def test_the_fma_paths_run_the_seams_without_post():
+def test_the_kernel_paths_run_the_seams_without_post():
     from mhc_cute import backends
 
-    for name in ("half_fma", "all_fma"):
+    for name in tac.FMA_PATHS + tac.MMA_PATHS:
         for op in ("fused_hc", "fused_hc_delayed"):
             assert backends.BACKENDS[name].entry_for(op, "no_post") is not None
         assert backends.BACKENDS[name].entry_for("fused_hc", "broadcast") is None
-    for name in ("half_mma", "all_mma"):
-        assert backends.BACKENDS[name].entry_for("fused_hc", "no_post") is None
 
 
 def test_a_launch_without_post_passes_residual_prev_as_residual_cur():

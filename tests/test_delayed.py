@@ -325,8 +325,8 @@ def test_cute_paths_run_the_delayed_seam():
     for name in ("half_fma", "all_fma", "half_mma", "all_mma"):
         b = backends.BACKENDS[name]
         assert b.entry_for("fused_hc_delayed", "regular") == b.entry
-        # without post on the FMA paths (paths E/F) only; the broadcast entry on none
-        assert (b.entry_for("fused_hc_delayed", "no_post") is not None) == (name in ("half_fma", "all_fma"))
+        # without post on every path (a compile-time flag); the broadcast entry on none
+        assert b.entry_for("fused_hc_delayed", "no_post") is not None
         assert b.entry_for("fused_hc_delayed", "broadcast") is None
 
 
@@ -536,15 +536,19 @@ def test_kernel_launch_passes_the_seam_arguments(seam_mode):
 
 @pytest.mark.parametrize("op", ["fused_hc", "fused_hc_delayed"])
 def test_auto_without_post_takes_the_v4_pick_where_it_has_the_form(monkeypatch, op):
-    """A no-post seam's ``auto``: the V4 seam's tuned pick with its tactic when that backend runs the form (an FMA
-    path), else ``pick_auto_for`` (Triton on a GPU; here, on the CPU, the reference)."""
+    """A no-post seam's ``auto``: the V4 seam's tuned pick with its tactic, as every CuTe path runs the form; the
+    broadcast entry, which none runs, ``pick_auto_for`` (Triton on a GPU; here, on the CPU, the reference)."""
     from mhc_cute import api, selector
 
     picks = {1: ("half_fma", "half_fma:k80:t1:n6:w256:s1:b1:flat"), 4096: ("half_mma", "half_mma:k64:m128:s3:flat")}
     monkeypatch.setattr(selector.SELECTOR, "resolve", lambda dev, m, h, precision, norm: picks[m])
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, d: None)
-    for m, want in ((1, picks[1]), (4096, ("torch", None))):
-        problem = problem_of(make_inputs(m, 512, form="no_post", pre="carried" if op == "fused_hc_delayed" else None))
+    pre = "carried" if op == "fused_hc_delayed" else None
+    for m in (1, 4096):
+        problem = problem_of(make_inputs(m, 512, form="no_post", pre=pre))
         assert problem.op == op and problem.form == "no_post"
         b, tactic = api._resolve(problem, "auto", None)
-        assert (b.name, tactic) == want
+        assert (b.name, tactic) == picks[m]
+    problem = problem_of(make_inputs(4096, 512, form="broadcast", pre="identity" if pre else None))
+    b, tactic = api._resolve(problem, "auto", None)
+    assert (b.name, tactic) == ("torch", None)

@@ -28,6 +28,10 @@ The delayed seam (``delayed``, compile-time: "carried" or "identity"): the consu
 rounded streams they hold with the carried gates into ``x1`` (bf16), store it to ``layer_input`` (identity: stream
 0) and with the norm add its squares into partial column 25; the big fuse writes the gates and normalises
 ``layer_input`` in place (``big_fuse.BigFusePhase.norm_in_place``).
+
+The seam without post (``no_post``, compile-time): ``residual_prev`` is the streams. No ``x_prev`` tiles are
+loaded, nothing is stored to ``residual_cur``, and the big fuse collapses ``residual_prev``, which the launch passes
+where ``residual_cur`` goes (``kernels.KernelLaunch``).
 """
 
 from __future__ import annotations
@@ -158,13 +162,16 @@ def cached_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
 class MmaFusedHcKernel:
     """Kernel 1 (post-map, ``residual_cur``, sum of squares, TF32 wgmma projection, split-K partials) for one
     (H, tactic, precision, norm dtype, seam: ``delayed`` None, or "carried" / "identity" as ``kernels.delayed_mode``
-    names it). Path B launches the standalone big fuse after it; path D runs the big fuse in the CTA that completes
-    an M tile (last-arriver election on a per-tile counter, no waiting)."""
+    names it; form: ``no_post``, the streams read from ``residual_prev``). Path B launches the standalone big fuse
+    after it; path D runs the big fuse in the CTA that completes an M tile (last-arriver election on a per-tile
+    counter, no waiting)."""
 
-    def __init__(self, hidden: int, tactic: MmaTactic, precision: str, norm_dtype, delayed: str | None = None):
+    def __init__(self, hidden: int, tactic: MmaTactic, precision: str, norm_dtype, delayed: str | None = None,
+                 no_post: bool = False):
         tactic.check(hidden)
         self.hidden = hidden
         self.delayed = delayed
+        self.no_post = no_post
         self.x1_norm = delayed is not None and norm_dtype is not None  # kernel 1 sums x1's squares
         self.tactic = tactic
         self.tile_m = tactic.tile_m
@@ -187,15 +194,15 @@ class MmaFusedHcKernel:
     @cute.jit
     def __call__(
         self,
-        mX: cute.Tensor,  # [M, H] bf16
+        mX,  # [M, H] bf16 | None (no post)
         mRes: cute.Tensor,  # [M, 4, H] bf16
-        mPost: cute.Tensor,  # [M, 4] f32
-        mComb: cute.Tensor,  # [M, 4, 4] f32
+        mPost,  # [M, 4] f32 | None (no post)
+        mComb,  # [M, 4, 4] f32 | None (no post)
         mW: cute.Tensor,  # [H/32, 4, n, 32] f32 (prepare_weight)
         mScale: cute.Tensor,  # [3] f32
         mBase: cute.Tensor,  # [24] f32
         mNormW,  # [H] bf16 | f32 | None
-        mResOut: cute.Tensor,  # [M, 4, H] bf16
+        mResOut: cute.Tensor,  # [M, 4, H] bf16 (no post: residual_prev, read by the big fuse)
         mPostOut: cute.Tensor,  # [M, 4, 1] f32
         mCombOut: cute.Tensor,  # [M, 4, 4] f32
         mLayerIn: cute.Tensor,  # [M, H] bf16
@@ -212,7 +219,7 @@ class MmaFusedHcKernel:
         stream,
     ):
         tile_m, stages = self.tile_m, self.stages
-        m = mX.shape[0]
+        m = mRes.shape[0]
         res_layout, x_layout, tma_res, tma_mRes, tma_x, tma_mX = self.activation_tma(mRes, mX, BLOCK_H, stages)
         w_layout, tma_w, tma_mB = self.weight_tma(mW)
         tiled_mma = make_tf32_tiled_mma(self.n, warpgroup.OperandSource.RMEM)
@@ -243,8 +250,9 @@ class MmaFusedHcKernel:
     @cute.jit
     def activation_tma(self, mRes: cute.Tensor, mX: cute.Tensor, wide: int, stages: int):
         """The activations' stage layouts and TMA atoms: ``residual_prev [tile_m, 4, wide]`` and ``x_prev
-        [tile_m, wide]`` per stage, ``stages`` of them. The residual tile as [stream][row][wide]: at ``wide`` = 32
-        the 8 rows a quarter-warp reads are 64 B apart, conflict-free.
+        [tile_m, wide]`` per stage, ``stages`` of them (no post: no x tiles; a one-element layout keeps the shared
+        storage's shape). The residual tile as [stream][row][wide]: at ``wide`` = 32 the 8 rows a quarter-warp
+        reads are 64 B apart, conflict-free.
 
         Inline descriptors (encoded by the compiled host code, passed by value) rather than tma_cache's
         device-resident ones, for every operand: measured on an H200 (tma_cache/README.md), inline costs ~0.01 µs
@@ -254,11 +262,13 @@ class MmaFusedHcKernel:
         res_layout = cute.make_layout(
             (tile_m, HC_MULT, wide, stages), stride=(wide, tile_m * wide, 1, tile_m * wide * HC_MULT)
         )
-        x_layout = cute.make_layout((tile_m, wide, stages), stride=(wide, 1, tile_m * wide))
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_res, tma_mRes = cpasync.make_tiled_tma_atom(
             g2s, mRes, cute.slice_(res_layout, (None, None, None, 0)), (tile_m, HC_MULT, wide)
         )
+        if const_expr(self.no_post):
+            return res_layout, cute.make_layout(1), tma_res, tma_mRes, None, None
+        x_layout = cute.make_layout((tile_m, wide, stages), stride=(wide, 1, tile_m * wide))
         tma_x, tma_mX = cpasync.make_tiled_tma_atom(g2s, mX, cute.slice_(x_layout, (None, None, 0)), (tile_m, wide))
         return res_layout, x_layout, tma_res, tma_mRes, tma_x, tma_mX
 
@@ -284,12 +294,12 @@ class MmaFusedHcKernel:
         self,
         tma_res: cute.CopyAtom,
         tma_mRes: cute.Tensor,
-        tma_x: cute.CopyAtom,
-        tma_mX: cute.Tensor,
+        tma_x,  # None without a post
+        tma_mX,
         tma_w: cute.CopyAtom,
         tma_mB: cute.Tensor,
-        mPost: cute.Tensor,
-        mComb: cute.Tensor,
+        mPost,
+        mComb,
         mResOut: cute.Tensor,
         mPartials: cute.Tensor,
         tiled_mma: cute.TiledMma,
@@ -322,7 +332,8 @@ class MmaFusedHcKernel:
 
         if warp_idx == self.producer_warp:
             cpasync.prefetch_descriptor(tma_res)
-            cpasync.prefetch_descriptor(tma_x)
+            if const_expr(not self.no_post):
+                cpasync.prefetch_descriptor(tma_x)
             cpasync.prefetch_descriptor(tma_w)
 
         smem = cutlass.memory.SmemAllocator()
@@ -331,7 +342,7 @@ class MmaFusedHcKernel:
         if const_expr(self.fused):
             finish_storage = self.finish.allocate(smem)
         sRes = storage.sRes.get_tensor(res_layout)
-        sX = storage.sX.get_tensor(x_layout)
+        sX = None if const_expr(self.no_post) else storage.sX.get_tensor(x_layout)
         sW = storage.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
 
         ab_pipeline = pipeline.PipelineTmaAsync.create(
@@ -339,7 +350,7 @@ class MmaFusedHcKernel:
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_wgs * 4),
-            tx_count=stage_bytes(self.tile_m, self.n_parts),
+            tx_count=stage_bytes(self.tile_m, self.n_parts, with_x=not self.no_post),
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
 
@@ -386,11 +397,13 @@ class MmaFusedHcKernel:
                 blk_begin, n_blk):
         tile_m = self.tile_m
         gRes = cute.local_tile(tma_mRes, (tile_m, HC_MULT, BLOCK_H), (m_tile, 0, None))
-        gX = cute.local_tile(tma_mX, (tile_m, BLOCK_H), (m_tile, None))
         gB = cute.local_tile(tma_mB, (self.n, self.k_stage), (0, None))
         one = cute.make_layout(1)
         tRs, tRg = cpasync.tma_partition(tma_res, 0, one, cute.group_modes(sRes, 0, 3), cute.group_modes(gRes, 0, 3))
-        tXs, tXg = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+        tXs, tXg = None, None
+        if const_expr(not self.no_post):
+            gX = cute.local_tile(tma_mX, (tile_m, BLOCK_H), (m_tile, None))
+            tXs, tXg = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
         tBs, tBg = cpasync.tma_partition(tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gB, 0, 2))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for i in cutlass.range(n_blk, unroll=1):
@@ -398,7 +411,8 @@ class MmaFusedHcKernel:
             ab_pipeline.producer_acquire(state)
             bar = ab_pipeline.producer_get_barrier(state)
             cute.copy(tma_res, tRg[(None, blk)], tRs[(None, state.index)], tma_bar_ptr=bar)
-            cute.copy(tma_x, tXg[(None, blk)], tXs[(None, state.index)], tma_bar_ptr=bar)
+            if const_expr(not self.no_post):
+                cute.copy(tma_x, tXg[(None, blk)], tXs[(None, state.index)], tma_bar_ptr=bar)
             cute.copy(tma_w, tBg[(None, blk)], tBs[(None, state.index)], tma_bar_ptr=bar)
             ab_pipeline.producer_commit(state)
             state.advance()
@@ -441,18 +455,20 @@ class MmaFusedHcKernel:
         dots = cute.make_rmem_tensor((N_MIXES // 2,), Float32)  # columns 2 t + a + 8 c of rows g, g + 8
         dots.fill(0.0)
 
-        # post_mix[m, j] and comb_mix[m, k, j] of this thread's two rows (zero past M: those rows are not stored)
+        # post_mix[m, j] and comb_mix[m, k, j] of this thread's two rows (zero past M: those rows are not stored;
+        # none without a post)
         post = cute.make_rmem_tensor((2, HC_MULT), Float32)
         comb = cute.make_rmem_tensor((2, HC_MULT, HC_MULT), Float32)
         post.fill(0.0)
         comb.fill(0.0)
-        for r in cutlass.range_constexpr(2):
-            m = m_tile * self.tile_m + rows[r]
-            if m < m_total:
-                for j in cutlass.range_constexpr(HC_MULT):
-                    post[r, j] = mPost[m, j]
-                    for k in cutlass.range_constexpr(HC_MULT):
-                        comb[r, k, j] = mComb[m, k, j]
+        if const_expr(not self.no_post):
+            for r in cutlass.range_constexpr(2):
+                m = m_tile * self.tile_m + rows[r]
+                if m < m_total:
+                    for j in cutlass.range_constexpr(HC_MULT):
+                        post[r, j] = mPost[m, j]
+                        for k in cutlass.range_constexpr(HC_MULT):
+                            comb[r, k, j] = mComb[m, k, j]
         pre = cute.make_rmem_tensor((2, HC_MULT), Float32)  # the carried gates (delayed seam, "carried")
         pre.fill(0.0)
         if const_expr(mPre is not None):
@@ -471,9 +487,10 @@ class MmaFusedHcKernel:
     def project_block(self, ctx: "_Consumer", tiled_mma, sX, sRes, si, vec_in_row, wi, mResOut, blk, m_tile,
                       m_total, mLayerIn=None):
         """One 32-wide block of H: the thread's 8-vectors (``vec_in_row`` of its rows in the activation stage
-        ``si``), the post-map into ``residual_cur`` (H block ``blk``), the squares and the A fragment, then the
-        stage's MMAs against weight stage ``wi``, waited for (the A registers are rewritten next). The delayed
-        seam: the collapse x1 of the rounded streams into ``layer_input`` too (``store_x1``)."""
+        ``si``), the post-map into ``residual_cur`` (H block ``blk``; without a post the streams are
+        ``residual_prev``'s values, nothing stored), the squares and the A fragment, then the stage's MMAs against
+        weight stage ``wi``, waited for (the A registers are rewritten next). The delayed seam: the collapse x1 of
+        the rounded streams into ``layer_input`` too (``store_x1``)."""
         xv = cute.make_rmem_tensor((2, VEC), Float32)
         rv = cute.make_rmem_tensor((2, HC_MULT, VEC), Float32)
         out = cute.make_rmem_tensor((VEC,), BFloat16)
@@ -481,19 +498,24 @@ class MmaFusedHcKernel:
         x1 = cute.make_rmem_tensor((2, VEC), Float32)  # the carried collapse's fp32 chain, per row
         vec_idx = blk * (BLOCK_H // VEC) + ctx.quad
         for r in cutlass.range_constexpr(2):
-            xv[r, None].store(self._vec(sX[(ctx.rows[r], None, si)], vec_in_row).load().to(Float32))
+            if const_expr(not self.no_post):
+                xv[r, None].store(self._vec(sX[(ctx.rows[r], None, si)], vec_in_row).load().to(Float32))
             for k in cutlass.range_constexpr(HC_MULT):
                 rv[r, k, None].store(self._vec(sRes[(ctx.rows[r], k, None, si)], vec_in_row).load().to(Float32))
         for j in cutlass.range_constexpr(HC_MULT):
             for r in cutlass.range_constexpr(2):
-                # SPEC step 1: acc = post[j] x[h]; acc = fma(comb[k][j], res[k][h], acc), k = 0..3
-                for e in cutlass.range_constexpr(VEC):
-                    out[e] = du.post_element(ctx.post[r, j], xv[r, e], [ctx.comb[r, k, j] for k in range(HC_MULT)],
-                                             [rv[r, k, e] for k in range(HC_MULT)]).to(BFloat16)
-                m = m_tile * self.tile_m + ctx.rows[r]
-                if m < m_total:
-                    cute.autovec_copy(out, self._vec(mResOut[(m, j, None)], vec_idx))
-                xf.store(out.load().to(Float32))
+                if const_expr(self.no_post):
+                    xf.store(rv[r, j, None].load())  # bf16 values, exact in fp32
+                else:
+                    # SPEC step 1: acc = post[j] x[h]; acc = fma(comb[k][j], res[k][h], acc), k = 0..3
+                    for e in cutlass.range_constexpr(VEC):
+                        out[e] = du.post_element(ctx.post[r, j], xv[r, e],
+                                                 [ctx.comb[r, k, j] for k in range(HC_MULT)],
+                                                 [rv[r, k, e] for k in range(HC_MULT)]).to(BFloat16)
+                    m = m_tile * self.tile_m + ctx.rows[r]
+                    if m < m_total:
+                        cute.autovec_copy(out, self._vec(mResOut[(m, j, None)], vec_idx))
+                    xf.store(out.load().to(Float32))
                 for e in cutlass.range_constexpr(VEC):
                     ctx.sumsq[r] = cute.math.fma(xf[e], xf[e], ctx.sumsq[r])
                     # H offset 8 t + e is K column t (e even) or t + 4 (e odd) of k8 step 4 j + e // 2
@@ -572,21 +594,26 @@ _compiled = CompiledKernels("mhc_mma")
 
 
 def compiled_mma(tactic: MmaTactic, problem, out):
-    """The compiled launcher for (tactic, H, precision, norm dtype, seam), compiled (or loaded) on first use."""
+    """The compiled launcher for (tactic, H, precision, norm dtype, seam, form), compiled (or loaded) on first use."""
     norm = None if problem.norm_weight is None else str(problem.norm_weight.dtype)
     key = (tactic.name, problem.hidden, problem.precision, norm)
     if problem.delayed:  # mhc_fused_hc's keys (and persisted file names) stay as they were
         key += (delayed_mode(problem),)
+    if problem.form == "no_post":
+        key += ("no_post",)
     return _compiled.get(key, lambda: compile_mma(tactic, problem, out))
 
 
 def compile_mma(tactic: MmaTactic, problem, out):
     """Compile ``tactic.path`` against fake tensors shaped like ``problem`` and ``out`` (no GPU needed)."""
     h = problem.hidden
-    kernel = MmaFusedHcKernel(h, tactic, problem.precision, norm_dtype_of(problem.norm_weight), delayed_mode(problem))
+    no_post = problem.form == "no_post"
+    kernel = MmaFusedHcKernel(h, tactic, problem.precision, norm_dtype_of(problem.norm_weight), delayed_mode(problem),
+                              no_post)
     m = cute.sym_int()
     token_tensors = fake_tensors(problem.x, problem.residual, problem.post_mix, problem.comb_mix, tokens=m)
-    outputs = fake_tensors(*out[:4], tokens=m)
+    # without a post the big fuse collapses residual_prev, passed where residual_cur goes (``KernelLaunch``)
+    outputs = fake_tensors(problem.residual if no_post else out[0], *out[1:4], tokens=m)
     weight = torch.empty(h // BLOCK_H, HC_MULT, kernel.n, BLOCK_H)  # shape of cached_weight(fn, precision)
     weight, norm_weight = fake_tensors(weight, problem.norm_weight)
     scale, base = fake_tensors(problem.hc_scale, problem.hc_base, align=4)  # read as scalars
@@ -606,24 +633,27 @@ def _prepare(path: str, problem, tactic, out):
 
 
 def prepare_half_mma(problem, tactic, out):
-    """Path B: kernel 1, then the big-fuse kernel (two launches, one host call); both seams, regular form."""
+    """Path B: kernel 1, then the big-fuse kernel (two launches, one host call); both seams, regular form and
+    without post."""
     return _prepare("half_mma", problem, tactic, out)
 
 
 def prepare_all_mma(problem, tactic, out):
-    """Path D: one launch; the CTA that completes an M tile runs its big fuse. Both seams, regular form."""
+    """Path D: one launch; the CTA that completes an M tile runs its big fuse. Both seams, regular form and without
+    post."""
     return _prepare("all_mma", problem, tactic, out)
 
 
 def _compile_spec(spec) -> str:
-    """Process-pool worker of ``precompile``: compile (and persist) one (tactic name, H, precision, norm[, seam])."""
-    name, hidden, precision, norm, *delayed = spec
-    problem = spec_problem(hidden, precision, norm, *delayed)
+    """Process-pool worker of ``precompile``: compile (and persist) one (tactic name, H, precision, norm[, seam[,
+    form]])."""
+    name, hidden, precision, norm, *seam = spec
+    problem = spec_problem(hidden, precision, norm, *seam)
     compiled_mma(tac.parse_tactic(name), problem, problem.empty_outputs())
     return name
 
 
 def precompile(specs, processes: int | None = None) -> list[str]:
     """Compile (tactic name, H, precision, norm dtype name or None[, seam: ``delayed_mode``'s "carried" /
-    "identity"]) variants in parallel worker processes."""
+    "identity" or None[, form: "regular" / "no_post"]]) variants in parallel worker processes."""
     return compile_in_processes(_compile_spec, specs, processes)
