@@ -761,3 +761,23 @@ def test_the_default_tactic_of_a_seam_without_post(monkeypatch):
         tactic = kernels.resolve_tactic("half_fma", None, problem, tac.FmaTactic, tac.parse_tactic,
                                         fma._default_tactic)
         assert tactic.path == "half_fma"
+
+
+def test_session_specs_cover_both_forms_of_every_kernel_path():
+    """``bench/precompile.py --session`` lists the no-post form of every CuTe path beside the regular one, and every
+    spec it lists names a problem its compile worker can build (``spec_problem``)."""
+    from conftest import bench_script
+
+    from mhc_cute.kernels import spec_problem
+
+    with bench_script("precompile.py") as precompile:
+        fma, mma = precompile.session_specs(132)
+        delayed_fma, delayed_mma = precompile.delayed_session_specs(132)
+    fma, mma = fma + delayed_fma, mma + delayed_mma
+    for specs, paths in ((fma, tac.FMA_PATHS), (mma, tac.MMA_PATHS)):
+        no_post = {tac.parse_tactic(s[0]).path for s in specs if s[-1] == "no_post"}
+        assert no_post == set(paths)
+    problems = ([(spec_problem(hidden, "fp32", norm, *seam), seam) for _, hidden, norm, *seam in fma]
+                + [(spec_problem(hidden, precision, norm, *seam), seam) for _, hidden, precision, norm, *seam in mma])
+    for problem, seam in problems:
+        assert problem.form == ("no_post" if "no_post" in seam else "regular")
