@@ -484,6 +484,41 @@ def delayed_calls(backends: list[str], precision: str = "fp32") -> dict[str, Cal
     return calls
 
 
+def form_sets(form: str, sets: list[dict]) -> list[dict]:
+    """``sets`` as a seam's inputs in entry ``form`` under ``"form"`` (``"no_post"``: no ``x_prev``, ``post_mix_prev``,
+    ``comb_mix_prev``; ``"broadcast"``: also ``residual_prev`` the embedding ``[M, H]``, stream 0's values, and the
+    delayed seam's identity gates, as V4.1's entry), each beside the regular seam's under ``"seam"`` (the comparison
+    column)."""
+    out = []
+    for s in sets:
+        f = dict(s, x_prev=None, post_mix_prev=None, comb_mix_prev=None)
+        if form == "broadcast":
+            f["residual_prev"] = s["residual_prev"][:, 0].contiguous()
+            if "pre_mix_prev" in f:
+                f["pre_mix_prev"] = None
+        out.append(dict(form=f, seam=s))
+    return out
+
+
+def form_calls(backends: list[str], delayed: bool, precision: str = "fp32") -> dict[str, Callable[[dict], object]]:
+    """``mhc-cute bench --form``: the seam (``delayed``: ``mhc_fused_hc_delayed``) in an entry form, ``auto`` and
+    ``backends`` on ``form_sets``, and ``mhc_fused_hc``'s ``auto`` on the regular seam's inputs as the comparison
+    column (the SPEC's target: an entry form no slower than a seam)."""
+    from .api import mhc_fused_hc, mhc_fused_hc_delayed
+
+    fn = mhc_fused_hc_delayed if delayed else mhc_fused_hc
+
+    def of(backend):
+        def call(s):
+            return fn(**s["form"], backend=backend, precision=precision)
+        return call
+
+    calls = {"auto": of("auto")}
+    calls.update({n: of(n) for n in backends})
+    calls["mhc_fused_hc auto"] = lambda s: v4_auto(s["seam"], precision)
+    return calls
+
+
 def op_sets(op: str, sets: list[dict]) -> list[dict]:
     """``sets`` (with carried gates) as a standalone op's inputs (``accuracy.op_inputs_of``) under ``"op"``, each
     beside its seam inputs under ``"seam"`` (the comparison column)."""
@@ -686,6 +721,7 @@ MODEL_OUTPUT_BYTES = 16 << 30  # at most this much of distinct precomputed subla
 
 # SPEC's cost model of each op of a forward pass (``model_ops`` names); the delayed entry and the no-post seams move
 # the same H-sized rows as their V4 forms (their gate bytes are a few dozen per token)
+FORM_FLOORS = {"no_post": no_post_floor_bytes, "broadcast": entry_floor_bytes}
 OP_FLOORS = {
     "seam": floor_bytes, "delayed_seam": delayed_floor_bytes, "entry": entry_floor_bytes,
     "delayed_entry": entry_floor_bytes, "no_post_delayed_seam": no_post_floor_bytes, "post": post_floor_bytes,

@@ -83,6 +83,9 @@ def cmd_bench(args) -> int:
 
     from . import backends, benchmark as bm
 
+    if args.form and (args.op or args.model):
+        print("mhc-cute bench: --form times a seam; it does not go with --op or --model", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("mhc-cute bench needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -100,6 +103,10 @@ def cmd_bench(args) -> int:
 
         names = args.backends or [n for n in ops.available(args.op, dev) if n != "torch"]
         calls = bm.op_calls(args.op, [n for n in names if n != "auto"])
+    elif args.form:  # a seam in an entry form, with mhc_fused_hc's auto as the comparison column; no peers
+        op = "fused_hc_delayed" if args.delayed else "fused_hc"
+        names = args.backends or [n for n in backends.available(dev, op, args.form) if n != "torch"]
+        calls = bm.form_calls([n for n in names if n != "auto"], args.delayed, args.precision)
     elif args.delayed:  # the delayed seam, with mhc_fused_hc's auto as the comparison column; no peers
         names = args.backends or [n for n in backends.available(dev, "fused_hc_delayed") if n != "torch"]
         calls = bm.delayed_calls([n for n in names if n != "auto"], args.precision)
@@ -109,23 +116,27 @@ def cmd_bench(args) -> int:
         calls.update({n: bm.mhc_cute_call(n, args.precision) for n in names})
         if not args.no_peers:
             calls.update(bm.peer_calls(args.norm))
-    floor = (bm.OP_FLOORS[args.op.removeprefix("mhc_")] if args.op else bm.delayed_floor_bytes if args.delayed
-             else bm.floor_bytes)
+    floor = (bm.OP_FLOORS[args.op.removeprefix("mhc_")] if args.op else bm.FORM_FLOORS[args.form] if args.form
+             else bm.delayed_floor_bytes if args.delayed else bm.floor_bytes)
+    apart = args.delayed or args.op or args.form  # not mhc_fused_hc's regular seam: no contexts, no host times
     results = []
     for h in hiddens:
         for m in ms:
             sets = bm.rotated_sets(m, h, dev, args.norm)
             if args.delayed or args.op:
                 sets = bm.with_carried_gates(sets)
-            contexts = bm.context_predecessors(sets) if m <= bm.CONTEXT_MAX_M and not args.op else None
+            contexts = (bm.context_predecessors(sets) if m <= bm.CONTEXT_MAX_M and not (args.op or args.form)
+                        else None)
             if args.op:
                 sets = bm.op_sets(args.op, sets)
+            if args.form:
+                sets = bm.form_sets(args.form, sets)
             for name, call in calls.items():
                 eager = not (name == "torch-compile" and m > 4096)
                 results.append(bm.bench_one(name, call, m, h, dev, args.norm, bandwidth, sets=sets, eager=eager,
                                             contexts=contexts, floor=floor))
                 r = results[-1]
-                if name == "auto" and not (args.delayed or args.op) and m <= bm.HOST_MAX_M and r.error is None:
+                if name == "auto" and not apart and m <= bm.HOST_MAX_M and r.error is None:
                     r.host = bm.host_times(m, h, dev, args.norm, args.precision)._asdict()
                 print(f"  H={h} M={m} {name}: {r.graph_us if r.error is None else r.error}", file=sys.stderr,
                       flush=True)
@@ -133,7 +144,8 @@ def cmd_bench(args) -> int:
             torch.cuda.empty_cache()
             if args.json:  # after every shape, so that a run cut short keeps what it measured
                 bm.write_json(results, args.json, bandwidth, gpu,
-                              dict(norm=args.norm, precision=args.precision, delayed=args.delayed, op=args.op))
+                              dict(norm=args.norm, precision=args.precision, delayed=args.delayed, op=args.op,
+                                   form=args.form))
     print(bm.format_table(results, bandwidth, gpu))
     print(bm.auto_summary(results, names))
     if args.plot:
@@ -256,6 +268,9 @@ def main(argv=None) -> int:
     b.add_argument("--op", choices=["mhc_post", "mhc_collapse", "mhc_head"],
                    help="time a standalone op (floor from SPEC's cost model) against mhc_fused_hc's auto on the "
                         "same tokens")
+    b.add_argument("--form", choices=["no_post", "broadcast"],
+                   help="time the seam (with --delayed: the delayed seam) in an entry form (floor from SPEC's cost "
+                        "model) against mhc_fused_hc's auto on the regular seam's inputs")
     b.add_argument("--json", help="write the results here")
     b.add_argument("--model", choices=["v4-pro", "v4-flash", "v4.1-flash"],
                    help="time one forward pass's mHC ops instead (--backends: of auto, torch, tilekernels)")

@@ -129,3 +129,35 @@ def test_op_bench_calls_run_the_op_and_the_seam_on_the_same_tokens():
         assert torch.equal(calls["torch"](s), want)
         assert calls["mhc_fused_hc auto"](s).layer_input.shape == (3, 64)
         assert bm.OP_FLOORS[op.removeprefix("mhc_")](3, 64) > 0
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_form_bench_calls_run_the_entry_form_and_the_seam_on_the_same_tokens(delayed):
+    """``bench --form``: the calls on ``form_sets`` run the seam in that form (the no-post seam returns
+    ``residual_prev`` itself; the broadcast entry writes 4 copies of stream 0), the comparison column the regular
+    seam on the full inputs."""
+    import torch
+
+    sets = bm.make_sets(3, 64, 2, "cpu", True)
+    if delayed:
+        sets = bm.with_carried_gates(sets)
+    for form in ("no_post", "broadcast"):
+        calls = bm.form_calls(["torch"], delayed)
+        assert list(calls) == ["auto", "torch", "mhc_fused_hc auto"]
+        s = bm.form_sets(form, sets)[1]
+        got = calls["torch"](s)
+        if form == "no_post":
+            assert got.residual_cur is s["form"]["residual_prev"]
+        else:
+            assert s["form"]["residual_prev"].shape == (3, 64)
+            assert torch.equal(got.residual_cur, sets[1]["residual_prev"][:, :1].expand(3, 4, 64))
+        assert hasattr(got, "pre_mix_cur") == delayed
+        assert calls["mhc_fused_hc auto"](s).residual_cur.shape == (3, 4, 64)
+        assert bm.FORM_FLOORS[form](3, 64) > 0
+
+
+def test_bench_refuses_form_with_op(capsys):
+    from mhc_cute import cli
+
+    assert cli.main(["bench", "--form", "no_post", "--op", "mhc_post"]) == 2
+    assert "--form" in capsys.readouterr().err
