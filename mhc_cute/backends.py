@@ -176,8 +176,8 @@ def pick_auto(device: torch.device, m: int, hidden: int) -> str:
 
 
 def pick_auto_for(device: torch.device, m: int, hidden: int, op: str, form: str) -> str:
-    """``backend="auto"`` for an entry form where the V4 seam's tuned pick has no kernel for it (the broadcast entry;
-    no post past the FMA paths' M): Triton on a GPU, else the reference."""
+    """``backend="auto"`` for an entry form where the V4 seam's tuned pick has no kernel for it (the broadcast entry
+    on every CuTe path): Triton on a GPU, else the reference."""
     if device.type == "cuda" and hidden % 64 == 0 and unavailable_reason("triton", device) is None:
         return "triton"
     return "torch"
