@@ -12,10 +12,10 @@ same checkout (the file names carry a digest of the kernel sources and the CuTe 
 it): the GPU tests' default tactics over their grid (fp32 and tf32) and their explicit tactics (the big-fuse
 shapes, the warp-MMA tactics), the bench grid's defaults and the shipped tables' tactics, with and without the norm;
 and the delayed seam's (``mhc_fused_hc_delayed``: tests/test_delayed.py's GPU grid and the bench grid, carried and
-identity gates, with and without the norm, and paths E/F's seams without post; ``--delayed`` compiles only
-those). About 400 + 490 variants: 15-20
-minutes on a 2-core CPU machine for the first, about as long again for the delayed ones (estimated from single
-compiles of 5-15 s); packed for the device (2-4 MB, more with the delayed ones):
+identity gates, with and without the norm, and every CuTe path's seams without post, as the shipped picks in that
+form; ``--delayed`` compiles only those). About 720 FMA and 770 MMA variants: on the 2-core development machine
+(2026-12-04) about 1.5 FMA and 0.8 MMA variants a second with two workers, half an hour in all; packed for the
+device about 3-4 MB:
 
     MHC_CUTE_KERNEL_CACHE=/tmp/kc python bench/precompile.py --session
     mkdir -p .kcarry && tar -C /tmp/kc -cJf .kcarry/kcache.tar.xz .   # carry=[".devbundle", ".kcarry"]

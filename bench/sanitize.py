@@ -180,13 +180,13 @@ def fused_hc_cases() -> list[Case]:
             out += _fma_cases(b)
         elif b in tac.MMA_PATHS:
             out += _mma_cases(b)
+        elif b == "triton":
+            out += [Case("mhc_fused_hc", b, 130, 7168, True, "max-split", "split_k=1048576"),
+                    Case("mhc_fused_hc", b, 1031, 4096, True, "chunked", "chunk_m=256")]
         if b in tac.FMA_PATHS + tac.MMA_PATHS:
             # the seam without post (residual_prev read as the streams): one and several tokens per CTA or tile
             out += [Case("mhc_fused_hc", b, m, h, norm, "no_post")
                     for m, h, norm in ((1, 7168, True), (130, 512, False), (1031, 4096, True))]
-        elif b == "triton":
-            out += [Case("mhc_fused_hc", b, 130, 7168, True, "max-split", "split_k=1048576"),
-                    Case("mhc_fused_hc", b, 1031, 4096, True, "chunked", "chunk_m=256")]
         out.append(Case("mhc_fused_hc", b, 17, 4096, True, "graph", graph=True))
         out.append(Case("mhc_fused_hc", b, 17, 4096, True, "nonfinite"))
     return out
