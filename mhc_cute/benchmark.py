@@ -468,6 +468,13 @@ def v4_auto(s: dict, precision: str = "fp32") -> MhcFusedHcOutput:
                         s["hc_scale"], s["hc_base"], norm_weight=s["norm_weight"], precision=precision)
 
 
+def beside_the_v4_seam(call_of: Callable[[str], Callable[[dict], object]], backends: list[str],
+                       v4: Callable[[dict], object]) -> dict[str, Callable[[dict], object]]:
+    """The calls of a bench that times another op or form: ``call_of(name)`` for ``auto`` and ``backends``, then
+    ``v4`` (``mhc_fused_hc``'s ``auto`` on the same tokens) as the comparison column."""
+    return {"auto": call_of("auto"), **{n: call_of(n) for n in backends}, "mhc_fused_hc auto": v4}
+
+
 def delayed_calls(backends: list[str], precision: str = "fp32") -> dict[str, Callable[[dict], object]]:
     """``mhc-cute bench --delayed``: the delayed seam's ``auto`` and ``backends`` on sets with ``pre_mix_prev``
     (``with_carried_gates``), and ``mhc_fused_hc``'s ``auto`` on the same sets as the comparison column."""
@@ -478,10 +485,7 @@ def delayed_calls(backends: list[str], precision: str = "fp32") -> dict[str, Cal
             return mhc_fused_hc_delayed(**s, backend=backend, precision=precision)
         return call
 
-    calls = {"auto": delayed("auto")}
-    calls.update({n: delayed(n) for n in backends})
-    calls["mhc_fused_hc auto"] = lambda s: v4_auto(s, precision)
-    return calls
+    return beside_the_v4_seam(delayed, backends, lambda s: v4_auto(s, precision))
 
 
 def form_sets(form: str, sets: list[dict]) -> list[dict]:
@@ -513,10 +517,7 @@ def form_calls(backends: list[str], delayed: bool, precision: str = "fp32") -> d
             return fn(**s["form"], backend=backend, precision=precision)
         return call
 
-    calls = {"auto": of("auto")}
-    calls.update({n: of(n) for n in backends})
-    calls["mhc_fused_hc auto"] = lambda s: v4_auto(s["seam"], precision)
-    return calls
+    return beside_the_v4_seam(of, backends, lambda s: v4_auto(s["seam"], precision))
 
 
 def op_sets(op: str, sets: list[dict]) -> list[dict]:
@@ -540,10 +541,7 @@ def op_calls(op: str, backends: list[str]) -> dict[str, Callable[[dict], object]
             return fn(**s["op"], backend=backend)
         return call
 
-    calls = {"auto": of("auto")}
-    calls.update({n: of(n) for n in backends})
-    calls["mhc_fused_hc auto"] = lambda s: v4_auto(s["seam"])
-    return calls
+    return beside_the_v4_seam(of, backends, lambda s: v4_auto(s["seam"]))
 
 
 def with_carried_gates(sets: list[dict], seed: int = 1) -> list[dict]:
