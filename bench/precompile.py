@@ -32,8 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def split_specs(pairs, norms, precisions, seams=(None,), form="regular"):
     """(FMA specs, MMA specs) of (H, tactic) ``pairs``, each with every norm (and, for MMA, every precision) and
-    seam (None: ``mhc_fused_hc``; "carried" / "identity": the delayed seam's gates), in seam ``form`` ("regular"
-    or "no_post")."""
+    seam (None: ``mhc_fused_hc``; "carried" / "identity": the delayed seam's gates), in seam ``form`` ("regular",
+    "no_post" or "broadcast")."""
     from mhc_cute import tactics
 
     fma, mma = [], []
@@ -70,9 +70,12 @@ def delayed_session_specs(sm_count):
     hiddens = sorted(set(GPU_HS) | {4096, 5120, 7168})
     paths = tactics.FMA_PATHS + tactics.MMA_PATHS
     fma, mma = specs_for(paths, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count, ("carried", "identity"))
-    # the seams without post (tests/test_delayed.py's no-post variants: V4's, and V4.1's carried)
+    # the seams without post (tests/test_delayed.py's no-post variants: V4's, and V4.1's carried) and the broadcast
+    # entry on paths B/D (V4's, and V4.1's with the identity)
     no_post = specs_for(paths, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count, (None, "carried"), "no_post")
-    return fma + no_post[0], mma + no_post[1]
+    _, broadcast = specs_for(tactics.MMA_PATHS, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count,
+                             (None, "identity"), "broadcast")
+    return fma + no_post[0], mma + no_post[1] + broadcast
 
 
 def tune_specs(backends, ms, hiddens, norms, precisions, sm_count):
@@ -109,12 +112,13 @@ def session_specs(sm_count):
     named += [(h, t.name) for h in GPU_HS for path in tactics.FMA_PATHS  # the warp-MMA test
               for t in warp_mma_tactics(path, h)]
     named_fma, named_mma = split_specs([(h, tactics.parse_tactic(n)) for h, n in named], [None, "bfloat16"], ["fp32"])
-    # the shipped picks without post too: mhc_head's seam form and the no-post seam take them under auto
+    # the shipped picks in the entry forms too: mhc_head's seam form and the entry seams take them under auto
     picks = [(selector.TuneKey.parse(key).hidden, tactics.parse_tactic(c.tactic))
              for key, rows in selector.load_shipped_tables().items() for c in rows.values() if c.tactic]
     no_post_fma, no_post_mma = split_specs(picks, [None, "bfloat16"], ["fp32"], form="no_post")
+    _, broadcast_mma = split_specs(picks, [None, "bfloat16"], ["fp32"], form="broadcast")
     return (list(dict.fromkeys(fma + named_fma + no_post_fma)),
-            list(dict.fromkeys(mma + named_mma + no_post_mma)))
+            list(dict.fromkeys(mma + named_mma + no_post_mma + broadcast_mma)))
 
 
 def compile_jobs(jobs, workers: int) -> None:

@@ -187,6 +187,9 @@ def fused_hc_cases() -> list[Case]:
             # the seam without post (residual_prev read as the streams): one and several tokens per CTA or tile
             out += [Case("mhc_fused_hc", b, m, h, norm, "no_post")
                     for m, h, norm in ((1, 7168, True), (130, 512, False), (1031, 4096, True))]
+        if b in tac.MMA_PATHS:  # the broadcast entry (the embedding as one stream, stored 4 times)
+            out += [Case("mhc_fused_hc", b, m, h, norm, "broadcast")
+                    for m, h, norm in ((3, 5120, True), (130, 512, False), (1031, 7168, True))]
         out.append(Case("mhc_fused_hc", b, 17, 4096, True, "graph", graph=True))
         out.append(Case("mhc_fused_hc", b, 17, 4096, True, "nonfinite"))
     return out
@@ -203,13 +206,18 @@ def triton_tactic(case: Case):
 
 
 NONFINITE_TOKEN = 5  # the "nonfinite" cases: NaN in one value of x_prev of this token
+ENTRY_FORMS = ("no_post", "broadcast")  # the cases labelled with an entry form run the seam in that form
+
+
+def case_form(case: Case) -> str:
+    return case.label if case.label in ENTRY_FORMS else "regular"
 
 
 def fused_hc_inputs(case: Case, device: str, clean: bool = False) -> dict:
     from mhc_cute.accuracy import gpu_nan, make_inputs
 
     inputs = make_inputs(case.m, case.h, seed=case.seed, device=device, norm=case.norm,
-                         form="no_post" if case.label == "no_post" else "regular")
+                         form=case_form(case))
     if case.label == "nonfinite" and not clean:
         x = inputs["x_prev"]
         x[NONFINITE_TOKEN, case.h // 3] = gpu_nan(x.dtype).to(device)
@@ -520,7 +528,7 @@ def cute_specs(cases: list[Case], sm_count: int):
         t = tac.parse_tactic(c.tactic) if c.tactic else tac.default_tactic(c.backend, c.m, c.h, sm_count)
         seam = "carried" if c.op == "mhc_fused_hc_delayed" else None  # delayed_inputs carries gates
         f, m = split_specs([(c.h, t)], ["bfloat16" if c.norm else None], [c.precision], [seam],
-                           "no_post" if c.label == "no_post" else "regular")
+                           case_form(c))
         fma += f
         mma += m
     return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))

@@ -40,7 +40,7 @@ def _resolve(problem: Problem, backend: str, tactic):
     name = "mhc_" + op
     if backend == "auto":
         # the delayed seam and the no-post form run the same kernels with a flag: the V4 seam's tuned pick, where
-        # that backend has the form (every CuTe path runs the no-post form, none the broadcast entry)
+        # that backend has the form (every CuTe path runs the no-post form, paths B/D the broadcast entry)
         backend, tactic = selector.SELECTOR.resolve(dev, problem.m, problem.hidden, problem.precision,
                                                     problem.norm_weight is not None)
         if backend in backends.BACKENDS and backends.BACKENDS[backend].entry_for(op, form) is None:

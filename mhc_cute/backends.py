@@ -76,10 +76,10 @@ BACKENDS: dict[str, Backend] = {
                 entries=_delayed_and_no_post("mhc_cute.kernels.fma:prepare_all_fma")),
         Backend("half_mma", "mhc_cute.kernels.mma:prepare_half_mma", "cute",
                 "path B: CuTe DSL, TF32 wgmma projection + big-fuse kernel (2 launches)", 64,
-                entries=_delayed_and_no_post("mhc_cute.kernels.mma:prepare_half_mma")),
+                entries=_every_form("mhc_cute.kernels.mma:prepare_half_mma")),
         Backend("all_mma", "mhc_cute.kernels.mma:prepare_all_mma", "cute",
                 "path D: CuTe DSL, TF32 wgmma projection, last-CTA big fuse (1 launch)", 64,
-                entries=_delayed_and_no_post("mhc_cute.kernels.mma:prepare_all_mma")),
+                entries=_every_form("mhc_cute.kernels.mma:prepare_all_mma")),
     )
 }
 
@@ -177,7 +177,7 @@ def pick_auto(device: torch.device, m: int, hidden: int) -> str:
 
 def pick_auto_for(device: torch.device, m: int, hidden: int, op: str, form: str) -> str:
     """``backend="auto"`` for an entry form where the V4 seam's tuned pick has no kernel for it (the broadcast entry
-    on every CuTe path): Triton on a GPU, else the reference."""
+    on paths E/F): Triton on a GPU, else the reference."""
     if device.type == "cuda" and hidden % 64 == 0 and unavailable_reason("triton", device) is None:
         return "triton"
     return "torch"

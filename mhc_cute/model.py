@@ -69,7 +69,7 @@ def _op_backend(op: str, backend: str) -> str:
 
 def _seam_backend(backend: str, op: str, form: str) -> str:
     """The seam backend for ``op`` in seam ``form`` on a model run on ``backend``: ``backend`` where it implements
-    that pair (the CuTe paths run the regular and no-post forms, not the broadcast entry), else ``"auto"``."""
+    that pair (paths E/F run the regular and no-post forms, paths B/D also the broadcast entry), else ``"auto"``."""
     from .backends import BACKENDS
 
     return backend if backend not in BACKENDS or BACKENDS[backend].entry_for(op, form) else "auto"

@@ -337,7 +337,8 @@ def default_mma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> M
     return MmaTactic(path, split_k, tile_m, 2, fuse).check(hidden)
 
 
-def mma_stage_bytes(tile_m: int, n_parts: int, with_x: bool = True) -> int:
-    """Bytes one pipeline stage receives: residual + x tiles (bf16; no x tile without a post) and the weight tile
-    (fp32)."""
-    return tile_m * (HC_MULT + (1 if with_x else 0)) * MMA_BLOCK_H * 2 + N_MIXES * n_parts * HC_MULT * MMA_BLOCK_H * 4
+def mma_stage_bytes(tile_m: int, n_parts: int, with_x: bool = True, streams: int = HC_MULT) -> int:
+    """Bytes one pipeline stage receives: residual + x tiles (bf16; no x tile without a post, one stream for the
+    broadcast entry) and the weight tile (fp32)."""
+    return (tile_m * (streams + (1 if with_x else 0)) * MMA_BLOCK_H * 2
+            + N_MIXES * n_parts * streams * MMA_BLOCK_H * 4)

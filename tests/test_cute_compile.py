@@ -719,18 +719,54 @@ def test_no_post_is_its_own_compiled_kernel(monkeypatch, tactic):
     monkeypatch.setattr(module, f"compile_{name}", lambda tactic, problem, out: object())
     compiled = getattr(module, f"compiled_{name}")
     t = tac.parse_tactic(tactic)
-    fns = [compiled(t, p, p.empty_outputs()) for seam in (None, "carried") for form in ("regular", "no_post")
+    forms = ("regular", "no_post", "broadcast") if module is mma else ("regular", "no_post")
+    fns = [compiled(t, p, p.empty_outputs()) for seam in (None, "carried") for form in forms
            for p in [spec_problem(512, "fp32", None, seam, form)]]
-    assert len({id(f) for f in fns}) == 4
+    assert len({id(f) for f in fns}) == 2 * len(forms)
 
 
-def test_the_kernel_paths_run_the_seams_without_post():
+def test_the_kernel_paths_run_the_entry_forms():
+    """Every CuTe path runs the seams without post; the broadcast entry, paths B/D (one input stream)."""
     from mhc_cute import backends
 
     for name in tac.FMA_PATHS + tac.MMA_PATHS:
         for op in ("fused_hc", "fused_hc_delayed"):
             assert backends.BACKENDS[name].entry_for(op, "no_post") is not None
-        assert backends.BACKENDS[name].entry_for("fused_hc", "broadcast") is None
+            assert (backends.BACKENDS[name].entry_for(op, "broadcast") is not None) == (name in tac.MMA_PATHS)
+
+
+BROADCAST_VARIANTS = [
+    ("half_mma:k64:m128:s3:flat", 7168, None, None),
+    ("half_mma:k16:m128:s3:fbw", 5120, "bfloat16", "identity"),
+    ("all_mma:k8:m64:s4:fbw", 512, "float32", None),
+    ("all_mma:k64:m64:s4:fbw", 4096, None, "carried"),
+]
+
+
+@pytest.mark.parametrize("tactic, hidden, norm, seam", BROADCAST_VARIANTS,
+                         ids=[f"{v[0].split(':')[0]}-{v[2]}-{v[3]}" for v in BROADCAST_VARIANTS])
+def test_broadcast_variants_compile(tactic, hidden, norm, seam):
+    from mhc_cute.kernels import mma, spec_problem
+
+    problem = spec_problem(hidden, "fp32", norm, seam, "broadcast")
+    assert problem.form == "broadcast" and problem.residual.shape == (1, hidden)
+    assert mma.compile_mma(tac.parse_tactic(tactic), problem, problem.empty_outputs()) is not None  # running: a GPU
+
+
+def test_the_broadcast_weight_is_the_summed_weight_over_one_stream():
+    """Paths B/D's broadcast weight: ``reference.broadcast_fn`` (the SPEC's fn_b) in the B-tile layout of one
+    stream, kept apart from the regular weight of the same tensor."""
+    import torch
+
+    from mhc_cute.kernels import mma
+    from mhc_cute.reference import broadcast_fn
+
+    fn = torch.randn(24, 4 * 64)
+    for precision in ("fp32", "tf32"):
+        b = mma.weight_of(precision, True)(fn)
+        assert b.shape == (2, 1, 48 if precision == "fp32" else 24, 32)
+        assert torch.equal(b, mma.prepare_weight(broadcast_fn(fn), precision, 1))
+        assert mma.weight_of(precision)(fn).shape[1] == 4
 
 
 def test_a_launch_without_post_passes_residual_prev_as_residual_cur():
@@ -763,9 +799,9 @@ def test_the_default_tactic_of_a_seam_without_post(monkeypatch):
         assert tactic.path == "half_fma"
 
 
-def test_session_specs_cover_both_forms_of_every_kernel_path():
-    """``bench/precompile.py --session`` lists the no-post form of every CuTe path beside the regular one, and every
-    spec it lists names a problem its compile worker can build (``spec_problem``)."""
+def test_session_specs_cover_the_forms_of_every_kernel_path():
+    """``bench/precompile.py --session`` lists the no-post form of every CuTe path and the broadcast entry of paths
+    B/D beside the regular form, and every spec it lists names a problem its compile worker builds."""
     from conftest import bench_script
 
     from mhc_cute.kernels import spec_problem
@@ -777,7 +813,8 @@ def test_session_specs_cover_both_forms_of_every_kernel_path():
     for specs, paths in ((fma, tac.FMA_PATHS), (mma, tac.MMA_PATHS)):
         no_post = {tac.parse_tactic(s[0]).path for s in specs if s[-1] == "no_post"}
         assert no_post == set(paths)
+    assert {tac.parse_tactic(s[0]).path for s in mma if s[-1] == "broadcast"} == set(tac.MMA_PATHS)
     problems = ([(spec_problem(hidden, "fp32", norm, *seam), seam) for _, hidden, norm, *seam in fma]
                 + [(spec_problem(hidden, precision, norm, *seam), seam) for _, hidden, precision, norm, *seam in mma])
     for problem, seam in problems:
-        assert problem.form == ("no_post" if "no_post" in seam else "regular")
+        assert problem.form == (seam[-1] if seam and seam[-1] in ("no_post", "broadcast") else "regular")

@@ -314,7 +314,7 @@ def test_v4_seam_refuses_carried_gates_and_half_posts():
 def test_backend_without_the_form_is_refused():
     inputs = make_inputs(5, 64, form="broadcast", pre="identity")
     missing = [n for n, b in backends.BACKENDS.items() if b.entry_for("fused_hc_delayed", "broadcast") is None]
-    assert missing  # the CuTe paths run the regular form only
+    assert missing  # paths E/F have no broadcast entry
     for name in missing:
         with pytest.raises(ValueError, match=rf"mhc_fused_hc_delayed: backend '{name}' does not implement"):
             mhc_fused_hc_delayed(**inputs, backend=name)
@@ -325,14 +325,14 @@ def test_cute_paths_run_the_delayed_seam():
     for name in ("half_fma", "all_fma", "half_mma", "all_mma"):
         b = backends.BACKENDS[name]
         assert b.entry_for("fused_hc_delayed", "regular") == b.entry
-        # without post on every path (a compile-time flag); the broadcast entry on none
+        # without post on every path (a compile-time flag); the broadcast entry on paths B/D
         assert b.entry_for("fused_hc_delayed", "no_post") is not None
-        assert b.entry_for("fused_hc_delayed", "broadcast") is None
+        assert (b.entry_for("fused_hc_delayed", "broadcast") is not None) == (name in ("half_mma", "all_mma"))
 
 
 def test_auto_takes_the_v4_seams_pick_for_the_delayed_seam_and_triton_for_the_entry_forms(monkeypatch):
     """The delayed seam runs the V4 seam's kernels with a flag, so ``auto`` asks the V4 seam's selector (its tuned
-    table); where that pick lacks the form (the broadcast entry on every CuTe path), ``pick_auto_for``: Triton on a
+    table); where that pick lacks the form (the broadcast entry on paths E/F), ``pick_auto_for``: Triton on a
     GPU."""
     from mhc_cute import api, selector
 
@@ -537,7 +537,8 @@ def test_kernel_launch_passes_the_seam_arguments(seam_mode):
 @pytest.mark.parametrize("op", ["fused_hc", "fused_hc_delayed"])
 def test_auto_without_post_takes_the_v4_pick_where_it_has_the_form(monkeypatch, op):
     """A no-post seam's ``auto``: the V4 seam's tuned pick with its tactic, as every CuTe path runs the form; the
-    broadcast entry, which none runs, ``pick_auto_for`` (Triton on a GPU; here, on the CPU, the reference)."""
+    broadcast entry the pick where it is a path B/D, else ``pick_auto_for`` (Triton on a GPU; here, on the CPU, the
+    reference)."""
     from mhc_cute import api, selector
 
     picks = {1: ("half_fma", "half_fma:k80:t1:n6:w256:s1:b1:flat"), 4096: ("half_mma", "half_mma:k64:m128:s3:flat")}
@@ -549,6 +550,7 @@ def test_auto_without_post_takes_the_v4_pick_where_it_has_the_form(monkeypatch, 
         assert problem.op == op and problem.form == "no_post"
         b, tactic = api._resolve(problem, "auto", None)
         assert (b.name, tactic) == picks[m]
-    problem = problem_of(make_inputs(4096, 512, form="broadcast", pre="identity" if pre else None))
-    b, tactic = api._resolve(problem, "auto", None)
-    assert (b.name, tactic) == ("torch", None)
+    for m, want in ((1, ("torch", None)), (4096, picks[4096])):
+        problem = problem_of(make_inputs(m, 512, form="broadcast", pre="identity" if pre else None))
+        b, tactic = api._resolve(problem, "auto", None)
+        assert (b.name, tactic) == want

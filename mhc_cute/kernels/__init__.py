@@ -242,7 +242,7 @@ class KernelLaunch:
 
 def spec_problem(hidden: int, precision: str, norm: str | None, delayed: str | None = None, form: str = "regular"):
     """A one-token CPU ``Problem`` with the dtypes of a variant (``delayed``: as ``delayed_mode`` names it; ``form``:
-    "regular" or "no_post"): enough to compile it (no GPU needed)."""
+    "regular", "no_post" or "broadcast"): enough to compile it (no GPU needed)."""
     import torch
 
     from ..problem import Problem, Scalars
@@ -253,7 +253,8 @@ def spec_problem(hidden: int, precision: str, norm: str | None, delayed: str | N
     pre_mix = torch.empty(1, HC_MULT) if delayed == "carried" else None
     post = form == "regular"
     return Problem(
-        torch.empty(1, hidden, dtype=bf16) if post else None, torch.empty(1, HC_MULT, hidden, dtype=bf16),
+        torch.empty(1, hidden, dtype=bf16) if post else None,
+        torch.empty(1, hidden, dtype=bf16) if form == "broadcast" else torch.empty(1, HC_MULT, hidden, dtype=bf16),
         torch.empty(1, HC_MULT) if post else None, torch.empty(1, HC_MULT, HC_MULT) if post else None,
         torch.empty(N_MIXES, HC_MULT * hidden), torch.empty(3),
         torch.empty(N_MIXES), norm_weight, Scalars(), precision, pre_mix, delayed is not None,

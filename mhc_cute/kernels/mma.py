@@ -29,9 +29,12 @@ rounded streams they hold with the carried gates into ``x1`` (bf16), store it to
 0) and with the norm add its squares into partial column 25; the big fuse writes the gates and normalises
 ``layer_input`` in place (``big_fuse.BigFusePhase.norm_in_place``).
 
-The seam without post (``no_post``, compile-time): ``residual_prev`` is the streams. No ``x_prev`` tiles are
-loaded, nothing is stored to ``residual_cur``, and the big fuse collapses ``residual_prev``, which the launch passes
-where ``residual_cur`` goes (``kernels.KernelLaunch``).
+The entry forms (``form``, compile-time). Without post (``"no_post"``) ``residual_prev`` is the streams: no
+``x_prev`` tiles are loaded, nothing is stored to ``residual_cur``, and the big fuse collapses ``residual_prev``,
+which the launch passes where ``residual_cur`` goes (``kernels.KernelLaunch``). The broadcast entry
+(``"broadcast"``): the embedding ``[M, H]`` is one input stream, stored four times as ``residual_cur`` and projected
+over H with the prepared ``reference.broadcast_fn`` (K = 32 per stage); its sum of squares is stored times 4, so the
+big fuse's mean over 4H is the SPEC's mean over H bit for bit (a power-of-two scale).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from .. import tactics as tac  # noqa: E402
 from ..tactics import HC_MULT, MMA_BLOCK_H as BLOCK_H, MMA_WG_THREADS as WG_THREADS  # noqa: E402
 from ..tactics import N_MIXES  # noqa: E402
 from ..tactics import MmaTactic, default_mma_tactic, mma_stage_bytes as stage_bytes  # noqa: E402
+from ..reference import broadcast_fn  # noqa: E402
 from ..weights import prepared  # noqa: E402
 from . import device_utils as du  # noqa: E402
 from . import (  # noqa: E402
@@ -127,25 +131,32 @@ def block_permutation(device=None) -> torch.Tensor:
     return (8 * t + 2 * s + c // 4).reshape(-1)
 
 
-def prepare_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
-    """The weight as the kernel's B tiles: ``[H/32, 4 (stream), n, 32]`` fp32, ``n = 48`` (hi rows 0..23, lo
-    rows 24..47) for ``"fp32"``, ``n = 24`` (hi) for ``"tf32"``; inside each 32-block the K order is permuted
-    by ``block_permutation``."""
+def prepare_weight(fn: torch.Tensor, precision: str, streams: int = HC_MULT) -> torch.Tensor:
+    """The weight as the kernel's B tiles: ``[H/32, streams, n, 32]`` fp32, ``n = 48`` (hi rows 0..23, lo rows
+    24..47) for ``"fp32"``, ``n = 24`` (hi) for ``"tf32"``; inside each 32-block the K order is permuted by
+    ``block_permutation``. ``fn``: ``[24, streams * H]`` (the broadcast entry's ``broadcast_fn``: one stream)."""
     n_mix, k = fn.shape
-    hidden = k // HC_MULT
+    hidden = k // streams
     hi, lo = split_tf32(fn)
     parts = [hi, lo] if precision == "fp32" else [hi]
-    w = torch.cat(parts, dim=0)  # [n, 4H], column j*H + h
+    w = torch.cat(parts, dim=0)  # [n, streams * H], column j*H + h
     n = w.shape[0]
-    w = w.view(n, HC_MULT, hidden // BLOCK_H, BLOCK_H)[..., block_permutation(w.device)]
+    w = w.view(n, streams, hidden // BLOCK_H, BLOCK_H)[..., block_permutation(w.device)]
     return w.permute(2, 1, 0, 3).contiguous()
 
 
+def _prepare_broadcast_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
+    return prepare_weight(broadcast_fn(fn), precision, 1)
+
+
 @functools.lru_cache(maxsize=None)
-def weight_of(precision: str):
-    """``fn -> cached_weight(fn, precision)`` with its arguments to ``weights.prepared`` built once (a launch calls it
-    per call)."""
-    kind, prepare = f"mma_{precision}", functools.partial(prepare_weight, precision=precision)
+def weight_of(precision: str, broadcast: bool = False):
+    """``fn -> cached_weight(fn, precision)`` (the broadcast entry: of ``broadcast_fn(fn)``) with its arguments to
+    ``weights.prepared`` built once (a launch calls it per call)."""
+    if broadcast:
+        kind, prepare = f"mma_{precision}_broadcast", functools.partial(_prepare_broadcast_weight, precision=precision)
+    else:
+        kind, prepare = f"mma_{precision}", functools.partial(prepare_weight, precision=precision)
     return lambda fn: prepared(fn, kind, prepare)
 
 
@@ -162,16 +173,18 @@ def cached_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
 class MmaFusedHcKernel:
     """Kernel 1 (post-map, ``residual_cur``, sum of squares, TF32 wgmma projection, split-K partials) for one
     (H, tactic, precision, norm dtype, seam: ``delayed`` None, or "carried" / "identity" as ``kernels.delayed_mode``
-    names it; form: ``no_post``, the streams read from ``residual_prev``). Path B launches the standalone big fuse
-    after it; path D runs the big fuse in the CTA that completes an M tile (last-arriver election on a per-tile
+    names it; ``form``: "regular", "no_post" or "broadcast", as ``Problem.form``). Path B launches the standalone big
+    fuse after it; path D runs the big fuse in the CTA that completes an M tile (last-arriver election on a per-tile
     counter, no waiting)."""
 
     def __init__(self, hidden: int, tactic: MmaTactic, precision: str, norm_dtype, delayed: str | None = None,
-                 no_post: bool = False):
+                 form: str = "regular"):
         tactic.check(hidden)
         self.hidden = hidden
         self.delayed = delayed
-        self.no_post = no_post
+        self.no_post = form != "regular"  # no x_prev tiles, no post coefficients
+        self.broadcast = form == "broadcast"
+        self.in_streams = 1 if self.broadcast else HC_MULT  # streams of the activation tiles and the weight
         self.x1_norm = delayed is not None and norm_dtype is not None  # kernel 1 sums x1's squares
         self.tactic = tactic
         self.tile_m = tactic.tile_m
@@ -183,7 +196,7 @@ class MmaFusedHcKernel:
         self.mma_wgs = self.tile_m // 64
         self.producer_warp = self.mma_wgs * 4
         self.threads = tactic.threads
-        self.k_stage = HC_MULT * BLOCK_H  # MMA K per stage: 4 streams x 32
+        self.k_stage = self.in_streams * BLOCK_H  # MMA K per stage: 4 streams (the broadcast entry: 1) x 32
         self.fused = tactic.path == "all_mma"
         if self.fused:
             self.finish = finish_phase(tactic, hidden, norm_dtype, delayed is not None)
@@ -195,7 +208,7 @@ class MmaFusedHcKernel:
     def __call__(
         self,
         mX,  # [M, H] bf16 | None (no post)
-        mRes: cute.Tensor,  # [M, 4, H] bf16
+        mRes: cute.Tensor,  # [M, 4, H] bf16 (the broadcast entry: [M, H])
         mPost,  # [M, 4] f32 | None (no post)
         mComb,  # [M, 4, 4] f32 | None (no post)
         mW: cute.Tensor,  # [H/32, 4, n, 32] f32 (prepare_weight)
@@ -220,6 +233,9 @@ class MmaFusedHcKernel:
     ):
         tile_m, stages = self.tile_m, self.stages
         m = mRes.shape[0]
+        if const_expr(self.broadcast):  # the embedding as one stream
+            mRes = cute.make_tensor(mRes.iterator, cute.make_layout((m, 1, self.hidden),
+                                                                    stride=(mRes.stride[0], self.hidden, 1)))
         res_layout, x_layout, tma_res, tma_mRes, tma_x, tma_mX = self.activation_tma(mRes, mX, BLOCK_H, stages)
         w_layout, tma_w, tma_mB = self.weight_tma(mW)
         tiled_mma = make_tf32_tiled_mma(self.n, warpgroup.OperandSource.RMEM)
@@ -259,12 +275,13 @@ class MmaFusedHcKernel:
         of host time per descriptor against 1.2-1.6 µs for a cache hit, and a by-pointer descriptor adds a per-CTA
         tensormap fence and fetch (+1.9 µs at 448 CTAs)."""
         tile_m = self.tile_m
+        streams = self.in_streams
         res_layout = cute.make_layout(
-            (tile_m, HC_MULT, wide, stages), stride=(wide, tile_m * wide, 1, tile_m * wide * HC_MULT)
+            (tile_m, streams, wide, stages), stride=(wide, tile_m * wide, 1, tile_m * wide * streams)
         )
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_res, tma_mRes = cpasync.make_tiled_tma_atom(
-            g2s, mRes, cute.slice_(res_layout, (None, None, None, 0)), (tile_m, HC_MULT, wide)
+            g2s, mRes, cute.slice_(res_layout, (None, None, None, 0)), (tile_m, streams, wide)
         )
         if const_expr(self.no_post):
             return res_layout, cute.make_layout(1), tma_res, tma_mRes, None, None
@@ -275,14 +292,16 @@ class MmaFusedHcKernel:
     @cute.jit
     def weight_tma(self, mW: cute.Tensor):
         """The weight's stage layout (K-major, 128-byte swizzle, [stream][n][32] per stage, ``stages`` of them) and
-        its TMA atom over B viewed as (n, K) with K in stage order: k = 128 * block + 32 * stream + p. The stage
-        layout is built on its own: slicing the staged composed layout aborts the 4.8.1 compiler for n = 48."""
+        its TMA atom over B viewed as (n, K) with K in stage order: k = k_stage * block + 32 * stream + p (k_stage 128,
+        32 for the broadcast entry's one stream). The stage layout is built on its own: slicing the staged composed
+        layout aborts the 4.8.1 compiler for n = 48."""
         w_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, Float32)
         w_stage_layout = cute.tile_to_shape(w_atom, (self.n, self.k_stage), order=(0, 1))
         w_layout = cute.tile_to_shape(w_atom, (self.n, self.k_stage, self.stages), order=(0, 1, 2))
         mB = cute.make_tensor(
             mW.iterator,
-            cute.make_layout((self.n, (BLOCK_H, HC_MULT * self.n_hblk)), stride=(BLOCK_H, (1, BLOCK_H * self.n))),
+            cute.make_layout((self.n, (BLOCK_H, self.in_streams * self.n_hblk)),
+                             stride=(BLOCK_H, (1, BLOCK_H * self.n))),
         )
         tma_w, tma_mB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, w_stage_layout,
                                                     (self.n, self.k_stage))
@@ -350,7 +369,7 @@ class MmaFusedHcKernel:
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_wgs * 4),
-            tx_count=stage_bytes(self.tile_m, self.n_parts, with_x=not self.no_post),
+            tx_count=stage_bytes(self.tile_m, self.n_parts, with_x=not self.no_post, streams=self.in_streams),
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
 
@@ -396,7 +415,7 @@ class MmaFusedHcKernel:
     def produce(self, ab_pipeline, tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, sRes, sX, sW, m_tile,
                 blk_begin, n_blk):
         tile_m = self.tile_m
-        gRes = cute.local_tile(tma_mRes, (tile_m, HC_MULT, BLOCK_H), (m_tile, 0, None))
+        gRes = cute.local_tile(tma_mRes, (tile_m, self.in_streams, BLOCK_H), (m_tile, 0, None))
         gB = cute.local_tile(tma_mB, (self.n, self.k_stage), (0, None))
         one = cute.make_layout(1)
         tRs, tRg = cpasync.tma_partition(tma_res, 0, one, cute.group_modes(sRes, 0, 3), cute.group_modes(gRes, 0, 3))
@@ -500,26 +519,30 @@ class MmaFusedHcKernel:
         for r in cutlass.range_constexpr(2):
             if const_expr(not self.no_post):
                 xv[r, None].store(self._vec(sX[(ctx.rows[r], None, si)], vec_in_row).load().to(Float32))
-            for k in cutlass.range_constexpr(HC_MULT):
+            for k in cutlass.range_constexpr(self.in_streams):
                 rv[r, k, None].store(self._vec(sRes[(ctx.rows[r], k, None, si)], vec_in_row).load().to(Float32))
         for j in cutlass.range_constexpr(HC_MULT):
             for r in cutlass.range_constexpr(2):
-                if const_expr(self.no_post):
+                if const_expr(self.no_post and not self.broadcast):
                     xf.store(rv[r, j, None].load())  # bf16 values, exact in fp32
                 else:
-                    # SPEC step 1: acc = post[j] x[h]; acc = fma(comb[k][j], res[k][h], acc), k = 0..3
-                    for e in cutlass.range_constexpr(VEC):
-                        out[e] = du.post_element(ctx.post[r, j], xv[r, e],
-                                                 [ctx.comb[r, k, j] for k in range(HC_MULT)],
-                                                 [rv[r, k, e] for k in range(HC_MULT)]).to(BFloat16)
+                    if const_expr(self.broadcast):
+                        out.store(rv[r, 0, None].load().to(BFloat16))  # stream j is a copy of the embedding
+                    else:
+                        # SPEC step 1: acc = post[j] x[h]; acc = fma(comb[k][j], res[k][h], acc), k = 0..3
+                        for e in cutlass.range_constexpr(VEC):
+                            out[e] = du.post_element(ctx.post[r, j], xv[r, e],
+                                                     [ctx.comb[r, k, j] for k in range(HC_MULT)],
+                                                     [rv[r, k, e] for k in range(HC_MULT)]).to(BFloat16)
                     m = m_tile * self.tile_m + ctx.rows[r]
                     if m < m_total:
                         cute.autovec_copy(out, self._vec(mResOut[(m, j, None)], vec_idx))
                     xf.store(out.load().to(Float32))
-                for e in cutlass.range_constexpr(VEC):
-                    ctx.sumsq[r] = cute.math.fma(xf[e], xf[e], ctx.sumsq[r])
-                    # H offset 8 t + e is K column t (e even) or t + 4 (e odd) of k8 step 4 j + e // 2
-                    ctx.tCrA[(r + 2 * (e % 2), 0, j * 4 + e // 2)] = xf[e]
+                if const_expr(j < self.in_streams):  # the broadcast entry projects stream 0 alone
+                    for e in cutlass.range_constexpr(VEC):
+                        ctx.sumsq[r] = cute.math.fma(xf[e], xf[e], ctx.sumsq[r])
+                        # H offset 8 t + e is K column t (e even) or t + 4 (e odd) of k8 step 4 j + e // 2
+                        ctx.tCrA[(r + 2 * (e % 2), 0, j * 4 + e // 2)] = xf[e]
                 if const_expr(self.delayed == "carried"):
                     # SPEC "V4.1: the delayed seam" step 3: acc = pre[0] r0, then acc = fma(pre[j], rj, acc)
                     for e in cutlass.range_constexpr(VEC):
@@ -574,7 +597,11 @@ class MmaFusedHcKernel:
                     for a in cutlass.range_constexpr(2):
                         mPartials[split, m, 8 * c + 2 * ctx.quad + a] = ctx.dots[a + 2 * r + 4 * c]
                 if ctx.quad == 0:
-                    mPartials[split, m, SUMSQ_COL] = ctx.sumsq[r]
+                    if const_expr(self.broadcast):
+                        # 4 x the squares over H: the big fuse's sum over the 4H of the copies
+                        mPartials[split, m, SUMSQ_COL] = ctx.sumsq[r] * Float32(4.0)
+                    else:
+                        mPartials[split, m, SUMSQ_COL] = ctx.sumsq[r]
                     if const_expr(self.x1_norm):
                         mPartials[split, m, X1_SUMSQ_COL] = ctx.x1_sumsq[r]
 
@@ -599,8 +626,8 @@ def compiled_mma(tactic: MmaTactic, problem, out):
     key = (tactic.name, problem.hidden, problem.precision, norm)
     if problem.delayed:  # mhc_fused_hc's keys (and persisted file names) stay as they were
         key += (delayed_mode(problem),)
-    if problem.form == "no_post":
-        key += ("no_post",)
+    if problem.form != "regular":
+        key += (problem.form,)
     return _compiled.get(key, lambda: compile_mma(tactic, problem, out))
 
 
@@ -609,12 +636,12 @@ def compile_mma(tactic: MmaTactic, problem, out):
     h = problem.hidden
     no_post = problem.form == "no_post"
     kernel = MmaFusedHcKernel(h, tactic, problem.precision, norm_dtype_of(problem.norm_weight), delayed_mode(problem),
-                              no_post)
+                              problem.form)
     m = cute.sym_int()
     token_tensors = fake_tensors(problem.x, problem.residual, problem.post_mix, problem.comb_mix, tokens=m)
     # without a post the big fuse collapses residual_prev, passed where residual_cur goes (``KernelLaunch``)
     outputs = fake_tensors(problem.residual if no_post else out[0], *out[1:4], tokens=m)
-    weight = torch.empty(h // BLOCK_H, HC_MULT, kernel.n, BLOCK_H)  # shape of cached_weight(fn, precision)
+    weight = torch.empty(h // BLOCK_H, kernel.in_streams, kernel.n, BLOCK_H)  # shape of the prepared weight
     weight, norm_weight = fake_tensors(weight, problem.norm_weight)
     scale, base = fake_tensors(problem.hc_scale, problem.hc_base, align=4)  # read as scalars
     return compile_kernel(kernel, *token_tensors, weight, scale, base, norm_weight, *outputs, fake_buffer(Float32),
@@ -629,18 +656,16 @@ def _default_tactic(path: str, m: int, hidden: int, sm_count: int) -> MmaTactic:
 def _prepare(path: str, problem, tactic, out):
     tactic = resolve_tactic(path, tactic, problem, MmaTactic, tac.parse_tactic, _default_tactic)
     return KernelLaunch(compiled_mma(tactic, problem, out), problem, tactic, -(-problem.m // tactic.tile_m),
-                        weight_of(problem.precision))
+                        weight_of(problem.precision, problem.broadcast))
 
 
 def prepare_half_mma(problem, tactic, out):
-    """Path B: kernel 1, then the big-fuse kernel (two launches, one host call); both seams, regular form and
-    without post."""
+    """Path B: kernel 1, then the big-fuse kernel (two launches, one host call); both seams, every form."""
     return _prepare("half_mma", problem, tactic, out)
 
 
 def prepare_all_mma(problem, tactic, out):
-    """Path D: one launch; the CTA that completes an M tile runs its big fuse. Both seams, regular form and without
-    post."""
+    """Path D: one launch; the CTA that completes an M tile runs its big fuse. Both seams, every form."""
     return _prepare("all_mma", problem, tactic, out)
 
 
@@ -655,5 +680,5 @@ def _compile_spec(spec) -> str:
 
 def precompile(specs, processes: int | None = None) -> list[str]:
     """Compile (tactic name, H, precision, norm dtype name or None[, seam: ``delayed_mode``'s "carried" /
-    "identity" or None[, form: "regular" / "no_post"]]) variants in parallel worker processes."""
+    "identity" or None[, form: "regular" / "no_post" / "broadcast"]]) variants in parallel worker processes."""
     return compile_in_processes(_compile_spec, specs, processes)
