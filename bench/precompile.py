@@ -12,10 +12,11 @@ same checkout (the file names carry a digest of the kernel sources and the CuTe 
 it): the GPU tests' default tactics over their grid (fp32 and tf32) and their explicit tactics (the big-fuse
 shapes, the warp-MMA tactics), the bench grid's defaults and the shipped tables' tactics, with and without the norm;
 and the delayed seam's (``mhc_fused_hc_delayed``: tests/test_delayed.py's GPU grid and the bench grid, carried and
-identity gates, with and without the norm, and every CuTe path's seams without post, as the shipped picks in that
-form; ``--delayed`` compiles only those). About 720 FMA and 770 MMA variants: on the 2-core development machine
-(2026-12-04) about 1.5 FMA and 0.8 MMA variants a second with two workers, half an hour in all; packed for the
-device about 3-4 MB:
+identity gates, with and without the norm, and every CuTe path's entry forms, as the shipped picks in them;
+``--delayed`` compiles only those). The FMA broadcast specs name the seam's tactic (the worker compiles
+``tactics.fma_broadcast_tactic`` of it, as the launch does). About 800 FMA and 850 MMA variants: on the 2-core
+development machine (2026-12-04) about 1.5 FMA and 0.8 MMA variants a second with two workers, half an hour in all;
+packed for the device about 3-4 MB:
 
     MHC_CUTE_KERNEL_CACHE=/tmp/kc python bench/precompile.py --session
     mkdir -p .kcarry && tar -C /tmp/kc -cJf .kcarry/kcache.tar.xz .   # carry=[".devbundle", ".kcarry"]
@@ -70,12 +71,12 @@ def delayed_session_specs(sm_count):
     hiddens = sorted(set(GPU_HS) | {4096, 5120, 7168})
     paths = tactics.FMA_PATHS + tactics.MMA_PATHS
     fma, mma = specs_for(paths, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count, ("carried", "identity"))
-    # the seams without post (tests/test_delayed.py's no-post variants: V4's, and V4.1's carried) and the broadcast
-    # entry on paths B/D (V4's, and V4.1's with the identity)
+    # the entry forms (tests/test_delayed.py's variants): without post V4's and V4.1's carried, the broadcast entry
+    # V4's and V4.1's with the identity
     no_post = specs_for(paths, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count, (None, "carried"), "no_post")
-    _, broadcast = specs_for(tactics.MMA_PATHS, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count,
-                             (None, "identity"), "broadcast")
-    return fma + no_post[0], mma + no_post[1] + broadcast
+    broadcast = specs_for(paths, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count, (None, "identity"),
+                          "broadcast")
+    return fma + no_post[0] + broadcast[0], mma + no_post[1] + broadcast[1]
 
 
 def tune_specs(backends, ms, hiddens, norms, precisions, sm_count):
@@ -116,8 +117,8 @@ def session_specs(sm_count):
     picks = [(selector.TuneKey.parse(key).hidden, tactics.parse_tactic(c.tactic))
              for key, rows in selector.load_shipped_tables().items() for c in rows.values() if c.tactic]
     no_post_fma, no_post_mma = split_specs(picks, [None, "bfloat16"], ["fp32"], form="no_post")
-    _, broadcast_mma = split_specs(picks, [None, "bfloat16"], ["fp32"], form="broadcast")
-    return (list(dict.fromkeys(fma + named_fma + no_post_fma)),
+    broadcast_fma, broadcast_mma = split_specs(picks, [None, "bfloat16"], ["fp32"], form="broadcast")
+    return (list(dict.fromkeys(fma + named_fma + no_post_fma + broadcast_fma)),
             list(dict.fromkeys(mma + named_mma + no_post_mma + broadcast_mma)))
 
 

@@ -184,10 +184,10 @@ def fused_hc_cases() -> list[Case]:
             out += [Case("mhc_fused_hc", b, 130, 7168, True, "max-split", "split_k=1048576"),
                     Case("mhc_fused_hc", b, 1031, 4096, True, "chunked", "chunk_m=256")]
         if b in tac.FMA_PATHS + tac.MMA_PATHS:
-            # the seam without post (residual_prev read as the streams): one and several tokens per CTA or tile
+            # the seam without post (residual_prev read as the streams) and the broadcast entry (the embedding read
+            # once, stored 4 times): one and several tokens per CTA or tile
             out += [Case("mhc_fused_hc", b, m, h, norm, "no_post")
                     for m, h, norm in ((1, 7168, True), (130, 512, False), (1031, 4096, True))]
-        if b in tac.MMA_PATHS:  # the broadcast entry (the embedding as one stream, stored 4 times)
             out += [Case("mhc_fused_hc", b, m, h, norm, "broadcast")
                     for m, h, norm in ((3, 5120, True), (130, 512, False), (1031, 7168, True))]
         out.append(Case("mhc_fused_hc", b, 17, 4096, True, "graph", graph=True))

@@ -39,12 +39,12 @@ def _resolve(problem: Problem, backend: str, tactic):
     op, form = problem.op, problem.form
     name = "mhc_" + op
     if backend == "auto":
-        # the delayed seam and the no-post form run the same kernels with a flag: the V4 seam's tuned pick, where
-        # that backend has the form (every CuTe path runs the no-post form, paths B/D the broadcast entry)
+        # the delayed seam and the entry forms run the same kernels with flags: the V4 seam's tuned pick, where
+        # it runs the form at this H (paths E/F's broadcast entry needs H % 256 == 0)
         backend, tactic = selector.SELECTOR.resolve(dev, problem.m, problem.hidden, problem.precision,
                                                     problem.norm_weight is not None)
-        if backend in backends.BACKENDS and backends.BACKENDS[backend].entry_for(op, form) is None:
-            backend, tactic = backends.pick_auto_for(dev, problem.m, problem.hidden, op, form), None
+        if backend in backends.BACKENDS and problem.hidden % backends.BACKENDS[backend].h_multiple_for(form):
+            backend, tactic = backends.pick_auto_for(dev, form, problem.hidden), None
     if backend not in backends.BACKENDS:
         raise ValueError(
             f"{name}: unknown backend {backend!r}; available here: {['auto'] + backends.available(dev, op, form)}"
@@ -60,10 +60,12 @@ def _resolve(problem: Problem, backend: str, tactic):
             f"{name}: backend {backend!r} is unavailable on {dev} ({why}); "
             f"available here: {['auto'] + backends.available(dev, op, form)}"
         )
-    mult = backends.BACKENDS[backend].h_multiple
+    b = backends.BACKENDS[backend]
+    mult = b.h_multiple_for(form)
     if problem.hidden % mult:
-        raise ValueError(f"{name}: backend {backend!r} needs H % {mult} == 0; got H = {problem.hidden}")
-    return backends.BACKENDS[backend], tactic
+        of = " for the broadcast entry" if mult != b.h_multiple else ""
+        raise ValueError(f"{name}: backend {backend!r} needs H % {mult} == 0{of}; got H = {problem.hidden}")
+    return b, tactic
 
 
 def _on_device(device: torch.device, fn, *args):

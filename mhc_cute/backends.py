@@ -33,6 +33,11 @@ class Backend:
     h_multiple: int = 1  # kernel backends tile H by 64
     # the other (op, form) pairs it runs, each with its "module:function"; ``entry`` is mhc_fused_hc's regular form
     entries: tuple[tuple[tuple[str, str], str], ...] = ()
+    broadcast_h_multiple: int = 1  # the broadcast entry's H multiple where larger (paths E/F walk H / 4 in chunks)
+
+    def h_multiple_for(self, form: str) -> int:
+        """The multiple of H this backend runs seam ``form`` at."""
+        return max(self.h_multiple, self.broadcast_h_multiple) if form == "broadcast" else self.h_multiple
 
     def entry_for(self, op: str = "fused_hc", form: str = "regular") -> str | None:
         """The entry that runs ``op`` in seam ``form`` here, None when this backend does not implement it."""
@@ -46,18 +51,13 @@ class Backend:
 
 
 SEAM_FORMS = ("regular", "no_post", "broadcast")
+FMA_BROADCAST_H = 256  # paths E/F's broadcast entry: H / 4 in whole 64-position chunks (``tactics.fma_broadcast_tactic``)
 OPS = ("fused_hc", "fused_hc_delayed")
 
 
 def _every_form(entry: str) -> tuple:
     """``entry`` for every (op, form) beyond mhc_fused_hc's regular form."""
     return tuple(((op, form), entry) for op in OPS for form in SEAM_FORMS if (op, form) != ("fused_hc", "regular"))
-
-
-def _delayed_and_no_post(entry: str) -> tuple:
-    """``entry`` for the delayed seam's regular form and both seams without post (the kernels take the seam and the
-    form as compile-time flags)."""
-    return ((("fused_hc_delayed", "regular"), entry),) + tuple(((op, "no_post"), entry) for op in OPS)
 
 
 BACKENDS: dict[str, Backend] = {
@@ -70,10 +70,10 @@ BACKENDS: dict[str, Backend] = {
                 entries=_every_form("mhc_cute.triton.fused_hc:prepare")),
         Backend("half_fma", "mhc_cute.kernels.fma:prepare_half_fma", "cute",
                 "path E: CuTe DSL, FFMA projection + big-fuse kernel (2 launches)", 64,
-                entries=_delayed_and_no_post("mhc_cute.kernels.fma:prepare_half_fma")),
+                entries=_every_form("mhc_cute.kernels.fma:prepare_half_fma"), broadcast_h_multiple=FMA_BROADCAST_H),
         Backend("all_fma", "mhc_cute.kernels.fma:prepare_all_fma", "cute",
                 "path F: CuTe DSL, FFMA projection, last-CTA big fuse (1 launch)", 64,
-                entries=_delayed_and_no_post("mhc_cute.kernels.fma:prepare_all_fma")),
+                entries=_every_form("mhc_cute.kernels.fma:prepare_all_fma"), broadcast_h_multiple=FMA_BROADCAST_H),
         Backend("half_mma", "mhc_cute.kernels.mma:prepare_half_mma", "cute",
                 "path B: CuTe DSL, TF32 wgmma projection + big-fuse kernel (2 launches)", 64,
                 entries=_every_form("mhc_cute.kernels.mma:prepare_half_mma")),
@@ -175,9 +175,11 @@ def pick_auto(device: torch.device, m: int, hidden: int) -> str:
     return "torch"
 
 
-def pick_auto_for(device: torch.device, m: int, hidden: int, op: str, form: str) -> str:
-    """``backend="auto"`` for an entry form where the V4 seam's tuned pick has no kernel for it (the broadcast entry
-    on paths E/F): Triton on a GPU, else the reference."""
-    if device.type == "cuda" and hidden % 64 == 0 and unavailable_reason("triton", device) is None:
-        return "triton"
+def pick_auto_for(device: torch.device, form: str, hidden: int) -> str:
+    """``backend="auto"`` for a seam form at an H where the V4 seam's tuned pick cannot run it (the broadcast entry on
+    paths E/F at H % 256 != 0): path B, else Triton, on a GPU; else the reference."""
+    for name in ("half_mma", "triton"):
+        b = BACKENDS[name]
+        if device.type == "cuda" and hidden % b.h_multiple_for(form) == 0 and unavailable_reason(name, device) is None:
+            return name
     return "torch"

@@ -502,21 +502,50 @@ def test_kernel_cache_rebuilds_a_corrupt_file_once(tmp_path, monkeypatch):
 
 def test_kernel_file_names_follow_the_modules_that_shape_a_kernel(monkeypatch):
     """Persisted kernels are named by a digest of the kernel sources and of the modules outside the kernels package
-    whose code shapes a compiled kernel (a stale object file must never be loaded after one of them changes)."""
+    whose code shapes a compiled kernel (a stale object file must never be loaded after one of them changes); a
+    family's digest leaves out the other families' modules only."""
     from pathlib import Path
 
     from mhc_cute import kernels
 
-    read = []
-    real = Path.read_bytes
-    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self.name) or real(self))
-    kernels._sources_digest.cache_clear()
-    try:
-        kernels._sources_digest()
-    finally:
+    def read_by(family):
+        read = []
+        real = Path.read_bytes
+        monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self.name) or real(self))
         kernels._sources_digest.cache_clear()
-    assert {"fma.py", "mma.py", "big_fuse.py", "device_utils.py"} <= set(read)
-    assert set(kernels.KERNEL_INPUT_MODULES) <= set(read)
+        try:
+            kernels._sources_digest(family)
+        finally:
+            kernels._sources_digest.cache_clear()
+            monkeypatch.setattr(Path, "read_bytes", real)
+        return set(read)
+
+    shared = {"__init__.py", "big_fuse.py", "device_utils.py", "wgmma_tf32.py", *kernels.KERNEL_INPUT_MODULES}
+    assert read_by(None) == shared | set(kernels.FAMILY_MODULES)
+    for family in kernels.FAMILY_MODULES:
+        assert read_by(family) == shared | {family}
+
+
+def test_each_kernel_family_is_one_module_that_imports_no_other():
+    """What lets a family's file names skip the other families' modules: no family module imports another, and
+    each of the package's ``CompiledKernels`` names its own module as its family."""
+    import ast
+    from pathlib import Path
+
+    from mhc_cute import kernels
+
+    here = Path(kernels.__file__).parent
+    stems = {name.removesuffix(".py") for name in kernels.FAMILY_MODULES}
+    for name in kernels.FAMILY_MODULES:
+        tree = ast.parse((here / name).read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                imported |= {node.module} if node.module else {a.name for a in node.names}
+        assert not imported & stems, f"{name} imports {imported & stems}"
+        families = [node.args[1].value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                    and getattr(node.func, "id", None) == "CompiledKernels"]
+        assert families == [name]
 
 
 @pytest.mark.parametrize("fuse", ["lat", "latp"])
@@ -719,20 +748,21 @@ def test_no_post_is_its_own_compiled_kernel(monkeypatch, tactic):
     monkeypatch.setattr(module, f"compile_{name}", lambda tactic, problem, out: object())
     compiled = getattr(module, f"compiled_{name}")
     t = tac.parse_tactic(tactic)
-    forms = ("regular", "no_post", "broadcast") if module is mma else ("regular", "no_post")
+    forms = ("regular", "no_post", "broadcast")
     fns = [compiled(t, p, p.empty_outputs()) for seam in (None, "carried") for form in forms
            for p in [spec_problem(512, "fp32", None, seam, form)]]
     assert len({id(f) for f in fns}) == 2 * len(forms)
 
 
 def test_the_kernel_paths_run_the_entry_forms():
-    """Every CuTe path runs the seams without post; the broadcast entry, paths B/D (one input stream)."""
+    """Every CuTe path runs the seams without post and the broadcast entry (paths E/F at H % 256 == 0)."""
     from mhc_cute import backends
 
     for name in tac.FMA_PATHS + tac.MMA_PATHS:
+        b = backends.BACKENDS[name]
         for op in ("fused_hc", "fused_hc_delayed"):
-            assert backends.BACKENDS[name].entry_for(op, "no_post") is not None
-            assert (backends.BACKENDS[name].entry_for(op, "broadcast") is not None) == (name in tac.MMA_PATHS)
+            assert b.entry_for(op, "no_post") is not None and b.entry_for(op, "broadcast") is not None
+        assert b.h_multiple_for("broadcast") == (256 if name in tac.FMA_PATHS else 64)
 
 
 BROADCAST_VARIANTS = [
@@ -740,17 +770,45 @@ BROADCAST_VARIANTS = [
     ("half_mma:k16:m128:s3:fbw", 5120, "bfloat16", "identity"),
     ("all_mma:k8:m64:s4:fbw", 512, "float32", None),
     ("all_mma:k64:m64:s4:fbw", 4096, None, "carried"),
+    ("half_fma:k112:t1:n6:w256:s1:b1:flat", 7168, None, None),  # the seam's tactic (the launch quarters the split)
+    ("half_fma:k80:t16:n6:w256:s1:b1:flat:mma:o1", 5120, "bfloat16", "identity"),
+    ("all_fma:k16:t8:n6:w256:s2:b2:fbw", 4096, "float32", "carried"),
+    ("half_fma:k8:t8:n6:w256:s1:b1:flat", 512, None, "carried"),
 ]
 
 
 @pytest.mark.parametrize("tactic, hidden, norm, seam", BROADCAST_VARIANTS,
                          ids=[f"{v[0].split(':')[0]}-{v[2]}-{v[3]}" for v in BROADCAST_VARIANTS])
 def test_broadcast_variants_compile(tactic, hidden, norm, seam):
-    from mhc_cute.kernels import mma, spec_problem
+    from mhc_cute.kernels import fma, mma, spec_problem
 
     problem = spec_problem(hidden, "fp32", norm, seam, "broadcast")
     assert problem.form == "broadcast" and problem.residual.shape == (1, hidden)
-    assert mma.compile_mma(tac.parse_tactic(tactic), problem, problem.empty_outputs()) is not None  # running: a GPU
+    t = tac.parse_tactic(tactic)
+    if t.path in tac.FMA_PATHS:
+        compiled = fma.compile_fma(tac.fma_broadcast_tactic(t, hidden), problem, problem.empty_outputs())
+    else:
+        compiled = mma.compile_mma(t, problem, problem.empty_outputs())
+    assert compiled is not None  # running it needs a GPU (tests/test_delayed.py, -m gpu)
+
+
+def test_the_fma_broadcast_launch_passes_the_summed_weight_and_the_quartered_tactic(monkeypatch):
+    """Paths E/F's broadcast launch: the compiled kernel of ``fma_broadcast_tactic`` (a quarter of the splits),
+    handed ``broadcast_fn(fn)`` (prepared once per weight) where the seam's launch hands ``fn``."""
+    import torch
+
+    from mhc_cute import kernels
+    from mhc_cute.kernels import fma, spec_problem
+    from mhc_cute.reference import broadcast_fn
+
+    seen = []
+    monkeypatch.setattr(fma, "compiled_fma", lambda tactic, problem, out: seen.append(tactic) or (lambda *a: None))
+    monkeypatch.setattr(kernels, "sm_count", lambda index: 132)
+    problem = spec_problem(7168, "fp32", None, None, "broadcast")
+    launch = fma.prepare_half_fma(problem, "half_fma:k112:t1:n6:w256:s1:b1:flat", problem.empty_outputs())
+    assert seen == [tac.parse_tactic("half_fma:k28:t1:n6:w256:s1:b1:flat")]
+    fn = torch.randn(24, 4 * 7168)
+    assert torch.equal(launch.weight(fn), broadcast_fn(fn)) and launch.weight(fn) is launch.weight(fn)
 
 
 def test_the_broadcast_weight_is_the_summed_weight_over_one_stream():
@@ -800,8 +858,8 @@ def test_the_default_tactic_of_a_seam_without_post(monkeypatch):
 
 
 def test_session_specs_cover_the_forms_of_every_kernel_path():
-    """``bench/precompile.py --session`` lists the no-post form of every CuTe path and the broadcast entry of paths
-    B/D beside the regular form, and every spec it lists names a problem its compile worker builds."""
+    """``bench/precompile.py --session`` lists both entry forms of every CuTe path beside the regular form, and every
+    spec it lists names a problem its compile worker builds."""
     from conftest import bench_script
 
     from mhc_cute.kernels import spec_problem
@@ -811,9 +869,8 @@ def test_session_specs_cover_the_forms_of_every_kernel_path():
         delayed_fma, delayed_mma = precompile.delayed_session_specs(132)
     fma, mma = fma + delayed_fma, mma + delayed_mma
     for specs, paths in ((fma, tac.FMA_PATHS), (mma, tac.MMA_PATHS)):
-        no_post = {tac.parse_tactic(s[0]).path for s in specs if s[-1] == "no_post"}
-        assert no_post == set(paths)
-    assert {tac.parse_tactic(s[0]).path for s in mma if s[-1] == "broadcast"} == set(tac.MMA_PATHS)
+        for form in ("no_post", "broadcast"):
+            assert {tac.parse_tactic(s[0]).path for s in specs if s[-1] == form} == set(paths)
     problems = ([(spec_problem(hidden, "fp32", norm, *seam), seam) for _, hidden, norm, *seam in fma]
                 + [(spec_problem(hidden, precision, norm, *seam), seam) for _, hidden, precision, norm, *seam in mma])
     for problem, seam in problems:

@@ -311,29 +311,64 @@ def test_v4_seam_refuses_carried_gates_and_half_posts():
         mhc_fused_hc(**{**inputs, "x_prev": None, "post_mix_prev": None})
 
 
-def test_backend_without_the_form_is_refused():
+def test_backend_without_the_form_is_refused(monkeypatch):
+    """A registered backend that lacks a form is named in the error (every backend shipped runs every form)."""
+    import dataclasses
+
     inputs = make_inputs(5, 64, form="broadcast", pre="identity")
-    missing = [n for n, b in backends.BACKENDS.items() if b.entry_for("fused_hc_delayed", "broadcast") is None]
-    assert missing  # paths E/F have no broadcast entry
-    for name in missing:
-        with pytest.raises(ValueError, match=rf"mhc_fused_hc_delayed: backend '{name}' does not implement"):
-            mhc_fused_hc_delayed(**inputs, backend=name)
-    assert "torch" in backends.available(torch.device("cpu"), "fused_hc_delayed", "broadcast")
+    partial = dataclasses.replace(backends.BACKENDS["torch"], name="partial", entries=())
+    monkeypatch.setitem(backends.BACKENDS, "partial", partial)
+    with pytest.raises(ValueError, match=r"mhc_fused_hc_delayed: backend 'partial' does not implement the broadcast"):
+        mhc_fused_hc_delayed(**inputs, backend="partial")
+    assert backends.available(torch.device("cpu"), "fused_hc_delayed", "broadcast")[0] == "torch"
+    assert "partial" not in backends.available(torch.device("cpu"), "fused_hc_delayed", "broadcast")
+
+
+@pytest.mark.parametrize("backend", ["half_fma", "all_fma"])
+def test_the_fma_paths_broadcast_entry_needs_whole_chunks_in_a_quarter_of_h(monkeypatch, backend):
+    """Paths E/F walk the embedding as four quarters of H / 4 in 64-position chunks: H % 256 != 0 is refused
+    with the reason (checked before anything runs, so on any machine)."""
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, d: None)
+    inputs = make_inputs(3, 320, form="broadcast", pre="identity")
+    with pytest.raises(ValueError, match=rf"backend '{backend}' needs H % 256 == 0 for the broadcast entry; got H = 320"):
+        mhc_fused_hc_delayed(**inputs, backend=backend)
+    from mhc_cute import tactics
+
+    with pytest.raises(ValueError, match="needs H a multiple of 256"):
+        tactics.fma_broadcast_tactic(tactics.default_fma_tactic(backend, 3, 320), 320)
+
+
+def test_fma_broadcast_tactic_keeps_the_k_of_a_cta():
+    """The broadcast entry's tactic on paths E/F: a quarter of the splits over H / 4, so each CTA projects as many
+    K elements as in the seam; where a quarter does not divide, the largest split that gives whole chunks."""
+    from dataclasses import replace
+
+    from mhc_cute import tactics
+
+    t = tactics.parse_tactic("half_fma:k112:t1:n6:w256:s1:b1:flat")
+    b = tactics.fma_broadcast_tactic(t, 7168)
+    assert b == replace(t, split_k=28) and 7168 // 4 // b.split_k == 7168 // t.split_k
+    odd = tactics.parse_tactic("all_fma:k7:t8:n6:w256:s1:b1:fbw")  # 7168 / 7 = 1024 per CTA
+    assert tactics.fma_broadcast_tactic(odd, 7168).split_k == 1  # 1792 / 64 = 28 chunks in one CTA
+    for h in (512, 4096, 5120, 7168):
+        for m in (1, 16, 100, 300, 4096):
+            for path in ("half_fma", "all_fma"):
+                tactics.fma_broadcast_tactic(tactics.default_fma_tactic(path, m, h), h)  # valid (check() passes)
 
 
 def test_cute_paths_run_the_delayed_seam():
     for name in ("half_fma", "all_fma", "half_mma", "all_mma"):
         b = backends.BACKENDS[name]
         assert b.entry_for("fused_hc_delayed", "regular") == b.entry
-        # without post on every path (a compile-time flag); the broadcast entry on paths B/D
-        assert b.entry_for("fused_hc_delayed", "no_post") is not None
-        assert (b.entry_for("fused_hc_delayed", "broadcast") is not None) == (name in ("half_mma", "all_mma"))
+        # every entry form on every path (compile-time flags)
+        for op in ("fused_hc", "fused_hc_delayed"):
+            assert all(b.entry_for(op, form) == b.entry for form in backends.SEAM_FORMS)
 
 
-def test_auto_takes_the_v4_seams_pick_for_the_delayed_seam_and_triton_for_the_entry_forms(monkeypatch):
+def test_auto_takes_the_v4_seams_pick_for_the_delayed_seam(monkeypatch):
     """The delayed seam runs the V4 seam's kernels with a flag, so ``auto`` asks the V4 seam's selector (its tuned
-    table); where that pick lacks the form (the broadcast entry on paths E/F), ``pick_auto_for``: Triton on a
-    GPU."""
+    table); where that pick cannot run the form at this H (paths E/F's broadcast entry at H % 256 != 0),
+    ``pick_auto_for``: path B on a GPU, Triton where it cannot run, else the reference."""
     from mhc_cute import api, selector
 
     asked = []
@@ -349,9 +384,11 @@ def test_auto_takes_the_v4_seams_pick_for_the_delayed_seam_and_triton_for_the_en
     assert b is backends.BACKENDS["half_fma"] and tactic == "half_fma:k80:t1:n6:w256:s1:b1:flat"
     assert asked == [(3, 5120, "fp32", True)]
     dev = torch.device("cuda", 0)
-    for form in ("no_post", "broadcast"):
-        assert {backends.pick_auto_for(dev, m, 5120, "fused_hc_delayed", form) for m in (1, 128, 8192)} == {"triton"}
-    assert backends.pick_auto_for(torch.device("cpu"), 1, 5120, "fused_hc_delayed", "no_post") == "torch"
+    assert backends.pick_auto_for(dev, "broadcast", 320) == "half_mma"
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, d: "no sm_90" if "mma" in name else None)
+    assert backends.pick_auto_for(dev, "broadcast", 320) == "triton"
+    assert backends.pick_auto_for(dev, "broadcast", 100) == "torch"  # no kernel backend tiles H = 100
+    assert backends.pick_auto_for(torch.device("cpu"), "broadcast", 320) == "torch"
 
 
 @pytest.mark.parametrize("pre", [None, "carried"])
@@ -536,9 +573,9 @@ def test_kernel_launch_passes_the_seam_arguments(seam_mode):
 
 @pytest.mark.parametrize("op", ["fused_hc", "fused_hc_delayed"])
 def test_auto_without_post_takes_the_v4_pick_where_it_has_the_form(monkeypatch, op):
-    """A no-post seam's ``auto``: the V4 seam's tuned pick with its tactic, as every CuTe path runs the form; the
-    broadcast entry the pick where it is a path B/D, else ``pick_auto_for`` (Triton on a GPU; here, on the CPU, the
-    reference)."""
+    """An entry seam's ``auto``: the V4 seam's tuned pick with its tactic, as every CuTe path runs both entry forms;
+    where the pick cannot run the broadcast entry at this H (paths E/F at H % 256 != 0), ``pick_auto_for`` (here,
+    on the CPU, the reference)."""
     from mhc_cute import api, selector
 
     picks = {1: ("half_fma", "half_fma:k80:t1:n6:w256:s1:b1:flat"), 4096: ("half_mma", "half_mma:k64:m128:s3:flat")}
@@ -550,7 +587,8 @@ def test_auto_without_post_takes_the_v4_pick_where_it_has_the_form(monkeypatch, 
         assert problem.op == op and problem.form == "no_post"
         b, tactic = api._resolve(problem, "auto", None)
         assert (b.name, tactic) == picks[m]
-    for m, want in ((1, ("torch", None)), (4096, picks[4096])):
-        problem = problem_of(make_inputs(m, 512, form="broadcast", pre="identity" if pre else None))
+    for m, h, want in ((1, 512, picks[1]), (4096, 512, picks[4096]), (1, 320, ("torch", None)),
+                       (4096, 320, picks[4096])):
+        problem = problem_of(make_inputs(m, h, form="broadcast", pre="identity" if pre else None))
         b, tactic = api._resolve(problem, "auto", None)
         assert (b.name, tactic) == want

@@ -8,8 +8,9 @@ without it.
 
 Compiling a variant takes seconds. With ``MHC_CUTE_KERNEL_CACHE=<dir>`` compiled kernels are also kept as
 object files in that directory and loaded from there (about a millisecond) by later processes; the file
-names include a hash of this package's kernel sources (and of the modules whose code shapes a kernel: tactics,
-prepared weights, scratch) and the CuTe DSL version.
+names include a hash of the kernel sources that shape that family (every kernel module but the other families'
+own modules, and the modules outside the package whose code shapes a kernel: tactics, prepared weights, scratch)
+and the CuTe DSL version.
 """
 
 from __future__ import annotations
@@ -109,15 +110,24 @@ def compile_kernel(kernel, *fake_args):
 KERNEL_INPUT_MODULES = ("tactics.py", "weights.py", "workspace.py")
 
 
+# the modules that each define one family of compiled kernels and import no other (tests/test_cute_compile.py checks
+# it): a family's file names skip the other families' modules, so an edit of one path keeps the others' files valid
+FAMILY_MODULES = ("fma.py", "mma.py", "post.py", "collapse.py")
+
+
 @functools.lru_cache(maxsize=None)
-def _sources_digest() -> str:
-    """A digest of every kernel source file, of ``KERNEL_INPUT_MODULES`` and of the CuTe DSL version: persisted
-    kernels are only reused by the code that built them."""
+def _sources_digest(family: str | None = None) -> str:
+    """A digest of the kernel sources of ``family`` (its module in ``FAMILY_MODULES``; None: every kernel source),
+    of ``KERNEL_INPUT_MODULES`` and of the CuTe DSL version: persisted kernels are only reused by the code that built
+    them."""
     import cutlass
 
     here = Path(__file__).parent
+    skipped = set(FAMILY_MODULES) - {family} if family else set()
     h = hashlib.sha256(getattr(cutlass, "__version__", "?").encode())
     for path in sorted(here.glob("*.py")) + [here.parent / name for name in KERNEL_INPUT_MODULES]:
+        if path.parent == here and path.name in skipped:
+            continue
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
@@ -127,11 +137,12 @@ _compile_lock = threading.Lock()  # cute.compile is not thread-safe
 
 
 class CompiledKernels:
-    """Compiled kernels of one family (``prefix``), keyed by a tuple of static parameters (hashable, with a
-    stable ``repr``): in memory, and as object files under ``$MHC_CUTE_KERNEL_CACHE`` when it is set."""
+    """Compiled kernels of one family (``prefix``; ``family``: its module in ``FAMILY_MODULES``, None for kernels
+    defined elsewhere, such as the probes), keyed by a tuple of static parameters (hashable, with a stable ``repr``):
+    in memory, and as object files under ``$MHC_CUTE_KERNEL_CACHE`` when it is set."""
 
-    def __init__(self, prefix: str):
-        self.prefix = prefix
+    def __init__(self, prefix: str, family: str | None = None):
+        self.prefix, self.family = prefix, family
         self._fns: dict = {}
 
     def get(self, key: tuple, build):
@@ -147,7 +158,7 @@ class CompiledKernels:
 
     def file_of(self, key: tuple, folder) -> Path:
         """The object file of ``key`` in ``folder``; its stem is also the exported function's name."""
-        digest = hashlib.sha256((repr(key) + _sources_digest()).encode()).hexdigest()[:24]
+        digest = hashlib.sha256((repr(key) + _sources_digest(self.family)).encode()).hexdigest()[:24]
         return Path(folder) / f"{self.prefix}_{digest}.o"
 
     def _load_or_build(self, key: tuple, build):

@@ -76,7 +76,7 @@ class CollapseKernel:
                 phase.normalise_batch(b, tidx, r_norm, mNormW, row_out, rounded, norm_w)
 
 
-_compiled = CompiledKernels("mhc_collapse")
+_compiled = CompiledKernels("mhc_collapse", "collapse.py")
 
 
 def compiled_collapse(residual, pre_mix, norm_weight, out):

@@ -17,6 +17,13 @@ With ``warp_mma`` (``:mma`` tactics) step 2 runs on the tensor cores instead (``
 of the chunk, every column, up to 32 tokens, TF32 hi + lo) and the CTA reduces over its warps only
 (``write_partials_mma``); on the H200 that pays from M = 16 (``docs/experiments.md``).
 
+The entry forms (``form``, compile-time): without a post (``"no_post"``) the streams are ``residual_prev`` itself,
+read and never written. The broadcast entry (``"broadcast"``) reads the embedding ``[M, H]`` once and writes it
+four times as ``residual_cur``; its projection runs over H with the summed weight ``reference.broadcast_fn``, which
+the kernel walks as if the embedding's four quarters were the four streams of a seam of H / 4 (same K layout:
+quarter q of ``fn_b`` is at q H / 4), with ``broadcast_tactic``'s split; its sum of squares is stored times 4, so
+the big fuse's mean over 4H is the SPEC's mean over H exactly.
+
 The delayed seam (``delayed``, compile-time: "carried" or "identity"): the post-map step also collapses the 4
 rounded streams with the carried gates into ``x1`` (bf16) and stores it to ``layer_input`` (identity: stream 0),
 and with the norm each task's sum of squares of x1 goes to shared memory, summed per token in a fixed order into
@@ -51,6 +58,8 @@ from . import (  # noqa: E402
     CompiledKernels, KernelLaunch, compile_in_processes, compile_kernel, delayed_mode, fake_buffer, fake_tensors,
     norm_dtype_of, resolve_tactic, seam_fakes, spec_problem,
 )
+from ..reference import broadcast_fn  # noqa: E402
+from ..weights import prepared  # noqa: E402
 from . import device_utils as du  # noqa: E402
 from .big_fuse import (  # noqa: E402
     X1_SUMSQ_COL, BigFusePhase, BigFuseScalars, flat_outputs, gate_rows, partials_view, standalone_big_fuse,
@@ -65,15 +74,19 @@ PRE_AT = HC_MULT + HC_MULT * HC_MULT  # the carried pre gates' place in a task's
 
 class FmaFusedHc:
     """Paths E/F for one tactic, hidden size, norm flag, seam (``delayed``: None, or for the delayed seam
-    "carried" / "identity", ``kernels.delayed_mode``) and form (``no_post``: the seam without post, whose streams
-    are ``residual_prev`` itself, read and never written), all compile-time."""
+    "carried" / "identity", ``kernels.delayed_mode``) and form ("regular", "no_post" or "broadcast", as
+    ``Problem.form``), all compile-time. The broadcast entry's ``tactic`` is ``broadcast_tactic``'s."""
 
-    def __init__(self, tactic: FmaTactic, hidden: int, norm_dtype, delayed: str | None = None, no_post: bool = False):
-        tactic.check(hidden)
+    def __init__(self, tactic: FmaTactic, hidden: int, norm_dtype, delayed: str | None = None,
+                 form: str = "regular"):
+        self.broadcast = form == "broadcast"
+        self.no_post = form != "regular"  # no x, post_mix, comb_mix (the broadcast entry writes residual_cur)
+        # the length of an input stream: the broadcast entry's embedding is walked as four quarters of H / 4
+        self.stream_h = hidden // HC_MULT if self.broadcast else hidden
+        tactic.check(self.stream_h)
         self.tactic = tactic
         self.hidden = hidden
         self.delayed = delayed
-        self.no_post = no_post
         self.x1_norm = delayed is not None and norm_dtype is not None  # kernel 1 sums x1's squares
         self.tokens = tactic.tokens_per_cta
         self.threads = tactic.threads
@@ -87,7 +100,7 @@ class FmaFusedHc:
         self.load_h = self.chunk_h * tactic.burst  # hidden positions per post-map step
         self.octets = self.load_h // du.VEC_BF16  # post-map tasks per token per step
         self.split_k = tactic.split_k
-        self.split_h = hidden // tactic.split_k
+        self.split_h = self.stream_h // tactic.split_k
         self.n_chunks = self.split_h // self.chunk_h
         self.post_tasks = self.tokens * self.octets
         self.post_rounds = -(-self.post_tasks // self.threads)
@@ -137,7 +150,7 @@ class FmaFusedHc:
         stream,
     ):
         m, h = (residual if self.no_post else x).shape[0], self.hidden
-        mRes = cute.make_tensor(residual.iterator, du.row_major(m, HC_MULT * h))
+        mRes = cute.make_tensor(residual.iterator, du.row_major(m, HC_MULT * self.stream_h))
         mX, mPost, mComb = None, None, None  # no post: x, post_mix, comb_mix are None
         if cutlass.const_expr(not self.no_post):
             mX = cute.make_tensor(x.iterator, du.row_major(m, h))
@@ -217,7 +230,7 @@ class FmaFusedHc:
         acc.fill(0.0)
         sumsq.fill(0.0)
         # quad index of this thread's (first) K vector in a weight row, at chunk 0 of this split
-        fn_quad0 = stream_j * (self.hidden // QUAD) + split * (self.split_h // QUAD) + quad
+        fn_quad0 = stream_j * (self.stream_h // QUAD) + split * (self.split_h // QUAD) + quad
         weights = cute.make_rmem_tensor(self.w_shape, Float32)
         self.load_weights(weights, mFn, w_row0, w_row_step, fn_quad0)
         # launched with programmatic dependent launch: the first weights (an input no kernel of the stream writes)
@@ -357,9 +370,9 @@ class FmaFusedHc:
     def post_map(self, m0: Int32, h0: Int32, coefs: cute.Tensor, mX, mRes, mResCur, sAct: cute.Tensor, mLayerIn,
                  x1_sumsq):
         """SPEC step 1 for the ``burst`` chunks at h0: residual_cur to global memory, fp32 values to ``sAct``
-        (without a post: residual_prev's values, nothing stored); the delayed seam's collapse ``x1`` of the rounded
-        streams to ``layer_input`` (``collapse_carried``), and with the norm its squares added to the task's
-        ``x1_sumsq``.
+        (without a post: residual_prev's values, nothing stored; the broadcast entry: the embedding's quarters,
+        each stored to all four streams); the delayed seam's collapse ``x1`` of the rounded streams to
+        ``layer_input`` (``collapse_carried``), and with the norm its squares added to the task's ``x1_sumsq``.
 
         Every task's loads are issued first, unconditionally (token and task clamped to valid ones), and a warp
         barrier follows them: otherwise ptxas issued two of the four residual loads only after computing with
@@ -367,16 +380,17 @@ class FmaFusedHc:
         """
         tidx, _, _ = cute.arch.thread_idx()
         m_total = (mRes if self.no_post else mX).shape[0]
-        octets_h = self.hidden // du.VEC_BF16
+        octets_in = self.stream_h // du.VEC_BF16  # 8-vectors per input stream (the broadcast entry: per quarter)
+        octets_h = self.hidden // du.VEC_BF16  # 8-vectors per output stream
         raw = cute.make_rmem_tensor(du.row_major(self.post_rounds, 1 + HC_MULT, du.VEC_BF16), BFloat16)
         for r in cutlass.range_constexpr(self.post_rounds):
             task = cutlass.min(tidx + r * self.threads, self.post_tasks - 1)
             m = cutlass.min(m0 + task // self.octets, m_total - 1)
-            vec = h0 // du.VEC_BF16 + task % self.octets  # index of this 8-vector within a stream row
+            vec = h0 // du.VEC_BF16 + task % self.octets  # index of this 8-vector within an input stream row
             if cutlass.const_expr(not self.no_post):
                 cute.autovec_copy(cute.local_tile(du.token_row(mX, m), (du.VEC_BF16,), (vec,)), raw[r, 0, None])
             for k in cutlass.range_constexpr(HC_MULT):
-                src = cute.local_tile(du.token_row(mRes, m), (du.VEC_BF16,), (k * octets_h + vec,))
+                src = cute.local_tile(du.token_row(mRes, m), (du.VEC_BF16,), (k * octets_in + vec,))
                 cute.autovec_copy(src, raw[r, 1 + k, None])
         cute.arch.sync_warp()
         for r in cutlass.range_constexpr(self.post_rounds):
@@ -386,14 +400,20 @@ class FmaFusedHc:
                 m = m0 + t
                 if m < m_total:
                     vec = h0 // du.VEC_BF16 + o
-                    if cutlass.const_expr(not self.no_post):
+                    if cutlass.const_expr(not self.no_post or self.broadcast):
                         row_out = du.token_row(mResCur, m)
+                    if cutlass.const_expr(not self.no_post):
                         xv = raw[r, 0, None].load().to(Float32)
                     res = [raw[r, 1 + k, None].load().to(Float32) for k in range(HC_MULT)]
                     streams = []
                     for j in cutlass.range_constexpr(HC_MULT):
                         if cutlass.const_expr(self.no_post):
                             rounded = res[j]  # bf16 values, exact in fp32
+                            if cutlass.const_expr(self.broadcast):  # quarter j, at its place in every stream
+                                for copy in cutlass.range_constexpr(HC_MULT):
+                                    dst = cute.local_tile(row_out, (du.VEC_BF16,),
+                                                          (copy * octets_h + j * octets_in + vec,))
+                                    cute.autovec_copy(raw[r, 1 + j, None], dst)
                         else:
                             out = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
                             comb_col = [coefs[r, HC_MULT + HC_MULT * k + j] for k in range(HC_MULT)]
@@ -405,10 +425,15 @@ class FmaFusedHc:
                         cute.local_tile(sAct[t, j, None], (du.VEC_BF16,), (o,)).store(rounded)
                         streams.append(rounded)
                     if cutlass.const_expr(self.delayed is not None):
-                        x1 = self.collapse_carried(streams, coefs, r, cute.local_tile(du.token_row(mLayerIn, m),
-                                                                                       (du.VEC_BF16,), (vec,)))
-                        if cutlass.const_expr(self.x1_norm):
-                            x1_sumsq[r] = x1_sumsq[r] + du.sum_squares(x1)
+                        row_in = du.token_row(mLayerIn, m)
+                        # the broadcast entry: each quarter is a position range of four equal streams
+                        ranges = ([([streams[j]] * HC_MULT, j * octets_in + vec) for j in range(HC_MULT)]
+                                  if self.broadcast else [(streams, vec)])
+                        for i in cutlass.range_constexpr(len(ranges)):
+                            x1 = self.collapse_carried(ranges[i][0], coefs, r,
+                                                       cute.local_tile(row_in, (du.VEC_BF16,), (ranges[i][1],)))
+                            if cutlass.const_expr(self.x1_norm):
+                                x1_sumsq[r] = x1_sumsq[r] + du.sum_squares(x1)
                 else:
                     for j in cutlass.range_constexpr(HC_MULT):
                         cute.local_tile(sAct[t, j, None], (du.VEC_BF16,), (o,)).fill(0.0)
@@ -501,38 +526,51 @@ class FmaFusedHc:
                         else:
                             for u in cutlass.range_constexpr(self.warps_per_group):
                                 total = total + sRed[u, self.tokens * self.tile_n + t]
+                    if cutlass.const_expr(self.broadcast):  # the mean over 4H of four equal streams (exact)
+                        if col == SUMSQ_COL:
+                            total = total * Float32(HC_MULT)
                     mPartials[split, m0 + t, col] = total
 
 
-_compiled = CompiledKernels("mhc_fma")
+_compiled = CompiledKernels("mhc_fma", "fma.py")
 
 
 def compiled_fma(tactic: FmaTactic, problem, out):
-    """The compiled kernel for (tactic, H, norm dtype, seam), compiled (or loaded) on first use."""
+    """The compiled kernel for (tactic, H, norm dtype, seam, form), compiled (or loaded) on first use (the broadcast
+    entry's ``tactic``: ``tac.fma_broadcast_tactic``'s)."""
     norm = None if problem.norm_weight is None else problem.norm_weight.dtype
     key = (tactic, problem.hidden, norm)
     if problem.delayed:  # mhc_fused_hc's keys (and persisted file names) stay as they were
         key += (delayed_mode(problem),)
-    if problem.form == "no_post":
-        key += ("no_post",)
+    if problem.form != "regular":
+        key += (problem.form,)
     return _compiled.get(key, lambda: compile_fma(tactic, problem, out))
 
 
 def compile_fma(tactic: FmaTactic, problem, out, kernel_class=None):
     """Compile paths E/F for ``tactic`` against fake tensors shaped like ``problem`` and ``out``; ``kernel_class``:
     ``FmaFusedHc`` or a subclass (``bench/probes/probe_fma_phases.py``'s variants)."""
+    import torch
+
     no_post = problem.form == "no_post"
     kernel = (kernel_class or FmaFusedHc)(tactic, problem.hidden, norm_dtype_of(problem.norm_weight),
-                                          delayed_mode(problem), no_post)
+                                          delayed_mode(problem), problem.form)
     m = cute.sym_int()
     token_tensors = fake_tensors(problem.x, problem.residual, problem.post_mix, problem.comb_mix, tokens=m)
     # without a post the big fuse collapses residual_prev, passed where residual_cur goes (``KernelLaunch``)
     outputs = fake_tensors(problem.residual if no_post else out[0], *out[1:4], tokens=m)
-    fn, norm_weight = fake_tensors(problem.fn, problem.norm_weight)
+    # the broadcast entry reads the summed weight [24, H] (``broadcast_weight``)
+    fn = torch.empty(N_MIXES, problem.hidden) if problem.broadcast else problem.fn
+    fn, norm_weight = fake_tensors(fn, problem.norm_weight)
     scale, base = fake_tensors(problem.hc_scale, problem.hc_base, align=4)  # read as scalars
     counters = fake_buffer(Int32) if tactic.path == "all_fma" else None
     return compile_kernel(kernel, *token_tensors, fn, scale, base, norm_weight, *outputs, fake_buffer(Float32),
                           counters, *seam_fakes(problem, out, m))
+
+
+def broadcast_weight(fn):
+    """The broadcast entry's weight ``reference.broadcast_fn(fn)``, prepared once per weight tensor."""
+    return prepared(fn, "broadcast_fn", broadcast_fn)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -542,19 +580,21 @@ def _default_tactic(path: str, m: int, hidden: int, sm_count: int) -> FmaTactic:
 
 def _prepare(path: str, problem, tactic, out):
     tactic = resolve_tactic(path, tactic, problem, FmaTactic, tac.parse_tactic, _default_tactic)
+    weight = None
+    if problem.broadcast:
+        tactic, weight = tac.fma_broadcast_tactic(tactic, problem.hidden), broadcast_weight
     counters = -(-problem.m // tactic.tokens_per_cta) if tactic.path == "all_fma" else None
-    return KernelLaunch(compiled_fma(tactic, problem, out), problem, tactic, counters)
+    return KernelLaunch(compiled_fma(tactic, problem, out), problem, tactic, counters, weight)
 
 
 def prepare_half_fma(problem, tactic, out):
     """Path E: projection kernel + standalone big-fuse kernel (two launches in one compiled call); both seams
-    (``mhc_fused_hc``, ``mhc_fused_hc_delayed``), regular form and without post."""
+    (``mhc_fused_hc``, ``mhc_fused_hc_delayed``) in every form."""
     return _prepare("half_fma", problem, tactic, out)
 
 
 def prepare_all_fma(problem, tactic, out):
-    """Path F: one launch; the last CTA of each token block runs the big fuse for it. Both seams, regular form and
-    without post."""
+    """Path F: one launch; the last CTA of each token block runs the big fuse for it. Both seams in every form."""
     return _prepare("all_fma", problem, tactic, out)
 
 
@@ -562,11 +602,15 @@ def _compile_spec(spec) -> str:
     """Process-pool worker of ``precompile``: compile (and persist) one (tactic name, H, norm dtype[, seam[, form]])."""
     name, hidden, norm, *seam = spec
     problem = spec_problem(hidden, "fp32", norm, *seam)
-    compiled_fma(tac.parse_tactic(name), problem, problem.empty_outputs())
+    tactic = tac.parse_tactic(name)
+    if problem.broadcast:
+        tactic = tac.fma_broadcast_tactic(tactic, hidden)
+    compiled_fma(tactic, problem, problem.empty_outputs())
     return name
 
 
 def precompile(specs, processes: int | None = None) -> list[str]:
     """Compile (tactic name, H, norm dtype name or None[, seam: ``delayed_mode``'s "carried" / "identity" or None[,
-    form: "regular" / "no_post"]]) variants in parallel worker processes."""
+    form: "regular" / "no_post" / "broadcast"]]) variants in parallel worker processes (the tactic as a seam's: the
+    broadcast entry compiles ``tac.fma_broadcast_tactic`` of it, as its launch does)."""
     return compile_in_processes(_compile_spec, specs, processes)

@@ -617,7 +617,7 @@ class MmaFusedHcKernel:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-_compiled = CompiledKernels("mhc_mma")
+_compiled = CompiledKernels("mhc_mma", "mma.py")
 
 
 def compiled_mma(tactic: MmaTactic, problem, out):

@@ -80,7 +80,7 @@ class PostKernel:
                 du.store_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (j * self.octets + o,)), vals.load())
 
 
-_compiled = CompiledKernels("mhc_post")
+_compiled = CompiledKernels("mhc_post", "post.py")
 
 
 def compiled_post(hidden: int, x, residual, post_mix, comb_mix, out):
