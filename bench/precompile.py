@@ -172,7 +172,8 @@ def main() -> int:
         from test_ops import GPU_HS as OP_HS
         op_hs = sorted(set(OP_HS) | {4096, 5120, 7168})
         jobs += [("mhc_post", post, op_hs), ("mhc_collapse", collapse,
-                                             [(h, n) for h in op_hs for n in (None, "bfloat16", "float32")])]
+                                             [(h, None) for h in op_hs] + [(h, n, prefetch) for h in op_hs
+                                              for n in ("bfloat16", "float32") for prefetch in (True, False)])]
     compile_jobs(jobs, args.workers)
     return 0
 

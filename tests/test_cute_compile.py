@@ -643,11 +643,31 @@ def test_post_kernel_compiles(hidden):
     assert post.compile_post(hidden, *post.spec_operands(hidden)) is not None  # running needs a GPU
 
 
-@pytest.mark.parametrize("hidden,norm", [(512, None), (7168, "bfloat16"), (1088, "float32")])
-def test_collapse_kernel_compiles(hidden, norm):
+@pytest.mark.parametrize("hidden,norm,prefetch", [(512, None, True), (7168, "bfloat16", True),
+                                                   (7168, "bfloat16", False), (1088, "float32", False)])
+def test_collapse_kernel_compiles(hidden, norm, prefetch):
     from mhc_cute.kernels import collapse
 
-    assert collapse.compile_collapse(*collapse.spec_operands(hidden, norm)) is not None
+    assert collapse.compile_collapse(*collapse.spec_operands(hidden, norm), prefetch) is not None
+
+
+def test_collapse_prefetches_the_norm_weight_up_to_one_cta_per_sm(monkeypatch):
+    """``run_collapse`` holds the norm weight in registers from the start while the grid has at most one CTA per SM
+    (latency bound), and not beyond (the registers cost a resident CTA per SM); without a norm it is moot."""
+    import torch
+
+    from mhc_cute.kernels import collapse
+
+    asked = []
+    monkeypatch.setattr(collapse, "sm_count", lambda index: 132)
+    monkeypatch.setattr(collapse._compiled, "get", lambda key, build: asked.append(key) or (lambda *a: None))
+    for m in (1, 132, 133, 8192):
+        res, pre, w, out = collapse.spec_operands(512, "bfloat16")
+        collapse.run_collapse(res.expand(m, -1, -1), pre.expand(m, -1), w, 1e-20, out.expand(m, -1))
+    res, pre, _, out = collapse.spec_operands(512, None)
+    collapse.run_collapse(res, pre, None, 1e-20, out)
+    bf16 = torch.bfloat16
+    assert asked == [(512, bf16, True), (512, bf16, True), (512, bf16, False), (512, bf16, False), (512, None, False)]
 
 
 @pytest.mark.slow
@@ -656,9 +676,10 @@ def test_every_op_kernel_variant_compiles(tmp_path, monkeypatch):
 
     monkeypatch.setenv(KERNEL_CACHE_ENV, str(tmp_path))
     assert sorted(post.precompile(OP_HIDDENS, processes=os.cpu_count())) == sorted(OP_HIDDENS)
-    specs = [(h, n) for h in OP_HIDDENS for n in NORMS]
+    specs = [(h, n, prefetch) for h in OP_HIDDENS for n in NORMS for prefetch in (True, False)]
     assert len(collapse.precompile(specs, processes=os.cpu_count())) == len(specs)
-    assert len(list(tmp_path.glob("*.o"))) == len(OP_HIDDENS) * (1 + len(NORMS))
+    collapse_variants = len(OP_HIDDENS) * (2 * len(NORMS) - NORMS.count(None))  # prefetching is moot without a norm
+    assert len(list(tmp_path.glob("*.o"))) == len(OP_HIDDENS) + collapse_variants
 
 
 @pytest.mark.parametrize("hidden", OP_HIDDENS)

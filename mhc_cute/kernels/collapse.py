@@ -5,6 +5,12 @@ The collapse and the norm are the big fuse's (``big_fuse.BigFusePhase``, shaped 
 derived from the mixes. The CTA has enough threads that each thread's 8-vectors of the row fit one batch of 4 loads
 in flight (the big fuse's "lat" shape), so the collapse costs one memory round trip; with the norm the rounded row
 stays in registers for the second pass. One pass over 10H + 16 bytes per token.
+
+With the norm, the weight's 8-vectors can be loaded before ``griddepcontrol_wait`` and held in registers
+(``prefetch_norm``): that takes a round trip off each CTA, but the registers it holds through the row's loads cost
+an SM one resident CTA (at H = 7168, 80 registers a thread against 72: 3 CTAs of 224 threads instead of 4). So
+``run_collapse`` prefetches while the grid is at most one CTA per SM, where latency is all there is, and not
+beyond, where the tokens in flight per SM set the bandwidth.
 """
 
 import os
@@ -16,7 +22,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 
 from ..tactics import HC_MULT  # noqa: E402
-from . import CompiledKernels, compile_in_processes, compile_kernel, cute_dtype, fake_tensors  # noqa: E402
+from . import CompiledKernels, compile_in_processes, compile_kernel, cute_dtype, fake_tensors, sm_count  # noqa: E402
 from . import device_utils as du  # noqa: E402
 from .big_fuse import BigFusePhase  # noqa: E402
 
@@ -30,13 +36,14 @@ def collapse_threads(hidden: int) -> int:
 
 
 class CollapseKernel:
-    """``out [M, H] = collapse(residual [M, 4H], pre_mix [M, 4])`` (+ RMSNorm with ``norm_weight``); static H and
-    norm dtype."""
+    """``out [M, H] = collapse(residual [M, 4H], pre_mix [M, 4])`` (+ RMSNorm with ``norm_weight``); static H,
+    norm dtype and ``prefetch_norm`` (the norm weight held in registers from the start, where the phase can)."""
 
-    def __init__(self, hidden: int, norm_dtype):
+    def __init__(self, hidden: int, norm_dtype, prefetch_norm: bool = True):
         self.hidden = hidden
         self.norm_dtype = norm_dtype
         self.phase = BigFusePhase(hidden, 1, 1, collapse_threads(hidden), norm_dtype, BATCH)
+        self.phase.prefetch_norm = self.phase.prefetch_norm and prefetch_norm
         assert self.phase.batches <= 2  # compile-time batch indices below
 
     @cute.jit
@@ -79,17 +86,19 @@ class CollapseKernel:
 _compiled = CompiledKernels("mhc_collapse", "collapse.py")
 
 
-def compiled_collapse(residual, pre_mix, norm_weight, out):
+def compiled_collapse(residual, pre_mix, norm_weight, out, prefetch_norm: bool = True):
     hidden = residual.shape[2]
     norm = None if norm_weight is None else norm_weight.dtype
-    return _compiled.get((hidden, norm), lambda: compile_collapse(residual, pre_mix, norm_weight, out))
+    prefetch_norm = prefetch_norm and norm is not None
+    return _compiled.get((hidden, norm, prefetch_norm),
+                         lambda: compile_collapse(residual, pre_mix, norm_weight, out, prefetch_norm))
 
 
-def compile_collapse(residual, pre_mix, norm_weight, out):
+def compile_collapse(residual, pre_mix, norm_weight, out, prefetch_norm: bool = True):
     """Compile ``CollapseKernel`` against fake tensors shaped like the flat operands (symbolic M)."""
     m = cute.sym_int()
     norm_dtype = None if norm_weight is None else cute_dtype(norm_weight.dtype)
-    kernel = CollapseKernel(residual.shape[2], norm_dtype)
+    kernel = CollapseKernel(residual.shape[2], norm_dtype, prefetch_norm)
     res, pre, out_t = fake_tensors(residual, pre_mix, out, tokens=m)
     (norm,) = fake_tensors(norm_weight)
     return compile_kernel(kernel, res, pre, norm, out_t)
@@ -98,7 +107,8 @@ def compile_collapse(residual, pre_mix, norm_weight, out):
 def run_collapse(residual, pre_mix, norm_weight, norm_eps, out) -> None:
     """``mhc_cute.ops`` backend entry: flat ``residual [M, 4, H]``, ``pre_mix [M, 4]``, ``norm_weight [H]`` or None
     into ``out [M, H]``."""
-    fn = compiled_collapse(residual, pre_mix, norm_weight, out)
+    prefetch = residual.shape[0] <= sm_count(residual.device.index)  # one CTA per SM at most: latency bound
+    fn = compiled_collapse(residual, pre_mix, norm_weight, out, prefetch)
     fn(residual, pre_mix, norm_weight, out, 0.0, 0.0, 0.0, 0.0, 0, norm_eps)
 
 
@@ -113,12 +123,12 @@ def spec_operands(hidden: int, norm: str | None):
 
 
 def _compile_spec(spec) -> tuple:
-    hidden, norm = spec
-    compiled_collapse(*spec_operands(hidden, norm))
+    hidden, norm, *prefetch = spec
+    compiled_collapse(*spec_operands(hidden, norm), *prefetch)
     return spec
 
 
 def precompile(specs, processes: int | None = None) -> list:
-    """Compile (and with ``$MHC_CUTE_KERNEL_CACHE`` persist) the (H, norm dtype name or None) variants in worker
-    processes."""
+    """Compile (and with ``$MHC_CUTE_KERNEL_CACHE`` persist) the (H, norm dtype name or None[, prefetch_norm])
+    variants in worker processes (``prefetch_norm`` True when left out; it is moot without a norm)."""
     return compile_in_processes(_compile_spec, specs, processes)
