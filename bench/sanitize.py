@@ -267,12 +267,25 @@ def future_cases(attr: str, norm_applies: bool) -> Callable[[], list]:
     return cases
 
 
+def delayed_cases() -> list[Case]:
+    """The delayed seam's grid (``future_cases``) and, on the kernel paths, its entry forms with carried gates (the
+    GPU tests run the broadcast entry with the identity): one and several tokens per CTA or tile."""
+    from mhc_cute import tactics as tac
+
+    cases = future_cases("mhc_fused_hc_delayed", True)()
+    if cases:
+        cases += [Case("mhc_fused_hc_delayed", b, m, h, norm, form) for b in kernel_backends()
+                  if b in tac.FMA_PATHS + tac.MMA_PATHS for form in ENTRY_FORMS
+                  for m, h, norm in ((3, 5120, True), (130, 512, False), (1031, 7168, True))]
+    return cases
+
+
 def _pre_mix(inputs: dict):
     import torch
 
     g = torch.Generator().manual_seed(1)
-    lead = inputs["x_prev"].shape[:-1]
-    return (torch.sigmoid(torch.randn(*lead, 4, generator=g)) + 1e-6).to(inputs["x_prev"].device)
+    res = inputs["residual_prev"]  # [M, 4, H], or the broadcast entry's [M, H]
+    return (torch.sigmoid(torch.randn(res.shape[0], 4, generator=g)) + 1e-6).to(res.device)
 
 
 def delayed_inputs(case, device):
@@ -305,7 +318,7 @@ def plain_call(case: Case, inputs: dict):
 OPS: dict[str, OpSpec] = {
     "mhc_fused_hc": OpSpec(fused_hc_cases, fused_hc_inputs, fused_hc_call, fused_hc_check,
                            activations=("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev")),
-    "mhc_fused_hc_delayed": OpSpec(future_cases("mhc_fused_hc_delayed", True), delayed_inputs, plain_call),
+    "mhc_fused_hc_delayed": OpSpec(delayed_cases, delayed_inputs, plain_call),
     "mhc_post": OpSpec(future_cases("mhc_post", False), post_inputs, plain_call),
     "mhc_collapse": OpSpec(future_cases("mhc_collapse", True), collapse_inputs, plain_call),
     "mhc_head": OpSpec(future_cases("mhc_head", True), head_inputs, plain_call),
