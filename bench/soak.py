@@ -158,7 +158,7 @@ def _resolved_tactic(backend: str, tactic, m: int, h: int, env: Env):
 
 
 def _draw_call(rng: random.Random, env: Env, op: str, configure: Callable[[random.Random], tuple],
-               h_multiple: Callable[[str], int], seam: bool) -> dict:
+               h_multiple: Callable[[str, dict], int], seam: bool) -> dict:
     """What every op's call draws: a kernel configuration (``configure(rng)`` -> (its own fields, the backends to
     choose from); the backend, H, norm; for a seam the precision and a tactic), M, leading dims, the inputs' scale,
     outliers, zeros, gates, layout, ``out=`` buffers, a stream or a CUDA graph."""
@@ -170,7 +170,7 @@ def _draw_call(rng: random.Random, env: Env, op: str, configure: Callable[[rando
     else:
         config, backends = configure(rng)
         backend = rng.choice(backends)
-        mult = h_multiple(backend) if backend != "auto" else 64
+        mult = h_multiple(backend, config) if backend != "auto" else 64
         if rng.random() < 0.8:
             mult = max(mult, 64)
         max_h = 8192 if gpu else CPU_LIMITS["triton" if backend == "triton" else "torch"][1]
@@ -202,10 +202,10 @@ def _draw_call(rng: random.Random, env: Env, op: str, configure: Callable[[rando
     )
 
 
-def _seam_h_multiple(backend: str) -> int:
+def _seam_h_multiple(backend: str, config: dict) -> int:
     from mhc_cute import BACKENDS
 
-    return BACKENDS[backend].h_multiple
+    return BACKENDS[backend].h_multiple_for(config.get("form", "regular"))
 
 
 def draw_fused_hc(rng: random.Random, env: Env) -> dict:
@@ -469,7 +469,7 @@ def draw_standalone(op: str) -> Callable[[random.Random, Env], dict]:
     from mhc_cute import ops
 
     return lambda rng, env: _draw_call(rng, env, op, lambda rng: ({}, env.op_backends[op]),
-                                       lambda b: ops.OP_BACKENDS[op][b].h_multiple, seam=False)
+                                       lambda b, config: ops.OP_BACKENDS[op][b].h_multiple, seam=False)
 
 
 def run_standalone(d: dict, env: Env) -> None:

@@ -209,14 +209,17 @@ def largest_split(hidden: int, chunk_h: int, target: int) -> int:
 def fma_broadcast_tactic(tactic: FmaTactic, hidden: int) -> FmaTactic:
     """``tactic`` as paths E/F run the broadcast entry: the embedding's H walked as four quarters of H / 4 (K is H,
     a quarter of a seam's), with a quarter of the splits where that leaves whole bursts of chunks (the same K per
-    CTA as the seam's), else the largest split that does. Needs H / 4 to hold whole chunks."""
+    CTA as the seam's), else the largest split that does, the burst halved until a quarter holds whole bursts.
+    Needs H / 4 to hold whole chunks."""
     quarter = hidden // HC_MULT
-    unit = tactic.chunk_h * tactic.burst
-    if hidden % HC_MULT or quarter % unit:
-        raise ValueError(f"the broadcast entry of {tactic.path} needs H a multiple of {HC_MULT * unit} with "
-                         f"tactic {tactic.name}; got H = {hidden}")
-    split_k = largest_split(quarter, unit, max(1, tactic.split_k // HC_MULT))
-    return replace(tactic, split_k=split_k).check(quarter)
+    if hidden % HC_MULT or quarter % tactic.chunk_h:
+        raise ValueError(f"the broadcast entry of {tactic.path} needs H a multiple of {HC_MULT * tactic.chunk_h} "
+                         f"with tactic {tactic.name}; got H = {hidden}")
+    burst = tactic.burst
+    while quarter % (tactic.chunk_h * burst):
+        burst //= 2
+    split_k = largest_split(quarter, tactic.chunk_h * burst, max(1, tactic.split_k // HC_MULT))
+    return replace(tactic, split_k=split_k, burst=burst).check(quarter)
 
 
 FMA_THREADS, FMA_TILE_N = 256, 6  # chunk_h = 64: every H % 64 == 0 works

@@ -336,6 +336,9 @@ def test_the_fma_paths_broadcast_entry_needs_whole_chunks_in_a_quarter_of_h(monk
 
     with pytest.raises(ValueError, match="needs H a multiple of 256"):
         tactics.fma_broadcast_tactic(tactics.default_fma_tactic(backend, 3, 320), 320)
+    # a burst wider than a quarter holds is narrowed: every seam tactic valid at H % 256 == 0 runs the entry
+    wide = tactics.parse_tactic(f"{backend}:k4:t8:n6:w256:s2:b4:fbw")  # 4352 / 4 = 1088 = 17 chunks
+    assert tactics.fma_broadcast_tactic(wide, 4352).burst == 1
 
 
 def test_fma_broadcast_tactic_keeps_the_k_of_a_cta():
@@ -350,10 +353,14 @@ def test_fma_broadcast_tactic_keeps_the_k_of_a_cta():
     assert b == replace(t, split_k=28) and 7168 // 4 // b.split_k == 7168 // t.split_k
     odd = tactics.parse_tactic("all_fma:k7:t8:n6:w256:s1:b1:fbw")  # 7168 / 7 = 1024 per CTA
     assert tactics.fma_broadcast_tactic(odd, 7168).split_k == 1  # 1792 / 64 = 28 chunks in one CTA
-    for h in (512, 4096, 5120, 7168):
+    from mhc_cute import autotune
+
+    for h in (512, 4096, 4352, 5120, 7168):
         for m in (1, 16, 100, 300, 4096):
             for path in ("half_fma", "all_fma"):
-                tactics.fma_broadcast_tactic(tactics.default_fma_tactic(path, m, h), h)  # valid (check() passes)
+                for seam in autotune.candidate_tactics(path, m, h, 132):  # the defaults and what the tuner tries
+                    if seam.invalid_reason(h) is None:
+                        tactics.fma_broadcast_tactic(seam, h)  # valid: check() passes
 
 
 def test_cute_paths_run_the_delayed_seam():
