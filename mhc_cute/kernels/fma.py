@@ -21,7 +21,7 @@ The entry forms (``form``, compile-time): without a post (``"no_post"``) the str
 read and never written. The broadcast entry (``"broadcast"``) reads the embedding ``[M, H]`` once and writes it
 four times as ``residual_cur``; its projection runs over H with the summed weight ``reference.broadcast_fn``, which
 the kernel walks as if the embedding's four quarters were the four streams of a seam of H / 4 (same K layout:
-quarter q of ``fn_b`` is at q H / 4), with ``broadcast_tactic``'s split; its sum of squares is stored times 4, so
+quarter q of ``fn_b`` is at q H / 4), with ``tactics.fma_broadcast_tactic``'s split; its sum of squares is stored times 4, so
 the big fuse's mean over 4H is the SPEC's mean over H exactly.
 
 The delayed seam (``delayed``, compile-time: "carried" or "identity"): the post-map step also collapses the 4
@@ -75,7 +75,7 @@ PRE_AT = HC_MULT + HC_MULT * HC_MULT  # the carried pre gates' place in a task's
 class FmaFusedHc:
     """Paths E/F for one tactic, hidden size, norm flag, seam (``delayed``: None, or for the delayed seam
     "carried" / "identity", ``kernels.delayed_mode``) and form ("regular", "no_post" or "broadcast", as
-    ``Problem.form``), all compile-time. The broadcast entry's ``tactic`` is ``broadcast_tactic``'s."""
+    ``Problem.form``), all compile-time. The broadcast entry's ``tactic`` is ``tactics.fma_broadcast_tactic``'s."""
 
     def __init__(self, tactic: FmaTactic, hidden: int, norm_dtype, delayed: str | None = None,
                  form: str = "regular"):
