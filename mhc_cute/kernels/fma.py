@@ -21,8 +21,8 @@ The entry forms (``form``, compile-time): without a post (``"no_post"``) the str
 read and never written. The broadcast entry (``"broadcast"``) reads the embedding ``[M, H]`` once and writes it
 four times as ``residual_cur``; its projection runs over H with the summed weight ``reference.broadcast_fn``, which
 the kernel walks as if the embedding's four quarters were the four streams of a seam of H / 4 (same K layout:
-quarter q of ``fn_b`` is at q H / 4), with ``tactics.fma_broadcast_tactic``'s split; its sum of squares is stored times 4, so
-the big fuse's mean over 4H is the SPEC's mean over H exactly.
+quarter q of ``fn_b`` is at q H / 4), with the split of ``tactics.fma_broadcast_tactic``; its sum of squares is
+stored times 4, so the big fuse's mean over 4H is the SPEC's mean over H exactly.
 
 The delayed seam (``delayed``, compile-time: "carried" or "identity"): the post-map step also collapses the 4
 rounded streams with the carried gates into ``x1`` (bf16) and stores it to ``layer_input`` (identity: stream 0),
