@@ -51,7 +51,8 @@ class Backend:
 
 
 SEAM_FORMS = ("regular", "no_post", "broadcast")
-FMA_BROADCAST_H = 256  # paths E/F's broadcast entry: H / 4 in whole 64-position chunks (``tactics.fma_broadcast_tactic``)
+# paths E/F's broadcast entry: H / 4 in whole 64-position chunks (``tactics.fma_broadcast_tactic``)
+FMA_BROADCAST_H = 256
 OPS = ("fused_hc", "fused_hc_delayed")
 
 

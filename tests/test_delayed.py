@@ -330,7 +330,8 @@ def test_the_fma_paths_broadcast_entry_needs_whole_chunks_in_a_quarter_of_h(monk
     with the reason (checked before anything runs, so on any machine)."""
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, d: None)
     inputs = make_inputs(3, 320, form="broadcast", pre="identity")
-    with pytest.raises(ValueError, match=rf"backend '{backend}' needs H % 256 == 0 for the broadcast entry; got H = 320"):
+    want = rf"backend '{backend}' needs H % 256 == 0 for the broadcast entry; got H = 320"
+    with pytest.raises(ValueError, match=want):
         mhc_fused_hc_delayed(**inputs, backend=backend)
     from mhc_cute import tactics
 
