@@ -332,8 +332,11 @@ def all_cases() -> list[Case]:
     return cases
 
 
-def select(cases: list[Case], ops=None, backends=None, shard: str | None = None) -> list[Case]:
-    cases = [c for c in cases if (not ops or c.op in ops) and (not backends or c.backend in backends)]
+def select(cases: list[Case], ops=None, backends=None, shard: str | None = None, match=None) -> list[Case]:
+    """The cases of ``ops`` on ``backends`` whose names contain one of the ``match`` strings (None: any), then
+    every n-th of them for ``shard`` "i/n"."""
+    cases = [c for c in cases if (not ops or c.op in ops) and (not backends or c.backend in backends)
+             and (not match or any(s in c.name for s in match))]
     if shard:
         i, n = map(int, shard.split("/"))
         if not 1 <= i <= n:
@@ -709,6 +712,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", help="comma-separated backend names (default: all)")
     ap.add_argument("--ops", help=f"comma-separated, of {','.join(OPS)} (default: all)")
     ap.add_argument("--shard", help="i/n: every n-th case from the i-th (1-based), to split the sweep over calls")
+    ap.add_argument("--match", help="comma-separated: only the cases whose names contain one of these")
     ap.add_argument("--json", help="write the results here (merge shards with --merge)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="print one table from results files and exit")
     ap.add_argument("--budget", type=float, default=540, help="seconds: launch no process after this (default 540)")
@@ -749,7 +753,7 @@ def main(argv=None) -> int:
         return 1 if findings else (2 if missing else 0)
 
     cases = select(all_cases(), args.ops and args.ops.split(","), args.backends and args.backends.split(","),
-                   args.shard)
+                   args.shard, args.match and args.match.split(","))
     if args.list:
         for c in cases:
             print(f"{c.name:<58} {c.tactic or '(default)'}")

@@ -6,20 +6,20 @@ failure, each with a command that reproduces it.
     python bench/soak.py --seconds 40          # no GPU: the torch backend and Triton's interpreter, small shapes
     python bench/soak.py --replay '{"op": "mhc_fused_hc", ...}'   # one call again, as a failure printed it
 
-Each call of ``mhc_fused_hc`` draws: M (0, 1, powers of two, odd sizes, any size; up to tens of thousands on a GPU,
+Each call of ``mhc_fused_hc`` draws: its form (regular half the time, no post, broadcast entry), M (0, 1, powers of
+two, odd sizes, any size; up to tens of thousands on a GPU,
 bounded by ``MAX_ELEMENTS_GPU`` elements of ``residual_prev``), H (multiples of 64 up to 8192, or of the backend's
 ``h_multiple``), a backend (``auto`` and ``torch`` included) and a tactic (its default, a candidate the tuner times,
 the most K splits, for Triton other K splits and chunks), the norm (none, bf16 or fp32 weight), the precision, the
 inputs' scale (1e-20 to 1e10) with outlier channels (x100) and exact zeros (channels, tokens, post gates), the
 gates' saturation (``hc_base`` up to 100), leading dims, non-contiguous or misaligned inputs, ``out=`` buffers
 (poisoned with NaN; the flat alternative shapes too), and on a GPU a second stream, or a CUDA graph captured and
-replayed on two new sets of activations. Now and then the call is made again with a NaN or an infinity in one value
-of one token, against the non-finite policy (``accuracy.check_poisoned_token``). On a GPU most draws reuse the
+replayed on two new sets of activations. Now and then a regular call is made again with a NaN or an infinity in one
+value of one token, against the non-finite policy (``accuracy.check_poisoned_token``). On a GPU most draws reuse the
 kernel configuration of an earlier one (its backend, H, norm, precision and resolved tactic) with new sizes and
 data, so that compiling new kernel variants takes a bounded share of the run (``$MHC_CUTE_KERNEL_CACHE``, default
 /tmp/mhc-kcache, keeps them for later runs).
-``mhc_fused_hc_delayed`` (every form: regular, no post, broadcast entry; carried gates or the identity
-``pre_mix_prev=None``) and the standalone ops ``mhc_post``, ``mhc_collapse``, ``mhc_head`` draw the same way (no
+``mhc_fused_hc_delayed`` (every form too; carried gates or the identity ``pre_mix_prev=None``) and the standalone ops ``mhc_post``, ``mhc_collapse``, ``mhc_head`` draw the same way (no
 poisoned tokens), each on the backends that implement it, checked with ``accuracy.check_outputs`` and
 ``accuracy.check_op_output``; ``--ops`` picks some, by default all (weighted towards the two seams).
 A call's draw is a JSON object; the i-th draw depends only on ``--seed`` and i. A new op is one entry of ``OPS``
@@ -208,10 +208,28 @@ def _seam_h_multiple(backend: str, config: dict) -> int:
     return BACKENDS[backend].h_multiple_for(config.get("form", "regular"))
 
 
+def _draw_form(rng: random.Random, env: Env, op: str) -> str:
+    """A seam form (the regular one half the time) that some backend of the soak runs for ``op``."""
+    return rng.choice([f for f in ("regular", "regular", "no_post", "broadcast") if seam_backends(env, op, f)])
+
+
+def _embedding_lead(d: dict) -> dict:
+    """A broadcast draw's leading dims: an embedding [..., 4, H] with a leading dim is 4 streams (the API's documented
+    rule), so such a draw takes the flat [M, H]."""
+    if d["form"] == "broadcast" and len(d["lead"]) > 1 and d["lead"][-1] == 4:
+        d["lead"] = [d["m"]]
+    return d
+
+
 def draw_fused_hc(rng: random.Random, env: Env) -> dict:
-    d = _draw_call(rng, env, "mhc_fused_hc", lambda rng: ({}, env.backends), _seam_h_multiple, seam=True)
+    """A ``mhc_fused_hc`` call in one of its forms (regular, no post, broadcast entry)."""
+    def configure(rng):
+        form = _draw_form(rng, env, "fused_hc")
+        return dict(form=form), seam_backends(env, "fused_hc", form)
+
+    d = _embedding_lead(_draw_call(rng, env, "mhc_fused_hc", configure, _seam_h_multiple, seam=True))
     d["poison"] = None
-    if d["m"] and not d["graph"] and rng.random() < POISON:  # one value of one token: the non-finite policy
+    if d["form"] == "regular" and d["m"] and not d["graph"] and rng.random() < POISON:  # the non-finite policy
         name, tail = rng.choice(list(POISON_TAILS.items()))
         d["poison"] = dict(name=name, token=rng.randrange(d["m"]), at=[rng.randrange(n if n else d["h"]) for n in tail],
                            value=rng.choice(["nan", "inf", "-inf"]))
@@ -430,6 +448,10 @@ def label_backend(d: dict) -> str:
     return d["backend"]
 
 
+def label_seam(d: dict) -> str:
+    return f"{d['backend']}/{d.get('form', 'regular')}"
+
+
 # --- mhc_fused_hc_delayed -------------------------------------------------------------------------------------
 
 def seam_backends(env: Env, op: str, form: str) -> list:
@@ -442,25 +464,17 @@ def seam_backends(env: Env, op: str, form: str) -> list:
 def draw_fused_hc_delayed(rng: random.Random, env: Env) -> dict:
     """A ``mhc_fused_hc`` draw plus the seam's form and its carried gates (``pre_mix_prev`` None: the identity)."""
     def configure(rng):
-        form = rng.choice([f for f in ("regular", "regular", "no_post", "broadcast")
-                           if seam_backends(env, "fused_hc_delayed", f)])
+        form = _draw_form(rng, env, "fused_hc_delayed")
         return dict(form=form, pre=rng.choice(["carried", "carried", "identity"])), \
             seam_backends(env, "fused_hc_delayed", form)
 
-    d = _draw_call(rng, env, "mhc_fused_hc_delayed", configure, _seam_h_multiple, seam=True)
-    if d["form"] == "broadcast" and len(d["lead"]) > 1 and d["lead"][-1] == 4:
-        d["lead"] = [d["m"]]  # an embedding [..., 4, H] with a leading dim is 4 streams (the API's documented rule)
-    return d
+    return _embedding_lead(_draw_call(rng, env, "mhc_fused_hc_delayed", configure, _seam_h_multiple, seam=True))
 
 
 def run_fused_hc_delayed(d: dict, env: Env) -> None:
     import mhc_cute
 
     _run_seam(d, env, mhc_cute.mhc_fused_hc_delayed)
-
-
-def label_delayed(d: dict) -> str:
-    return f"{d['backend']}/{d['form']}"
 
 
 # --- the standalone ops (``mhc_cute.ops``) ----------------------------------------------------------------------
@@ -495,8 +509,8 @@ def run_standalone(d: dict, env: Env) -> None:
 
 
 OPS: dict[str, SoakOp] = {
-    "mhc_fused_hc": SoakOp(draw_fused_hc, run_fused_hc, label_backend, weight=4),
-    "mhc_fused_hc_delayed": SoakOp(draw_fused_hc_delayed, run_fused_hc_delayed, label_delayed, weight=3),
+    "mhc_fused_hc": SoakOp(draw_fused_hc, run_fused_hc, label_seam, weight=4),
+    "mhc_fused_hc_delayed": SoakOp(draw_fused_hc_delayed, run_fused_hc_delayed, label_seam, weight=3),
     **{op: SoakOp(draw_standalone(op), run_standalone, label_backend)
        for op in ("mhc_post", "mhc_collapse", "mhc_head")},
 }

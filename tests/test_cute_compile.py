@@ -651,23 +651,24 @@ def test_collapse_kernel_compiles(hidden, norm, prefetch):
     assert collapse.compile_collapse(*collapse.spec_operands(hidden, norm), prefetch) is not None
 
 
-def test_collapse_prefetches_the_norm_weight_up_to_one_cta_per_sm(monkeypatch):
-    """``run_collapse`` holds the norm weight in registers from the start while the grid has at most one CTA per SM
-    (latency bound), and not beyond (the registers cost a resident CTA per SM); without a norm it is moot."""
+def test_collapse_prefetches_the_norm_weight_up_to_its_largest_h(monkeypatch):
+    """``run_collapse`` holds the norm weight in registers from the start up to ``PREFETCH_NORM_MAX_H`` (measured:
+    faster there at every M, slower above), at every M; without a norm it is moot."""
     import torch
 
     from mhc_cute.kernels import collapse
 
     asked = []
-    monkeypatch.setattr(collapse, "sm_count", lambda index: 132)
     monkeypatch.setattr(collapse._compiled, "get", lambda key, build: asked.append(key) or (lambda *a: None))
-    for m in (1, 132, 133, 8192):
-        res, pre, w, out = collapse.spec_operands(512, "bfloat16")
-        collapse.run_collapse(res.expand(m, -1, -1), pre.expand(m, -1), w, 1e-20, out.expand(m, -1))
+    bf16 = torch.bfloat16
+    for h in (collapse.PREFETCH_NORM_MAX_H, collapse.PREFETCH_NORM_MAX_H + 64):
+        for m in (1, 8192):
+            res, pre, w, out = collapse.spec_operands(h, "bfloat16")
+            collapse.run_collapse(res.expand(m, -1, -1), pre.expand(m, -1), w, 1e-20, out.expand(m, -1))
     res, pre, _, out = collapse.spec_operands(512, None)
     collapse.run_collapse(res, pre, None, 1e-20, out)
-    bf16 = torch.bfloat16
-    assert asked == [(512, bf16, True), (512, bf16, True), (512, bf16, False), (512, bf16, False), (512, None, False)]
+    h = collapse.PREFETCH_NORM_MAX_H
+    assert asked == [(h, bf16, True)] * 2 + [(h + 64, bf16, False)] * 2 + [(512, None, False)]
 
 
 @pytest.mark.slow

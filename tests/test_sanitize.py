@@ -68,6 +68,13 @@ def test_shards_partition_the_cases(sanitize):
     assert {c.backend for c in sanitize.select(cases, backends=["triton"])} == {"triton"}
 
 
+def test_match_keeps_the_cases_whose_names_contain_a_string(sanitize):
+    cases = sanitize.all_cases()
+    picked = sanitize.select(cases, match=["broadcast", "/M1031/"])
+    assert picked and all("broadcast" in c.name or "/M1031/" in c.name for c in picked)
+    assert len(picked) == sum("broadcast" in c.name or "/M1031/" in c.name for c in cases)
+
+
 SAMPLE = """\
 ========= COMPUTE-SANITIZER
 ========= Program hit cudaErrorInvalidValue (error 1) due to "invalid argument" on CUDA API call to cuPointerGetAttribute.

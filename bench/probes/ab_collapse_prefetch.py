@@ -1,6 +1,6 @@
 """``mhc_collapse`` with the norm: the CuTe kernel with the norm weight prefetched into registers against the one
 that loads it in the second pass (``kernels.collapse``: ``prefetch_norm``), per H and M, CUDA-graph replay with the
-inputs rotated out of L2, in alternating rounds; and which one ``run_collapse`` picks at that M.
+inputs rotated out of L2, in alternating rounds; and which one ``run_collapse`` picks (by H).
 
     bash .devbundle/gpu.sh python bench/probes/ab_collapse_prefetch.py --hidden 7168 5120 --m 1 32 132 264 2048 8192
 
@@ -44,7 +44,7 @@ def main() -> int:
             timers = {p: (lambda p=p: mb.time_graph(variant_call(p), sets)) for p in (True, False)}
             times = mb.alternating_rounds(timers, args.rounds)
             pre, no = (statistics.median(times[p]) for p in (True, False))
-            picked = "prefetch" if m <= sm_count(0) else "no_prefetch"
+            picked = "prefetch" if h <= collapse.PREFETCH_NORM_MAX_H else "no_prefetch"
             floor = mb.collapse_floor_bytes(m, h) / bandwidth * 1e6
             print(f"{h:6d} {m:6d} {pre:9.2f} {no:9.2f} {no / pre:6.3f} {picked:12s} {100 * floor / min(pre, no):5.1f}%",
                   flush=True)

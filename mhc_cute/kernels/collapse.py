@@ -7,10 +7,10 @@ in flight (the big fuse's "lat" shape), so the collapse costs one memory round t
 stays in registers for the second pass. One pass over 10H + 16 bytes per token.
 
 With the norm, the weight's 8-vectors can be loaded before ``griddepcontrol_wait`` and held in registers
-(``prefetch_norm``): that takes a round trip off each CTA, but the registers it holds through the row's loads cost
-an SM one resident CTA (at H = 7168, 80 registers a thread against 72: 3 CTAs of 224 threads instead of 4). So
-``run_collapse`` prefetches while the grid is at most one CTA per SM, where latency is all there is, and not
-beyond, where the tokens in flight per SM set the bandwidth.
+(``prefetch_norm``), which takes a round trip off each CTA but holds registers through the row's loads. On the H200
+that won at every M at H = 5120 (1.01-1.25x) and lost at every M at H = 7168 (0.82-0.93x; 80 registers a thread
+against 72 there, 3 resident CTAs of 224 threads instead of 4), so ``run_collapse`` prefetches up to
+``PREFETCH_NORM_MAX_H`` (``docs/experiments.md``).
 """
 
 import os
@@ -22,11 +22,12 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 
 from ..tactics import HC_MULT  # noqa: E402
-from . import CompiledKernels, compile_in_processes, compile_kernel, cute_dtype, fake_tensors, sm_count  # noqa: E402
+from . import CompiledKernels, compile_in_processes, compile_kernel, cute_dtype, fake_tensors  # noqa: E402
 from . import device_utils as du  # noqa: E402
 from .big_fuse import BigFusePhase  # noqa: E402
 
 BATCH = 4  # 8-vectors per thread in flight together
+PREFETCH_NORM_MAX_H = 5120  # the largest H whose collapse prefetches the norm weight (measured at 5120 and 7168)
 
 
 def collapse_threads(hidden: int) -> int:
@@ -107,8 +108,7 @@ def compile_collapse(residual, pre_mix, norm_weight, out, prefetch_norm: bool = 
 def run_collapse(residual, pre_mix, norm_weight, norm_eps, out) -> None:
     """``mhc_cute.ops`` backend entry: flat ``residual [M, 4, H]``, ``pre_mix [M, 4]``, ``norm_weight [H]`` or None
     into ``out [M, H]``."""
-    prefetch = residual.shape[0] <= sm_count(residual.device.index)  # one CTA per SM at most: latency bound
-    fn = compiled_collapse(residual, pre_mix, norm_weight, out, prefetch)
+    fn = compiled_collapse(residual, pre_mix, norm_weight, out, residual.shape[2] <= PREFETCH_NORM_MAX_H)
     fn(residual, pre_mix, norm_weight, out, 0.0, 0.0, 0.0, 0.0, 0, norm_eps)
 
 
