@@ -67,12 +67,13 @@ def _op_backend(op: str, backend: str) -> str:
     return backend if backend in OP_BACKENDS[op] else "auto"
 
 
-def _seam_backend(backend: str, op: str, form: str) -> str:
-    """The seam backend for ``op`` in seam ``form`` on a model run on ``backend``: ``backend`` where it implements
-    that pair (paths E/F run the regular and no-post forms, paths B/D also the broadcast entry), else ``"auto"``."""
+def _entry_backend(backend: str, hidden: int) -> str:
+    """The broadcast entry's backend on a model run on ``backend``: ``backend`` where it runs that form at this H
+    (paths E/F need H % 256 == 0), else ``"auto"``."""
     from .backends import BACKENDS
 
-    return backend if backend not in BACKENDS or BACKENDS[backend].entry_for(op, form) else "auto"
+    fits = backend not in BACKENDS or hidden % BACKENDS[backend].h_multiple_for("broadcast") == 0
+    return backend if fits else "auto"
 
 
 def mhc_forward_v4(embedding: torch.Tensor, weights: Sequence[SublayerWeights], sublayers: Sequence[Sublayer],
@@ -80,7 +81,7 @@ def mhc_forward_v4(embedding: torch.Tensor, weights: Sequence[SublayerWeights], 
     """The mHC ops of a DeepSeek-V4 forward pass around ``sublayers`` (2L of them): ``embedding [..., H]`` bf16 in, the
     head's input ``[..., H]`` bf16 out (``mhc_head`` with ``head.norm_weight`` as the final RMSNorm; ``hc_head``'s
     RMS eps is ``scalars.norm_eps``, as in DeepSeek's reference). ``backend``: the seams' (``mhc_fused_hc``; the entry
-    runs on auto where the backend lacks the broadcast form)."""
+    runs on auto where the backend cannot run the broadcast entry at this H)."""
     from .api import mhc_fused_hc
     from .ops import mhc_head, mhc_post
 
@@ -88,7 +89,7 @@ def mhc_forward_v4(embedding: torch.Tensor, weights: Sequence[SublayerWeights], 
     seam_kw = scalars._asdict()
     w = weights[0]
     seam = mhc_fused_hc(None, embedding, None, None, w.fn, w.hc_scale, w.hc_base, norm_weight=w.norm_weight,
-                        backend=_seam_backend(backend, "fused_hc", "broadcast"), **seam_kw)  # broadcast entry
+                        backend=_entry_backend(backend, embedding.shape[-1]), **seam_kw)  # broadcast entry
     y = sublayers[0](seam.layer_input)
     for w, sublayer in zip(weights[1:], sublayers[1:]):
         seam = mhc_fused_hc(y, seam.residual_cur, seam.post_mix_cur, seam.comb_mix_cur, w.fn, w.hc_scale, w.hc_base,
@@ -106,8 +107,8 @@ def mhc_forward_v41(embedding: torch.Tensor, weights: Sequence[SublayerWeights],
     """The mHC ops of a DeepSeek-V4.1 forward pass around ``sublayers`` (2L of them): ``embedding [..., H]`` bf16 in,
     the head's input ``[..., H]`` bf16 out (the final collapse with the carried gates, then ``final_norm_weight``'s
     RMSNorm). ``engram``: {layer index: callable on the streams} (V4.1-Flash: layers 1 and 14), run between the
-    standalone post and the attention seam of that layer. ``backend``: the seams' (``mhc_fused_hc_delayed``; a seam
-    form the backend lacks runs on auto)."""
+    standalone post and the attention seam of that layer. ``backend``: the seams' (``mhc_fused_hc_delayed``; the
+    entry runs on auto where the backend cannot run the broadcast entry at this H)."""
     from .api import mhc_fused_hc_delayed
     from .ops import mhc_collapse, mhc_post
 
@@ -115,8 +116,8 @@ def mhc_forward_v41(embedding: torch.Tensor, weights: Sequence[SublayerWeights],
     engram = engram or {}
     seam_kw = scalars._asdict()
     post_backend = _op_backend("mhc_post", backend)
-    regular, no_post, broadcast = (_seam_backend(backend, "fused_hc_delayed", form)
-                                   for form in ("regular", "no_post", "broadcast"))
+    regular = no_post = backend
+    broadcast = _entry_backend(backend, embedding.shape[-1])
     w = weights[0]
     if 0 in engram:  # the Engram reads the 4 streams: they exist before the first seam
         residual = engram[0](embedding.unsqueeze(-2).expand(*embedding.shape[:-1], HC_MULT, embedding.shape[-1]))

@@ -190,6 +190,14 @@ def test_v41_forward_matches_float64(backend, engram_layers):
     _compare(got, stack.run(reference_forward_v41, stack.final_norm, engram=stack.engram()))
 
 
+def test_the_entry_runs_on_auto_where_the_backend_cannot_run_the_broadcast_entry_at_this_h():
+    """Paths E/F run the broadcast entry at H % 256 == 0 only; the model's entry seam then takes auto."""
+    from mhc_cute import model
+
+    assert model._entry_backend("half_fma", 512) == "half_fma" and model._entry_backend("all_fma", 320) == "auto"
+    assert model._entry_backend("half_mma", 320) == "half_mma" and model._entry_backend("auto", 320) == "auto"
+
+
 GPU_MODEL_CASES = [(h, b) for h in (4096, 5120, 7168)
                    for b in ("auto", "torch", "triton", "half_fma", "all_fma", "half_mma", "all_mma")]
 
