@@ -92,13 +92,35 @@ def auto_candidates(hidden: int, max_m: int, precision: str, sm_count: int) -> l
     return list(dict.fromkeys(picks + defaults))
 
 
-def precompile_candidates(candidates, precision: str, norm_dtype: str | None) -> None:
+# the seam kernels each op's ``auto`` may run, as (seam, form): ``kernels.delayed_mode``'s seam flag and the form
+SEAM_VARIANTS = {
+    "mhc_fused_hc": ((None, "regular"), (None, "no_post"), (None, "broadcast")),
+    "mhc_fused_hc_delayed": tuple((seam, form) for seam in ("carried", "identity")
+                                  for form in ("regular", "no_post", "broadcast")),
+    "mhc_head": ((None, "no_post"),),  # its seam form: the no-post seam on the padded head weight
+}
+
+
+def precompile_candidates(candidates, precision: str, norm_dtype: str | None,
+                          variants=((None, "regular"),)) -> None:
     """Compile the CuTe kernels of (H, tactic) ``candidates`` in parallel worker processes before timing them
     (compiling one takes seconds); they persist in ``$MHC_CUTE_KERNEL_CACHE``, a temporary folder if unset.
-    ``norm_dtype``: the norm weight's dtype name ("bfloat16", "float32"), or None without the fused norm."""
+    ``norm_dtype``: the norm weight's dtype name ("bfloat16", "float32"), or None without the fused norm;
+    ``variants``: the (seam, form) pairs of each (``SEAM_VARIANTS``; the broadcast entry where the path runs it
+    at that H)."""
+    from .backends import BACKENDS
+
     os.environ.setdefault(KERNEL_CACHE_ENV, tempfile.mkdtemp(prefix="mhc_cute_kernels_"))
-    fma_specs = [(t.name, h, norm_dtype) for h, t in candidates if t.path in tactics.FMA_PATHS]
-    mma_specs = [(t.name, h, precision, norm_dtype) for h, t in candidates if t.path in tactics.MMA_PATHS]
+    fma_specs, mma_specs = [], []
+    for seam, form in dict.fromkeys(variants):
+        tail = (seam, form) if form != "regular" else () if seam is None else (seam,)
+        for h, t in candidates:
+            if h % BACKENDS[t.path].h_multiple_for(form):
+                continue
+            if t.path in tactics.FMA_PATHS:
+                fma_specs.append((t.name, h, norm_dtype, *tail))
+            else:
+                mma_specs.append((t.name, h, precision, norm_dtype, *tail))
     if fma_specs:
         from .kernels import fma
 

@@ -13,6 +13,8 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 DEEPSEEK_HIDDEN = (4096, 5120, 7168)  # V4-Flash, V4.1, V4-Pro (SPEC)
 DEEPSEEK_SHAPES = [(1, 7168), (17, 7168), (256, 4096), (1000, 5120)]
 TUNE_MEASURES = ("contexts", "back-to-back")  # autotune.MEASURES, without importing torch to parse arguments
+# every op of a forward pass (autotune.SEAM_VARIANTS' seams, and the standalone kernels of mhc_post and mhc_collapse)
+PRECOMPILE_OPS = ("mhc_fused_hc", "mhc_fused_hc_delayed", "mhc_head", "mhc_post", "mhc_collapse")
 
 
 def cmd_info(args) -> int:
@@ -234,14 +236,25 @@ def cmd_precompile(args) -> int:
         sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     os.environ[KERNEL_CACHE_ENV] = folder
     t0 = time.perf_counter()
+    variants = [v for op in args.ops for v in autotune.SEAM_VARIANTS.get(op, ())]
+    norms = [None if norm == "none" else norm for norm in args.norm]
     n = 0
-    for precision in args.precision:
-        candidates = [c for h in args.hidden for c in autotune.auto_candidates(h, args.max_m, precision, sm_count)]
-        for norm in args.norm:
-            autotune.precompile_candidates(candidates, precision, None if norm == "none" else norm)
-            n += len(candidates)
-    print(f"{n} CuTe kernel variants ready in {folder} ({time.perf_counter() - t0:.0f} s; H = "
-          f"{', '.join(map(str, args.hidden))}; M <= {args.max_m}; {sm_count} SMs; norm weight "
+    if variants:
+        for precision in args.precision:
+            candidates = [c for h in args.hidden for c in autotune.auto_candidates(h, args.max_m, precision, sm_count)]
+            for norm in norms:
+                autotune.precompile_candidates(candidates, precision, norm, variants)
+                n += len(candidates) * len(dict.fromkeys(variants))
+    if "mhc_post" in args.ops:
+        from .kernels import post
+
+        n += len(post.precompile(args.hidden))
+    if "mhc_collapse" in args.ops:
+        from .kernels import collapse
+
+        n += len(collapse.precompile([(h, norm) for h in args.hidden for norm in norms]))
+    print(f"{n} CuTe kernel variants ready in {folder} ({time.perf_counter() - t0:.0f} s; {', '.join(args.ops)}; "
+          f"H = {', '.join(map(str, args.hidden))}; M <= {args.max_m}; {sm_count} SMs; norm weight "
           f"{' / '.join(args.norm)}; {' / '.join(args.precision)}): with {KERNEL_CACHE_ENV}={folder}, a process loads "
           "each in about a millisecond instead of compiling it (seconds)")
     return 0
@@ -300,6 +313,8 @@ def main(argv=None) -> int:
     pc.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "tf32"])
     pc.add_argument("--sm-count", type=int, help="the target GPU's SM count (default: this machine's GPU)")
     pc.add_argument("--cache", help="the folder (default: $MHC_CUTE_KERNEL_CACHE)")
+    pc.add_argument("--ops", nargs="+", default=list(PRECOMPILE_OPS), choices=PRECOMPILE_OPS,
+                    help="the ops whose kernels to compile, each in every form auto may run (default: all)")
     pc.set_defaults(fn=cmd_precompile)
     args = p.parse_args(argv)
     if args.cmd == "bench" and args.compile and not args.host:

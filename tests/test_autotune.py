@@ -498,9 +498,35 @@ def test_precompile_command_fills_the_kernel_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("MHC_CUTE_KERNEL_CACHE", raising=False)
     folder = tmp_path / "kernels"
     assert cli.main(["precompile", "--hidden", "512", "--max-m", "1", "--norm", "none", "--sm-count", "132",
-                     "--cache", str(folder)]) == 0
-    # the default tactics of half_fma and half_mma at M = 1 (no table for H = 512)
-    assert sorted(p.name.split("_")[1] for p in folder.glob("*.o")) == ["fma", "mma"]
+                     "--cache", str(folder), "--ops", "mhc_head", "mhc_post"]) == 0
+    # the default tactics of half_fma and half_mma at M = 1 (no table for H = 512) in the head's seam form, and the
+    # post kernel
+    assert sorted(p.name.split("_")[1] for p in folder.glob("*.o")) == ["fma", "mma", "post"]
+
+
+def test_precompile_command_compiles_every_form_auto_may_run(tmp_path, monkeypatch):
+    """By default every op of a forward pass: both seams in each form (V4.1's with carried and identity gates; the
+    broadcast entry only where the path runs it at that H), the head's seam form, the post and the collapse (the
+    collapse's prefetch as ``run_collapse`` chooses it)."""
+    from mhc_cute import cli
+    from mhc_cute.kernels import collapse, fma, mma, post
+
+    monkeypatch.setenv("MHC_CUTE_CACHE_DIR", str(tmp_path / "tables"))
+    specs = {"fma": [], "mma": [], "post": [], "collapse": []}
+    for name, module in (("fma", fma), ("mma", mma), ("post", post), ("collapse", collapse)):
+        monkeypatch.setattr(module, "precompile", lambda s, *a, name=name, **k: specs[name].extend(s) or list(s))
+    assert cli.main(["precompile", "--hidden", "512", "320", "--max-m", "1", "--norm", "none", "bfloat16",
+                     "--sm-count", "132", "--cache", str(tmp_path / "k")]) == 0
+    assert set(cli.PRECOMPILE_OPS) == set(autotune.SEAM_VARIANTS) | {"mhc_post", "mhc_collapse"}
+    tails = {()} | {(None, f) for f in ("no_post", "broadcast")} | {(s,) for s in ("carried", "identity")} \
+        | {(s, f) for s in ("carried", "identity") for f in ("no_post", "broadcast")}
+    want = {(h, norm, tail) for h in (512, 320) for norm in (None, "bfloat16") for tail in tails}
+    assert {(h, norm, tuple(tail)) for _, h, norm, *tail in specs["fma"]} == \
+        {w for w in want if not (w[0] == 320 and "broadcast" in w[2])}  # paths E/F: H % 256 for the entry
+    assert {(h, norm, tuple(tail)) for _, h, _, norm, *tail in specs["mma"]} == want
+    assert sorted(specs["post"]) == [320, 512]
+    assert sorted(specs["collapse"], key=str) == sorted([(h, n) for h in (512, 320) for n in (None, "bfloat16")],
+                                                        key=str)
 
 
 def test_precompile_command_needs_a_folder_and_a_target(monkeypatch, capsys):

@@ -124,11 +124,11 @@ def spec_operands(hidden: int, norm: str | None):
 
 def _compile_spec(spec) -> tuple:
     hidden, norm, *prefetch = spec
-    compiled_collapse(*spec_operands(hidden, norm), *prefetch)
+    compiled_collapse(*spec_operands(hidden, norm), prefetch[0] if prefetch else hidden <= PREFETCH_NORM_MAX_H)
     return spec
 
 
 def precompile(specs, processes: int | None = None) -> list:
     """Compile (and with ``$MHC_CUTE_KERNEL_CACHE`` persist) the (H, norm dtype name or None[, prefetch_norm])
-    variants in worker processes (``prefetch_norm`` True when left out; it is moot without a norm)."""
+    variants in worker processes (``prefetch_norm``, moot without a norm: ``run_collapse``'s choice when left out)."""
     return compile_in_processes(_compile_spec, specs, processes)
