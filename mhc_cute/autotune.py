@@ -102,12 +102,12 @@ SEAM_VARIANTS = {
 
 
 def precompile_candidates(candidates, precision: str, norm_dtype: str | None,
-                          variants=((None, "regular"),)) -> None:
+                          variants=((None, "regular"),)) -> int:
     """Compile the CuTe kernels of (H, tactic) ``candidates`` in parallel worker processes before timing them
     (compiling one takes seconds); they persist in ``$MHC_CUTE_KERNEL_CACHE``, a temporary folder if unset.
     ``norm_dtype``: the norm weight's dtype name ("bfloat16", "float32"), or None without the fused norm;
     ``variants``: the (seam, form) pairs of each (``SEAM_VARIANTS``; the broadcast entry where the path runs it
-    at that H)."""
+    at that H). Returns how many variants it compiled (or found compiled)."""
     from .backends import BACKENDS
 
     os.environ.setdefault(KERNEL_CACHE_ENV, tempfile.mkdtemp(prefix="mhc_cute_kernels_"))
@@ -121,6 +121,7 @@ def precompile_candidates(candidates, precision: str, norm_dtype: str | None,
                 fma_specs.append((t.name, h, norm_dtype, *tail))
             else:
                 mma_specs.append((t.name, h, precision, norm_dtype, *tail))
+    fma_specs, mma_specs = list(dict.fromkeys(fma_specs)), list(dict.fromkeys(mma_specs))
     if fma_specs:
         from .kernels import fma
 
@@ -129,6 +130,7 @@ def precompile_candidates(candidates, precision: str, norm_dtype: str | None,
         from .kernels import mma
 
         mma.precompile(mma_specs)
+    return len(fma_specs) + len(mma_specs)
 
 
 TUNE_MARGIN = 0.02  # a non-default tactic must beat every backend's default by this much to be kept

@@ -243,8 +243,7 @@ def cmd_precompile(args) -> int:
         for precision in args.precision:
             candidates = [c for h in args.hidden for c in autotune.auto_candidates(h, args.max_m, precision, sm_count)]
             for norm in norms:
-                autotune.precompile_candidates(candidates, precision, norm, variants)
-                n += len(candidates) * len(dict.fromkeys(variants))
+                n += autotune.precompile_candidates(candidates, precision, norm, variants)
     if "mhc_post" in args.ops:
         from .kernels import post
 

@@ -504,7 +504,7 @@ def test_precompile_command_fills_the_kernel_cache(tmp_path, monkeypatch):
     assert sorted(p.name.split("_")[1] for p in folder.glob("*.o")) == ["fma", "mma", "post"]
 
 
-def test_precompile_command_compiles_every_form_auto_may_run(tmp_path, monkeypatch):
+def test_precompile_command_compiles_every_form_auto_may_run(tmp_path, monkeypatch, capsys):
     """By default every op of a forward pass: both seams in each form (V4.1's with carried and identity gates; the
     broadcast entry only where the path runs it at that H), the head's seam form, the post and the collapse (the
     collapse's prefetch as ``run_collapse`` chooses it)."""
@@ -517,6 +517,8 @@ def test_precompile_command_compiles_every_form_auto_may_run(tmp_path, monkeypat
         monkeypatch.setattr(module, "precompile", lambda s, *a, name=name, **k: specs[name].extend(s) or list(s))
     assert cli.main(["precompile", "--hidden", "512", "320", "--max-m", "1", "--norm", "none", "bfloat16",
                      "--sm-count", "132", "--cache", str(tmp_path / "k")]) == 0
+    total = sum(map(len, specs.values()))
+    assert f"{total} CuTe kernel variants ready" in capsys.readouterr().out  # the broadcast entries skipped not counted
     assert set(cli.PRECOMPILE_OPS) == set(autotune.SEAM_VARIANTS) | {"mhc_post", "mhc_collapse"}
     tails = {()} | {(None, f) for f in ("no_post", "broadcast")} | {(s,) for s in ("carried", "identity")} \
         | {(s, f) for s in ("carried", "identity") for f in ("no_post", "broadcast")}
