@@ -12,13 +12,14 @@ and seam form takes that path, and so do the custom ops' bodies.
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 
 from . import backends, selector
 from .problem import (
     ALIGN_BYTES, MhcFusedHcDelayedOutput, MhcFusedHcOutput, Problem, _as_delayed, aligned, check_no_grad,
-    check_out_memory, flat_out, validate,
+    check_out_memory, flat_out, new_outputs, validate,
 )
 from .reference import HC_MULT
 
@@ -114,7 +115,7 @@ class _Plan:
     """A call signature, checked and resolved: ``plan.run(tensors, out)`` runs a call of it (module docstring)."""
 
     __slots__ = ("lead", "hidden", "device", "device_index", "reshapes", "scalars", "precision", "delayed",
-                 "no_post", "kind", "launch")
+                 "no_post", "kind", "launch", "as_returned")
 
     def __init__(self, tensors, problem: Problem, lead: tuple, launch):
         self.lead, self.hidden, self.device = lead, problem.hidden, problem.residual.device
@@ -127,6 +128,7 @@ class _Plan:
         self.no_post = problem.x is None and not problem.broadcast
         self.kind = MhcFusedHcDelayedOutput if problem.delayed else MhcFusedHcOutput
         self.launch = launch  # None: no tokens
+        self.as_returned = len(lead) == 1 and not self.no_post  # fresh flat outputs are what the caller gets
 
     def run(self, tensors: tuple, out):
         """The call on ``tensors`` (the arguments in the order of ``Problem.inputs``): its flat outputs (``out``'s
@@ -142,7 +144,7 @@ class _Plan:
         if ptrs % ALIGN_BYTES:
             tensors = tuple(map(aligned, tensors))
         if out is None:
-            outs = Problem(*tensors[:8], self.scalars, self.precision, tensors[8], self.delayed).empty_outputs()
+            outs = new_outputs(tensors[0], tensors[1], tensors[2], tensors[3], self.delayed)
         else:
             problem = Problem(*tensors[:8], self.scalars, self.precision, tensors[8], self.delayed)
             outs = _flat_out(out, self.lead, problem, self.no_post)
@@ -157,12 +159,76 @@ class _Plan:
 
     def __call__(self, tensors: tuple, out):
         """The call as the caller gets it (``_shaped``)."""
-        return _shaped(self.run(tensors, out), self.lead, self.hidden, self.kind, self.no_post, tensors[1], out)
+        result = self.run(tensors, out)
+        if out is None and self.as_returned:
+            return result
+        return _shaped(result, self.lead, self.hidden, self.kind, self.no_post, tensors[1], out)
 
 
 _PLANS: dict[tuple, _Plan] = {}  # call signature -> plan; insertion-ordered, the oldest goes first when full
 _PLANS_LOCK = threading.Lock()  # taken to add a plan (lookups need none)
 MAX_PLANS = 4096
+
+try:  # torch's C++ tensor-metadata check (dynamo's guards): optional, the plan key is the fallback
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - a torch without it
+    _TensorGuards = None
+
+
+class _Recent(NamedTuple):
+    """A plan recently used, with the checks that a call has its signature without building the key: the tensors'
+    metadata (shapes, strides, dtypes, devices, dispatch keys, requires_grad: all the key holds and more) by
+    ``guards``, in C++, and the rest compared as is."""
+    guards: object  # TensorGuards of the tensors at ``present``
+    present: tuple  # indices of the tensor arguments
+    absent: tuple  # indices of the None arguments
+    scalars: tuple
+    backend: str
+    precision: str
+    tactic: object
+    generation: int  # selector.generation
+    plan: _Plan
+
+
+_RECENT: dict[bool, list[_Recent]] = {False: [], True: []}  # per op (delayed), the most recent first
+MAX_RECENT = 4  # signatures an engine alternates between (layers share theirs; M changes per step)
+
+
+def _recent_plan(tensors: tuple, scalars: tuple, backend: str, precision: str, tactic, delayed: bool):
+    """The plan of a recent call of this signature, or None."""
+    try:
+        for r in _RECENT[delayed]:
+            if (r.scalars == scalars and r.backend == backend and r.precision == precision and r.tactic == tactic
+                    and r.generation == selector.generation and all(tensors[i] is None for i in r.absent)
+                    and r.guards.check(*[tensors[i] for i in r.present])):
+                return r.plan
+    except (RuntimeError, TypeError):  # an argument of the wrong kind: the key path's checks name it
+        pass
+    return None
+
+
+def _remember(plan: _Plan, tensors: tuple, scalars: tuple, backend: str, precision: str, tactic, delayed: bool):
+    """Put ``plan`` first among the recent ones (``_recent_plan``), where this torch has the C++ check."""
+    if _TensorGuards is None:
+        return
+    present = tuple(i for i, t in enumerate(tensors) if t is not None)
+    ts = [tensors[i] for i in present]
+    try:
+        guards = _TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
+                               dynamic_dims_strides=[list(t.stride()) for t in ts])
+    except (RuntimeError, TypeError, SystemError):  # pragma: no cover - another torch's signature
+        return
+    absent = tuple(i for i, t in enumerate(tensors) if t is None)
+    entry = _Recent(guards, present, absent, scalars, backend, precision, tactic, selector.generation, plan)
+    _RECENT[delayed] = [entry, *_RECENT[delayed][:MAX_RECENT - 1]]
+
+
+def clear_plans() -> None:
+    """Forget every plan (the next call of each signature is checked and resolved again)."""
+    with _PLANS_LOCK:
+        _PLANS.clear()
+        for recent in _RECENT.values():
+            recent.clear()
 
 
 def _new_plan(tensors, scalars: tuple, backend: str, precision: str, tactic, out, delayed: bool) -> _Plan:
@@ -178,12 +244,16 @@ def _new_plan(tensors, scalars: tuple, backend: str, precision: str, tactic, out
 
 
 def _plan(tensors: tuple, scalars: tuple, backend: str, precision: str, tactic, out, delayed: bool) -> _Plan:
-    """The plan of a call's signature (eager calls and the custom ops' bodies), made on its first call."""
+    """The plan of a call's signature (eager calls and the custom ops' bodies), made on its first call: found among
+    the recent ones by a C++ check of the tensors' metadata, else by the signature's key."""
     if torch.is_grad_enabled():
         try:
             check_no_grad(tensors)
         except ValueError as e:
             raise (_as_delayed(e) if delayed else e) from None
+    plan = _recent_plan(tensors, scalars, backend, precision, tactic, delayed)
+    if plan is not None:
+        return plan
     try:
         key = []
         for t in tensors:
@@ -199,6 +269,8 @@ def _plan(tensors: tuple, scalars: tuple, backend: str, precision: str, tactic, 
                 if len(_PLANS) >= MAX_PLANS:
                     del _PLANS[next(iter(_PLANS))]
                 _PLANS[key] = plan
+    if key is not None:
+        _remember(plan, tensors, scalars, backend, precision, tactic, delayed)
     return plan
 
 

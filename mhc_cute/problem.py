@@ -94,19 +94,25 @@ class Problem(NamedTuple):
     def empty_outputs(self) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
         """Fresh output buffers (never aliasing an input). No post: ``residual_cur`` is None (nothing is written;
         the op returns ``residual_prev`` itself)."""
-        if self.x is not None:
-            # empty_like of the flat (contiguous) inputs of the same shapes and dtypes: the cheapest allocation call
-            outs = (torch.empty_like(self.residual), self.post_mix.new_empty((self.x.shape[0], HC_MULT, 1)),
-                    torch.empty_like(self.comb_mix), torch.empty_like(self.x))
-        else:
-            m, h = self.m, self.hidden
-            f32 = dict(dtype=torch.float32)
-            outs = (self.residual.new_empty((m, HC_MULT, h)) if self.residual.dim() == 2 else None,
-                    self.residual.new_empty((m, HC_MULT, 1), **f32), self.residual.new_empty((m, HC_MULT, HC_MULT), **f32),
-                    self.residual.new_empty((m, h)))
-        if self.delayed:
-            return MhcFusedHcDelayedOutput(*outs, self.residual.new_empty((self.m, HC_MULT), dtype=torch.float32))
-        return MhcFusedHcOutput(*outs)
+        return new_outputs(self.x, self.residual, self.post_mix, self.comb_mix, self.delayed)
+
+
+def new_outputs(x, residual, post_mix, comb_mix, delayed: bool) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
+    """``Problem.empty_outputs`` of the flat inputs (an eager call's plan allocates without building a Problem)."""
+    if x is not None:
+        # empty_like of the flat (contiguous) inputs of the same shapes and dtypes: the cheapest allocation call
+        m = x.shape[0]
+        outs = (torch.empty_like(residual), post_mix.new_empty((m, HC_MULT, 1)), torch.empty_like(comb_mix),
+                torch.empty_like(x))
+    else:
+        m, h = residual.shape[0], residual.shape[-1]
+        f32 = dict(dtype=torch.float32)
+        outs = (residual.new_empty((m, HC_MULT, h)) if residual.dim() == 2 else None,
+                residual.new_empty((m, HC_MULT, 1), **f32), residual.new_empty((m, HC_MULT, HC_MULT), **f32),
+                residual.new_empty((m, h)))
+    if delayed:
+        return MhcFusedHcDelayedOutput(*outs, outs[1].new_empty((m, HC_MULT)))
+    return MhcFusedHcOutput(*outs)
 
 
 PRECISIONS = ("fp32", "tf32")

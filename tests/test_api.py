@@ -381,6 +381,7 @@ def test_a_signature_is_checked_and_prepared_once(monkeypatch):
     made = []
     new_plan = api._new_plan
     monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(api, "_RECENT", {False: [], True: []})
     monkeypatch.setattr(api, "_new_plan", lambda *args: made.append(args) or new_plan(*args))
     inp = make_inputs(3, 64, seed=12, norm=True)
     first = call(inp)
@@ -392,6 +393,42 @@ def test_a_signature_is_checked_and_prepared_once(monkeypatch):
     call(inp, rms_eps=1e-5)
     call({**inp, "x_prev": inp["x_prev"].t().contiguous().t()})  # not contiguous
     assert len(made) == 4
+
+
+def test_a_recent_signature_is_found_without_its_key(monkeypatch):
+    """A call of a recent signature finds its plan by the C++ check of the tensors' metadata (the key is not built);
+    any change of a tensor's shape, dtype, strides, device or presence, of a scalar, the backend or the precision
+    is another signature: resolved again (checked in full where it is new)."""
+    from mhc_cute import api
+
+    assert api._TensorGuards is not None  # this torch has the check: eager calls take the short path
+    made = []
+    new_plan = api._new_plan
+    monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(api, "_RECENT", {False: [], True: []})
+    monkeypatch.setattr(api, "_new_plan", lambda *args: made.append(args) or new_plan(*args))
+    inp = make_inputs(3, 64, seed=14)
+    first = call(inp)
+    api._PLANS.clear()  # only the recent plans remain
+    same = call({k: None if v is None else v.clone() for k, v in inp.items()})
+    assert len(made) == 1 and all(torch.equal(a, b) for a, b in zip(first, same))
+    changed = [
+        {**inp, "x_prev": inp["x_prev"][:2]},  # shape (a bad one: the checks name it)
+        {**inp, "post_mix_prev": inp["post_mix_prev"].double()},  # dtype (bad)
+        {**inp, "x_prev": inp["x_prev"].t().contiguous().t()},  # strides
+        {**inp, "residual_prev": inp["residual_prev"].to("meta")},  # device (bad)
+        {**inp, "norm_weight": torch.ones(64, dtype=torch.bfloat16)},  # a tensor where None was
+    ]
+    for i, other in enumerate(changed):
+        try:
+            call(other)
+        except (ValueError, RuntimeError):
+            pass
+        assert len(made) == 2 + i, i
+    call(inp, rms_eps=1e-5)
+    call(inp, precision="tf32")
+    call(inp, backend="torch")
+    assert len(made) == 2 + len(changed) + 2  # auto on the CPU is the reference: its plan was made just now
 
 
 def test_plans_follow_the_selector(monkeypatch):
@@ -416,6 +453,7 @@ def test_plans_are_bounded(monkeypatch):
     from mhc_cute import api
 
     monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(api, "_RECENT", {False: [], True: []})
     monkeypatch.setattr(api, "MAX_PLANS", 2)
     outs = [call(make_inputs(m, 64)) for m in (1, 2, 3)]
     assert len(api._PLANS) == 2 and [next(iter(key)) for key in api._PLANS] == [(2, 64), (3, 64)]  # x's shape first

@@ -543,6 +543,7 @@ def test_every_variant_is_planned_once(op, form, pre, monkeypatch):
     made = []
     new_plan = api._new_plan
     monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(api, "_RECENT", {False: [], True: []})
     monkeypatch.setattr(api, "_new_plan", lambda *args: made.append(args) or new_plan(*args))
     inputs = make_inputs(3, 64, seed=21, form=form, pre=pre)
     first, again = seam(inputs), seam(inputs)
