@@ -358,7 +358,7 @@ def host_floor_call(s: dict, backend: str = "auto", precision: str = "fp32") -> 
     launch instead. The call returns the four outputs."""
     from .accuracy import problem_of
     from .api import prepared_launch
-    from .kernels import OUTPUT_ARGS, KernelLaunch
+    from .kernels import KernelLaunch
 
     with torch.inference_mode():
         problem = problem_of(s, precision)
@@ -366,8 +366,7 @@ def host_floor_call(s: dict, backend: str = "auto", precision: str = "fp32") -> 
         launch = prepared_launch(problem, backend, None, problem.empty_outputs())
         bf16, f32 = torch.bfloat16, torch.float32
         if isinstance(launch, KernelLaunch):
-            args = launch.arguments(problem.inputs, problem.empty_outputs())
-            before, after = args[:OUTPUT_ARGS.start], args[OUTPUT_ARGS.stop:]
+            before, after = launch.arguments(problem.inputs, problem.empty_outputs())
             compiled = launch.compiled
 
             def bare(_s):

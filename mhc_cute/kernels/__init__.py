@@ -235,22 +235,20 @@ class KernelLaunch:
         self.no_post = problem.form == "no_post"
 
     def __call__(self, inputs, out) -> None:
-        self.compiled(*self.arguments(inputs, out))
+        before, after = self.arguments(inputs, out)
+        # without a post residual_cur is residual_prev (the kernels read it there and write nothing)
+        self.compiled(*before, *((inputs[1], *out[1:4]) if self.no_post else out[:4]), *after)
 
-    def arguments(self, inputs, out) -> tuple:
-        """The compiled call's arguments for ``inputs`` on the current stream, in its compiled order: the eight
-        inputs (the prepared weight in ``fn``'s place), the four outputs at ``OUTPUT_ARGS`` (without a post
-        ``residual_prev`` where ``residual_cur`` goes: the kernels read it there and write nothing), the scratch,
-        the delayed seam's ``pre_mix_prev`` and ``pre_mix_cur`` (None, None for ``mhc_fused_hc``), the scalars."""
+    def arguments(self, inputs, out) -> tuple[tuple, tuple]:
+        """The compiled call's arguments before the four outputs and after them, for ``inputs`` on the current
+        stream (``out``: the delayed seam's ``pre_mix_cur`` is one of the arguments after)."""
         ws = get_workspace(self.device)
-        fn = inputs[4] if self.weight is None else self.weight(inputs[4])
-        return (inputs[0], inputs[1], inputs[2], inputs[3], fn, inputs[5], inputs[6], inputs[7],
-                inputs[1] if self.no_post else out[0], out[1], out[2], out[3],
-                ws.partials(self.n_partials), None if self.counters is None else ws.counters(self.counters),
-                inputs[8] if self.delayed else None, out[4] if self.delayed else None, *self.scalars)
-
-
-OUTPUT_ARGS = slice(8, 12)  # where a compiled call takes the four outputs (``KernelLaunch.arguments``)
+        tensors = inputs[:8]
+        if self.weight is not None:
+            tensors = (*tensors[:4], self.weight(tensors[4]), *tensors[5:])
+        seam = (inputs[8], out[4]) if self.delayed else (None, None)
+        return tensors, (ws.partials(self.n_partials), None if self.counters is None else ws.counters(self.counters),
+                         *seam, *self.scalars)
 
 
 def spec_problem(hidden: int, precision: str, norm: str | None, delayed: str | None = None, form: str = "regular"):
