@@ -12,7 +12,8 @@ and seam form takes that path, and so do the custom ops' bodies.
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
+from operator import itemgetter
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -114,16 +115,17 @@ def _shaped(result, lead: tuple, hidden: int, kind, no_post: bool, residual_prev
 class _Plan:
     """A call signature, checked and resolved: ``plan.run(tensors, out)`` runs a call of it (module docstring)."""
 
-    __slots__ = ("lead", "hidden", "device", "device_index", "reshapes", "scalars", "precision", "delayed",
-                 "no_post", "kind", "launch", "as_returned")
+    __slots__ = ("lead", "m", "hidden", "device", "device_index", "reshapes", "present", "scalars", "precision",
+                 "delayed", "no_post", "kind", "launch", "as_returned")
 
     def __init__(self, tensors, problem: Problem, lead: tuple, launch):
-        self.lead, self.hidden, self.device = lead, problem.hidden, problem.residual.device
+        self.lead, self.m, self.hidden, self.device = lead, problem.m, problem.hidden, problem.residual.device
         self.device_index = self.device.index if self.device.type == "cuda" else None
         # (argument index, flat shape, contiguous): the inputs that are not already flat and contiguous
         self.reshapes = tuple((i, tuple(f.shape), t.is_contiguous())
                               for i, (t, f) in enumerate(zip(tensors, problem.inputs))
                               if t is not None and (t.shape != f.shape or not t.is_contiguous()))
+        self.present = itemgetter(*(i for i, t in enumerate(tensors) if t is not None))  # the tensor arguments
         self.scalars, self.precision, self.delayed = problem.scalars, problem.precision, problem.delayed
         self.no_post = problem.x is None and not problem.broadcast
         self.kind = MhcFusedHcDelayedOutput if problem.delayed else MhcFusedHcOutput
@@ -138,13 +140,12 @@ class _Plan:
             for i, shape, contiguous in self.reshapes:
                 tensors[i] = tensors[i].view(shape) if contiguous else tensors[i].reshape(shape).contiguous()
         ptrs = 0
-        for t in tensors:
-            if t is not None:
-                ptrs |= t.data_ptr()
+        for t in self.present(tensors):
+            ptrs |= t.data_ptr()
         if ptrs % ALIGN_BYTES:
             tensors = tuple(map(aligned, tensors))
         if out is None:
-            outs = new_outputs(tensors[0], tensors[1], tensors[2], tensors[3], self.delayed)
+            outs = new_outputs(tensors[0], tensors[1], tensors[2], tensors[3], self.delayed, self.m)
         else:
             problem = Problem(*tensors[:8], self.scalars, self.precision, tensors[8], self.delayed)
             outs = _flat_out(out, self.lead, problem, self.no_post)
@@ -179,9 +180,9 @@ class _Recent(NamedTuple):
     """A plan recently used, with the checks that a call has its signature without building the key: the tensors'
     metadata (shapes, strides, dtypes, devices, dispatch keys, requires_grad: all the key holds and more) by
     ``guards``, in C++, and the rest compared as is."""
-    guards: object  # TensorGuards of the tensors at ``present``
-    present: tuple  # indices of the tensor arguments
-    absent: tuple  # indices of the None arguments
+    guards: object  # TensorGuards of the tensor arguments, in order
+    present: Callable  # itemgetter of the tensor arguments
+    absent: tuple  # indices of the None arguments (a tensor there is another signature, whatever it holds)
     scalars: tuple
     backend: str
     precision: str
@@ -198,10 +199,15 @@ def _recent_plan(tensors: tuple, scalars: tuple, backend: str, precision: str, t
     """The plan of a recent call of this signature, or None."""
     try:
         for r in _RECENT[delayed]:
-            if (r.scalars == scalars and r.backend == backend and r.precision == precision and r.tactic == tactic
-                    and r.generation == selector.generation and all(tensors[i] is None for i in r.absent)
-                    and r.guards.check(*[tensors[i] for i in r.present])):
-                return r.plan
+            if (r.scalars != scalars or r.backend != backend or r.precision != precision or r.tactic != tactic
+                    or r.generation != selector.generation):
+                continue
+            for i in r.absent:
+                if tensors[i] is not None:
+                    break
+            else:
+                if r.guards.check(*r.present(tensors)):
+                    return r.plan
     except (RuntimeError, TypeError):  # an argument of the wrong kind: the key path's checks name it
         pass
     return None
@@ -219,16 +225,9 @@ def _remember(plan: _Plan, tensors: tuple, scalars: tuple, backend: str, precisi
     except (RuntimeError, TypeError, SystemError):  # pragma: no cover - another torch's signature
         return
     absent = tuple(i for i, t in enumerate(tensors) if t is None)
-    entry = _Recent(guards, present, absent, scalars, backend, precision, tactic, selector.generation, plan)
+    entry = _Recent(guards, itemgetter(*present), absent, scalars, backend, precision, tactic, selector.generation,
+                    plan)
     _RECENT[delayed] = [entry, *_RECENT[delayed][:MAX_RECENT - 1]]
-
-
-def clear_plans() -> None:
-    """Forget every plan (the next call of each signature is checked and resolved again)."""
-    with _PLANS_LOCK:
-        _PLANS.clear()
-        for recent in _RECENT.values():
-            recent.clear()
 
 
 def _new_plan(tensors, scalars: tuple, backend: str, precision: str, tactic, out, delayed: bool) -> _Plan:

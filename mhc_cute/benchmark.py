@@ -352,10 +352,10 @@ def host_us_per_call(call: Callable[[dict], object], s: dict, calls: int = HOST_
 
 def host_floor_call(s: dict, backend: str = "auto", precision: str = "fp32") -> Callable[[dict], object]:
     """The bare minimum of host work of a call on ``s`` (the floor that ``host_us_per_call`` of an eager call is
-    compared with): the four outputs allocated with ``torch.empty`` and the call's compiled kernels launched through
-    TVM-FFI with every other argument prepared once (weight, scratch, scalars). ``backend``'s choice (auto: the
-    selector's) for this signature; a backend without compiled kernels (the reference, Triton) is its prepared
-    launch instead. The call returns the four outputs."""
+    compared with): the outputs allocated with ``torch.empty`` (four; five for the delayed seam, ``s`` with
+    ``pre_mix_prev``) and the call's compiled kernels launched through TVM-FFI with every other argument prepared
+    once (weight, scratch, scalars). ``backend``'s choice (auto: the selector's) for this signature; a backend
+    without compiled kernels (the reference, Triton) is its prepared launch instead. The call returns the outputs."""
     from .accuracy import problem_of
     from .api import prepared_launch
     from .kernels import KernelLaunch
@@ -365,34 +365,44 @@ def host_floor_call(s: dict, backend: str = "auto", precision: str = "fp32") -> 
         m, h, dev = problem.m, problem.hidden, problem.residual.device
         launch = prepared_launch(problem, backend, None, problem.empty_outputs())
         bf16, f32 = torch.bfloat16, torch.float32
+        gates = (m, 4) if problem.delayed else None  # the delayed seam's pre_mix_cur
+
+        def outputs():
+            out = (torch.empty(m, 4, h, dtype=bf16, device=dev), torch.empty(m, 4, 1, dtype=f32, device=dev),
+                   torch.empty(m, 4, 4, dtype=f32, device=dev), torch.empty(m, h, dtype=bf16, device=dev))
+            return out if gates is None else (*out, torch.empty(gates, dtype=f32, device=dev))
+
         if isinstance(launch, KernelLaunch):
             before, after = launch.arguments(problem.inputs, problem.empty_outputs())
             compiled = launch.compiled
+            # after = (partials, counters, pre_mix_prev, pre_mix_cur, *scalars): the fresh pre_mix_cur goes at 3
+            head, tail = after[:3], after[4:]
 
             def bare(_s):
-                out = (torch.empty(m, 4, h, dtype=bf16, device=dev), torch.empty(m, 4, 1, dtype=f32, device=dev),
-                       torch.empty(m, 4, 4, dtype=f32, device=dev), torch.empty(m, h, dtype=bf16, device=dev))
-                compiled(*before, *out, *after)
+                out = outputs()
+                if gates is None:
+                    compiled(*before, *out, *after)
+                else:
+                    compiled(*before, *out[:4], *head, out[4], *tail)
                 return out
             return bare
         inputs = problem.inputs
 
         def prepared(_s):
-            out = (torch.empty(m, 4, h, dtype=bf16, device=dev), torch.empty(m, 4, 1, dtype=f32, device=dev),
-                   torch.empty(m, 4, 4, dtype=f32, device=dev), torch.empty(m, h, dtype=bf16, device=dev))
+            out = outputs()
             launch(inputs, out)
             return out
         return prepared
 
 
-def compiled_call(precision: str = "fp32") -> Callable[[dict], MhcFusedHcOutput]:
-    """``mhc_fused_hc(backend="auto")`` inside a function compiled by ``torch.compile`` (inductor, static shapes, no
-    CUDA graphs): the call goes through the custom op (``api``), whose per-call host cost ``host_us_per_call``
-    measures."""
-    from .api import mhc_fused_hc
+def compiled_call(precision: str = "fp32", delayed: bool = False) -> Callable[[dict], object]:
+    """``mhc_fused_hc(backend="auto")`` (``delayed``: ``mhc_fused_hc_delayed``) inside a function compiled by
+    ``torch.compile`` (inductor, static shapes, no CUDA graphs): the call goes through the custom op (``api``), whose
+    per-call host cost ``host_us_per_call`` measures."""
+    from .api import mhc_fused_hc, mhc_fused_hc_delayed
 
-    compiled = torch.compile(lambda s: mhc_fused_hc(**s, backend="auto", precision=precision), fullgraph=True,
-                             dynamic=False)
+    op = mhc_fused_hc_delayed if delayed else mhc_fused_hc
+    compiled = torch.compile(lambda s: op(**s, backend="auto", precision=precision), fullgraph=True, dynamic=False)
     return compiled
 
 
@@ -416,28 +426,35 @@ class HostTimes(NamedTuple):
 
 
 def host_times(m: int, hidden: int, device, norm: bool, precision: str = "fp32",
-               compiled: bool = False) -> HostTimes:
+               compiled: bool = False, delayed: bool = False) -> HostTimes:
     """Host time per eager call of ``auto`` at (M, H) beside its floor (``host_floor_call``), and optionally through
-    ``torch.compile`` (``compiled_call``)."""
+    ``torch.compile`` (``compiled_call``); ``delayed``: of ``mhc_fused_hc_delayed`` with carried gates."""
+    from .api import mhc_fused_hc_delayed
     from .selector import SELECTOR
 
-    s = make_sets(m, hidden, 1, device, norm)[0]
+    sets = make_sets(m, hidden, 1, device, norm)
+    s = with_carried_gates(sets)[0] if delayed else sets[0]
     backend, tactic = SELECTOR.resolve(device, m, hidden, precision, norm)
     choice = f"{backend} {getattr(tactic, 'name', tactic) or '(default)'}"
-    times = HostTimes(host_us_per_call(mhc_cute_call("auto", precision), s),
-                      host_us_per_call(host_floor_call(s, "auto", precision), s), choice)
+    if delayed:
+        def eager(s):
+            return mhc_fused_hc_delayed(**s, backend="auto", precision=precision)
+    else:
+        eager = mhc_cute_call("auto", precision)
+    times = HostTimes(host_us_per_call(eager, s), host_us_per_call(host_floor_call(s, "auto", precision), s), choice)
     if compiled:
-        times = times._replace(compiled_us=host_us_per_call(compiled_call(precision), s))
+        times = times._replace(compiled_us=host_us_per_call(compiled_call(precision, delayed), s))
     return times
 
 
-def format_host_table(rows: list[tuple[int, int, HostTimes]], gpu: str) -> str:
+def format_host_table(rows: list[tuple[int, int, HostTimes]], gpu: str, delayed: bool = False) -> str:
     """``rows``: (H, M, ``host_times``) per shape."""
     compiled = any(t.compiled_us is not None for *_, t in rows)
-    lines = [f"GPU: {gpu}; host µs per call of mhc_fused_hc(backend=\"auto\"): median of {HOST_ROUNDS} loops of "
-             f"{HOST_CALLS} eager calls under torch.inference_mode(); floor = 4 torch.empty + the compiled kernels' "
-             "TVM-FFI call with prepared arguments" + ("; compiled = through torch.compile (inductor, no CUDA graphs)"
-                                                      if compiled else ""),
+    op, allocs = ("mhc_fused_hc_delayed", 5) if delayed else ("mhc_fused_hc", 4)
+    lines = [f"GPU: {gpu}; host µs per call of {op}(backend=\"auto\"): median of {HOST_ROUNDS} loops of "
+             f"{HOST_CALLS} eager calls under torch.inference_mode(); floor = {allocs} torch.empty + the compiled "
+             "kernels' TVM-FFI call with prepared arguments"
+             + ("; compiled = through torch.compile (inductor, no CUDA graphs)" if compiled else ""),
              f"TVM-FFI {dist_version('apache-tvm-ffi')}, torch tensors via {tvm_ffi_tensor_path()}"]
     head = f"{'H':>5} {'M':>6} | {'auto eager':>10} {'floor':>7} {'ratio':>6}" + (f" {'compiled':>9}" * compiled)
     lines += [head + " | auto runs", "-" * (len(head) + 40)]

@@ -180,13 +180,15 @@ def bench_host(args, dev, gpu: str) -> int:
     rows = []
     for h in args.hidden or [7168]:
         for m in args.m or bm.HOST_MS:
-            rows.append((h, m, bm.host_times(m, h, dev, args.norm, args.precision, compiled=args.compile)))
+            rows.append((h, m, bm.host_times(m, h, dev, args.norm, args.precision, compiled=args.compile,
+                                             delayed=args.delayed)))
             print(f"  H={h} M={m}: {rows[-1]}", file=sys.stderr, flush=True)
             torch.cuda.empty_cache()
-    print(bm.format_host_table(rows, gpu))
+    print(bm.format_host_table(rows, gpu, args.delayed))
     if args.json:
         results = [bm.Result("auto", m, h, host=t._asdict()) for h, m, t in rows]
-        bm.write_json(results, args.json, None, gpu, dict(norm=args.norm, precision=args.precision, host_only=True))
+        bm.write_json(results, args.json, None, gpu, dict(norm=args.norm, precision=args.precision, host_only=True,
+                                                          delayed=args.delayed))
     return 0
 
 

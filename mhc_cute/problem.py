@@ -94,18 +94,18 @@ class Problem(NamedTuple):
     def empty_outputs(self) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
         """Fresh output buffers (never aliasing an input). No post: ``residual_cur`` is None (nothing is written;
         the op returns ``residual_prev`` itself)."""
-        return new_outputs(self.x, self.residual, self.post_mix, self.comb_mix, self.delayed)
+        return new_outputs(self.x, self.residual, self.post_mix, self.comb_mix, self.delayed, self.m)
 
 
-def new_outputs(x, residual, post_mix, comb_mix, delayed: bool) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
-    """``Problem.empty_outputs`` of the flat inputs (an eager call's plan allocates without building a Problem)."""
+def new_outputs(x, residual, post_mix, comb_mix, delayed: bool, m: int) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
+    """``Problem.empty_outputs`` of the flat inputs of ``m`` tokens (an eager call's plan allocates without building a
+    Problem)."""
     if x is not None:
         # empty_like of the flat (contiguous) inputs of the same shapes and dtypes: the cheapest allocation call
-        m = x.shape[0]
         outs = (torch.empty_like(residual), post_mix.new_empty((m, HC_MULT, 1)), torch.empty_like(comb_mix),
                 torch.empty_like(x))
     else:
-        m, h = residual.shape[0], residual.shape[-1]
+        h = residual.shape[-1]
         f32 = dict(dtype=torch.float32)
         outs = (residual.new_empty((m, HC_MULT, h)) if residual.dim() == 2 else None,
                 residual.new_empty((m, HC_MULT, 1), **f32), residual.new_empty((m, HC_MULT, HC_MULT), **f32),

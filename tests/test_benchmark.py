@@ -35,10 +35,11 @@ def test_rotation_covers_the_flush_size_with_the_weight_counted():
         assert n == bm.MAX_SETS or n * bm.floor_bytes(m, H) >= bm.L2_FLUSH_BYTES
 
 
-def test_the_host_floor_makes_the_compiled_call_a_plan_makes(monkeypatch):
+@pytest.mark.parametrize("pre", [None, "carried"])
+def test_the_host_floor_makes_the_compiled_call_a_plan_makes(monkeypatch, pre):
     """The bench's floor of host time (``host_floor_call``) calls the compiled kernels with the arguments an eager
     call passes them (``kernels.KernelLaunch``), only prepared once: the same tensors' shapes and dtypes, scratch and
-    scalars, in the same order."""
+    scalars, in the same order (the delayed seam's too: ``pre`` its carried gates)."""
     import torch
 
     from mhc_cute import api, tactics
@@ -51,7 +52,7 @@ def test_the_host_floor_makes_the_compiled_call_a_plan_makes(monkeypatch):
         tactic = tactics.default_fma_tactic("all_fma", problem.m, problem.hidden)
         return KernelLaunch(lambda *args: calls.append(args), problem, tactic, counters=1)
     monkeypatch.setattr(api, "prepared_launch", prepared_launch)
-    s = make_inputs(3, 64, seed=1)
+    s = make_inputs(3, 64, seed=1, pre=pre)
     bm.host_floor_call(s)(s)
     problem = problem_of(s)
     out = problem.empty_outputs()
@@ -63,6 +64,7 @@ def test_the_host_floor_makes_the_compiled_call_a_plan_makes(monkeypatch):
             assert (a.shape, a.dtype, a.is_contiguous()) == (b.shape, b.dtype, b.is_contiguous())
         else:
             assert a == b
+    assert (floor[14] is None) == (floor[15] is None) == (pre is None)  # pre_mix_prev, pre_mix_cur
 
 
 def test_host_table():
@@ -81,16 +83,21 @@ def test_the_host_floor_computes_what_auto_computes():
     arguments): its outputs are bit-identical to an eager auto call's. And the host measures run end to end."""
     import torch
 
+    from mhc_cute import mhc_fused_hc_delayed
+
     dev = torch.device("cuda")
-    for m, hidden in ((1, 7168), (32, 7168), (256, 4096)):
-        s = bm.make_sets(m, hidden, 1, dev, norm=m == 32)[0]
-        want = bm.mhc_cute_call("auto")(s)
+    for m, hidden, delayed in ((1, 7168, False), (32, 7168, False), (256, 4096, False), (1, 7168, True),
+                               (256, 7168, True)):
+        sets = bm.make_sets(m, hidden, 1, dev, norm=m == 32)
+        s = bm.with_carried_gates(sets)[0] if delayed else sets[0]
+        want = mhc_fused_hc_delayed(**s) if delayed else bm.mhc_cute_call("auto")(s)
         got = bm.host_floor_call(s)(s)
         for name, a, b in zip(want._fields, want, got):
             assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
                                b.view(a.shape).view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32)), name
-    times = bm.host_times(1, 512, dev, False, compiled=True)
-    assert times.auto_us > 0 and times.floor_us > 0 and times.compiled_us > 0
+    for delayed in (False, True):
+        times = bm.host_times(1, 512, dev, False, compiled=True, delayed=delayed)
+        assert times.auto_us > 0 and times.floor_us > 0 and times.compiled_us > 0
 
 
 def test_readme_tables_show_auto_host_time_beside_its_floor(tmp_path):
