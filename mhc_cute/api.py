@@ -6,14 +6,14 @@ shapes, dtypes, devices, contiguity, scalars, backend, precision, tactic) is che
 ``_Plan`` (the flattening to do, the backend and its prepared launch: tactic, compiled kernels, scratch sizes), and
 later calls of that signature make only the checks that depend on more than it: grad mode, alignment (copies), the
 ``out=`` buffers' memory, the current device (and, in the launch, stream, capture and prepared weights). Every op
-and seam form takes that path, and so do the custom ops' bodies.
+and seam form takes that path, and so do the custom ops' bodies. A call of one of the last few signatures finds its
+plan without the signature's key (``signatures.RecentSignatures``: torch's C++ check of the tensors' metadata).
 """
 
 from __future__ import annotations
 
 import threading
 from operator import itemgetter
-from typing import Callable, NamedTuple
 
 import torch
 
@@ -23,8 +23,8 @@ from .problem import (
     check_out_memory, flat_out, new_outputs, validate,
 )
 from .reference import HC_MULT
+from .signatures import RecentSignatures
 
-_cuda_current_device = getattr(torch._C, "_cuda_getDevice", None)  # torch.cuda.current_device() without its checks
 
 
 def prepared_launch(problem: Problem, backend: str, tactic, out):
@@ -72,7 +72,7 @@ def _resolve(problem: Problem, backend: str, tactic):
 
 def _on_device(device: torch.device, fn, *args):
     """``fn(*args)`` with ``device`` current: Triton and the TVM-FFI launches use the current device and its stream."""
-    if device.type == "cuda" and device.index != _cuda_current_device():
+    if device.type == "cuda" and device.index != backends.current_cuda_device():
         with torch.cuda.device(device):
             return fn(*args)
     return fn(*args)
@@ -151,7 +151,7 @@ class _Plan:
             outs = _flat_out(out, self.lead, problem, self.no_post)
             check_out_memory(outs, tensors)
         if self.launch is not None:
-            if self.device_index is None or self.device_index == _cuda_current_device():
+            if self.device_index is None or self.device_index == backends.current_cuda_device():
                 self.launch(tensors, outs)
             else:
                 with torch.cuda.device(self.device_index):
@@ -170,64 +170,8 @@ _PLANS: dict[tuple, _Plan] = {}  # call signature -> plan; insertion-ordered, th
 _PLANS_LOCK = threading.Lock()  # taken to add a plan (lookups need none)
 MAX_PLANS = 4096
 
-try:  # torch's C++ tensor-metadata check (dynamo's guards): optional, the plan key is the fallback
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:  # pragma: no cover - a torch without it
-    _TensorGuards = None
-
-
-class _Recent(NamedTuple):
-    """A plan recently used, with the checks that a call has its signature without building the key: the tensors'
-    metadata (shapes, strides, dtypes, devices, dispatch keys, requires_grad: all the key holds and more) by
-    ``guards``, in C++, and the rest compared as is."""
-    guards: object  # TensorGuards of the tensor arguments, in order
-    present: Callable  # itemgetter of the tensor arguments
-    absent: tuple  # indices of the None arguments (a tensor there is another signature, whatever it holds)
-    scalars: tuple
-    backend: str
-    precision: str
-    tactic: object
-    generation: int  # selector.generation
-    plan: _Plan
-
-
-_RECENT: dict[bool, list[_Recent]] = {False: [], True: []}  # per op (delayed), the most recent first
-MAX_RECENT = 4  # signatures an engine alternates between (layers share theirs; M changes per step)
-
-
-def _recent_plan(tensors: tuple, scalars: tuple, backend: str, precision: str, tactic, delayed: bool):
-    """The plan of a recent call of this signature, or None."""
-    try:
-        for r in _RECENT[delayed]:
-            if (r.scalars != scalars or r.backend != backend or r.precision != precision or r.tactic != tactic
-                    or r.generation != selector.generation):
-                continue
-            for i in r.absent:
-                if tensors[i] is not None:
-                    break
-            else:
-                if r.guards.check(*r.present(tensors)):
-                    return r.plan
-    except (RuntimeError, TypeError):  # an argument of the wrong kind: the key path's checks name it
-        pass
-    return None
-
-
-def _remember(plan: _Plan, tensors: tuple, scalars: tuple, backend: str, precision: str, tactic, delayed: bool):
-    """Put ``plan`` first among the recent ones (``_recent_plan``), where this torch has the C++ check."""
-    if _TensorGuards is None:
-        return
-    present = tuple(i for i, t in enumerate(tensors) if t is not None)
-    ts = [tensors[i] for i in present]
-    try:
-        guards = _TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
-                               dynamic_dims_strides=[list(t.stride()) for t in ts])
-    except (RuntimeError, TypeError, SystemError):  # pragma: no cover - another torch's signature
-        return
-    absent = tuple(i for i, t in enumerate(tensors) if t is None)
-    entry = _Recent(guards, itemgetter(*present), absent, scalars, backend, precision, tactic, selector.generation,
-                    plan)
-    _RECENT[delayed] = [entry, *_RECENT[delayed][:MAX_RECENT - 1]]
+# per op (delayed or not): the plans of the last few signatures, found by a C++ check of the tensors' metadata
+_RECENT = {False: RecentSignatures(), True: RecentSignatures()}
 
 
 def _new_plan(tensors, scalars: tuple, backend: str, precision: str, tactic, out, delayed: bool) -> _Plan:
@@ -250,7 +194,8 @@ def _plan(tensors: tuple, scalars: tuple, backend: str, precision: str, tactic, 
             check_no_grad(tensors)
         except ValueError as e:
             raise (_as_delayed(e) if delayed else e) from None
-    plan = _recent_plan(tensors, scalars, backend, precision, tactic, delayed)
+    rest = (scalars, backend, precision, tactic, selector.generation)
+    plan = _RECENT[delayed].find(tensors, rest)
     if plan is not None:
         return plan
     try:
@@ -269,7 +214,7 @@ def _plan(tensors: tuple, scalars: tuple, backend: str, precision: str, tactic, 
                     del _PLANS[next(iter(_PLANS))]
                 _PLANS[key] = plan
     if key is not None:
-        _remember(plan, tensors, scalars, backend, precision, tactic, delayed)
+        _RECENT[delayed].remember(tensors, rest, plan)
     return plan
 
 

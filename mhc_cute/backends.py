@@ -56,6 +56,10 @@ FMA_BROADCAST_H = 256
 OPS = ("fused_hc", "fused_hc_delayed")
 
 
+# torch.cuda.current_device() without its Python checks (an eager call asks it once per launch)
+current_cuda_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
 def _every_form(entry: str) -> tuple:
     """``entry`` for every (op, form) beyond mhc_fused_hc's regular form."""
     return tuple(((op, form), entry) for op in OPS for form in SEAM_FORMS if (op, form) != ("fused_hc", "regular"))

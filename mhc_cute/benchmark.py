@@ -447,13 +447,37 @@ def host_times(m: int, hidden: int, device, norm: bool, precision: str = "fp32",
     return times
 
 
-def format_host_table(rows: list[tuple[int, int, HostTimes]], gpu: str, delayed: bool = False) -> str:
-    """``rows``: (H, M, ``host_times``) per shape."""
+def op_host_times(op: str, m: int, hidden: int, device) -> HostTimes:
+    """Host time per eager call of standalone ``op`` on ``auto`` at (M, H) (norm weight given where it takes one)
+    beside its floor: the output allocated as the op does and its backend's entry called on the flat inputs with the
+    scalars prepared once (the plan ``ops`` keeps for the signature, minus its per-call checks)."""
+    from . import ops
+    from .accuracy import call_op, make_op_inputs
+
+    inputs = make_op_inputs(op, m, hidden, device=device, norm=op != "mhc_post")
+    with torch.inference_mode():
+        call_op(op, inputs)
+    plan = ops._RECENT[op].entries[0].plan
+    flat = list(inputs.values())  # the op's tensor arguments, in its order
+    for i, shape, contiguous in plan.reshapes:
+        flat[i] = flat[i].view(shape) if contiguous else flat[i].reshape(shape).contiguous()
+
+    def bare(_s):
+        out = plan.alloc(flat)
+        plan.run(*flat, *plan.scalars, out)
+        return out
+    return HostTimes(host_us_per_call(lambda s: call_op(op, s), inputs), host_us_per_call(bare, inputs),
+                     ops.auto_backend(op, inputs["residual"].device, hidden))
+
+
+def format_host_table(rows: list[tuple[int, int, HostTimes]], gpu: str, op: str = "mhc_fused_hc") -> str:
+    """``rows``: (H, M, ``host_times`` or ``op_host_times``) per shape of ``op``."""
     compiled = any(t.compiled_us is not None for *_, t in rows)
-    op, allocs = ("mhc_fused_hc_delayed", 5) if delayed else ("mhc_fused_hc", 4)
+    seams = {"mhc_fused_hc": 4, "mhc_fused_hc_delayed": 5}
+    floor = (f"{seams[op]} torch.empty + the compiled kernels' TVM-FFI call with prepared arguments" if op in seams
+             else "the output's allocation + the backend's entry on the flat inputs")
     lines = [f"GPU: {gpu}; host µs per call of {op}(backend=\"auto\"): median of {HOST_ROUNDS} loops of "
-             f"{HOST_CALLS} eager calls under torch.inference_mode(); floor = {allocs} torch.empty + the compiled "
-             "kernels' TVM-FFI call with prepared arguments"
+             f"{HOST_CALLS} eager calls under torch.inference_mode(); floor = {floor}"
              + ("; compiled = through torch.compile (inductor, no CUDA graphs)" if compiled else ""),
              f"TVM-FFI {dist_version('apache-tvm-ffi')}, torch tensors via {tvm_ffi_tensor_path()}"]
     head = f"{'H':>5} {'M':>6} | {'auto eager':>10} {'floor':>7} {'ratio':>6}" + (f" {'compiled':>9}" * compiled)

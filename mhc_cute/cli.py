@@ -180,15 +180,19 @@ def bench_host(args, dev, gpu: str) -> int:
     rows = []
     for h in args.hidden or [7168]:
         for m in args.m or bm.HOST_MS:
-            rows.append((h, m, bm.host_times(m, h, dev, args.norm, args.precision, compiled=args.compile,
-                                             delayed=args.delayed)))
+            if args.op:
+                rows.append((h, m, bm.op_host_times(args.op, m, h, dev)))
+            else:
+                rows.append((h, m, bm.host_times(m, h, dev, args.norm, args.precision, compiled=args.compile,
+                                                 delayed=args.delayed)))
             print(f"  H={h} M={m}: {rows[-1]}", file=sys.stderr, flush=True)
             torch.cuda.empty_cache()
-    print(bm.format_host_table(rows, gpu, args.delayed))
+    op = args.op or ("mhc_fused_hc_delayed" if args.delayed else "mhc_fused_hc")
+    print(bm.format_host_table(rows, gpu, op))
     if args.json:
         results = [bm.Result("auto", m, h, host=t._asdict()) for h, m, t in rows]
         bm.write_json(results, args.json, None, gpu, dict(norm=args.norm, precision=args.precision, host_only=True,
-                                                          delayed=args.delayed))
+                                                          op=op))
     return 0
 
 
@@ -291,7 +295,8 @@ def main(argv=None) -> int:
     b.add_argument("--plot", help="write a PNG plot (time vs M) here")
     b.add_argument("--host", action="store_true",
                    help="only the host time per eager call of auto beside its floor (4 torch.empty + the kernels' "
-                        "TVM-FFI call with prepared arguments), at H = 7168 and M = 1, 32, 256 by default")
+                        "TVM-FFI call with prepared arguments), at H = 7168 and M = 1, 32, 256 by default; with "
+                        "--delayed of mhc_fused_hc_delayed, with --op of that standalone op")
     b.add_argument("--compile", action="store_true",
                    help="with --host: also the host time per call through torch.compile (inductor, no CUDA graphs)")
     b.set_defaults(fn=cmd_bench)
@@ -318,8 +323,8 @@ def main(argv=None) -> int:
                     help="the ops whose kernels to compile, each in every form auto may run (default: all)")
     pc.set_defaults(fn=cmd_precompile)
     args = p.parse_args(argv)
-    if args.cmd == "bench" and args.compile and not args.host:
-        p.error("--compile goes with --host")
+    if args.cmd == "bench" and args.compile and (not args.host or args.op):
+        p.error("--compile goes with --host, for the seams")
     if args.cmd == "tune" and args.m is None:
         from .selector import all_buckets
 

@@ -11,6 +11,7 @@ order listed, on a GPU.
 from __future__ import annotations
 
 import math
+from operator import itemgetter
 from typing import NamedTuple
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from . import backends, reference
 from .problem import ALIGN_BYTES, aligned
 from .reference import HC_MULT, N_MIXES
+from .signatures import RecentSignatures
 
 BF16, F32 = (torch.bfloat16,), (torch.float32,)
 
@@ -68,9 +70,14 @@ def _auto_may_take(op: str, name: str, device: torch.device, hidden: int) -> boo
             and (name == "torch" or device.type == "cuda"))
 
 
+def auto_backend(op: str, device: torch.device, hidden: int) -> str:
+    """The backend ``auto`` runs ``op`` on at this H."""
+    return next(n for n in OP_BACKENDS[op] if _auto_may_take(op, n, device, hidden))
+
+
 def _resolve(op: str, backend: str, device: torch.device, hidden: int) -> OpBackend:
     if backend == "auto":
-        backend = next(n for n in OP_BACKENDS[op] if _auto_may_take(op, n, device, hidden))
+        backend = auto_backend(op, device, hidden)
     if backend not in OP_BACKENDS[op]:
         raise ValueError(f"{op}: unknown backend {backend!r}; available here: {['auto'] + available(op, device)}")
     why = unavailable_reason(op, backend, device)
@@ -216,6 +223,76 @@ def _lead_shapes(lead, *tails):
     return [tuple(lead) + tuple(t) for t in tails]
 
 
+class _OpPlan:
+    """A checked call signature of a standalone op returning a fresh output: the flattening to do, the output's
+    allocation and shape, the backend's entry resolved; a call of it makes only the checks that depend on more than
+    its signature (grad mode, in ``_fast``; alignment: copies)."""
+
+    __slots__ = ("reshapes", "present", "scalars", "alloc", "shape", "run", "device_index")
+
+    def __init__(self, tensors: tuple, flat: tuple, scalars: tuple, alloc, shape, run, device: torch.device):
+        # (argument index, flat shape, contiguous): the inputs that are not already flat and contiguous
+        self.reshapes = tuple((i, tuple(f.shape), t.is_contiguous()) for i, (t, f) in enumerate(zip(tensors, flat))
+                              if t is not None and (t.shape != f.shape or not t.is_contiguous()))
+        self.present = itemgetter(*(i for i, t in enumerate(tensors) if t is not None))
+        self.scalars, self.alloc, self.shape, self.run = scalars, alloc, shape, run
+        self.device_index = device.index if device.type == "cuda" else None
+
+    def __call__(self, tensors: tuple) -> torch.Tensor:
+        if self.reshapes:
+            tensors = list(tensors)
+            for i, shape, contiguous in self.reshapes:
+                tensors[i] = tensors[i].view(shape) if contiguous else tensors[i].reshape(shape).contiguous()
+        ptrs = 0
+        for t in self.present(tensors):
+            ptrs |= t.data_ptr()
+        if ptrs % ALIGN_BYTES:
+            tensors = tuple(map(aligned, tensors))
+        out = self.alloc(tensors)
+        if self.run is not None:  # None: no tokens
+            if self.device_index is None or self.device_index == backends.current_cuda_device():
+                self.run(*tensors, *self.scalars, out)
+            else:
+                with torch.cuda.device(self.device_index):
+                    self.run(*tensors, *self.scalars, out)
+        return out if self.shape is None else out.view(self.shape)
+
+
+# per op: the plans of its last few signatures (eager, fresh output), found by a C++ check of the tensors' metadata
+# (``signatures``); a call that matches none is checked in full
+_RECENT = {op: RecentSignatures() for op in OP_BACKENDS}
+
+
+def _fast(op: str, tensors: tuple, rest: tuple, out):
+    """The plan of a recent signature of ``op`` for this call, or None (``out=`` and tracing take the full path, and
+    so does an input that requires grad with grad mode on, for its error)."""
+    if out is not None or torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if getattr(t, "requires_grad", False):
+                return None
+    return _RECENT[op].find(tensors, rest)
+
+
+def _remember(op: str, c: "_Checker", tensors: tuple, rest: tuple, flat: tuple, scalars: tuple, alloc,
+              shape: tuple, backend, out) -> None:
+    """Keep the plan of a call just checked in full (fresh output of ``shape``, eager)."""
+    if out is not None or torch.compiler.is_compiling():
+        return
+    run = backends._load_entry(_resolve(op, backend, c.device, c.hidden).entry) if c.m else None
+    shape = None if len(c.lead) == 1 else shape
+    _RECENT[op].remember(tensors, rest, _OpPlan(tensors, flat, scalars, alloc, shape, run, c.device))
+
+
+def _post_out(flat):
+    return torch.empty_like(flat[1])
+
+
+def _token_rows_out(flat):
+    return flat[0].new_empty((flat[0].shape[0], flat[0].shape[-1]))
+
+
 # --- mhc_post ---------------------------------------------------------------------------------------------------
 
 def mhc_post(x, residual, post_mix, comb_mix, *, backend: str = "auto", out=None) -> torch.Tensor:
@@ -224,6 +301,10 @@ def mhc_post(x, residual, post_mix, comb_mix, *, backend: str = "auto", out=None
     [..., 4, 4]`` (or ``[..., 16]``) fp32. ``out``: the caller's ``[..., 4, H]`` bf16 buffer (contiguous, 16-byte
     aligned, sharing no memory with the inputs), written and returned. Inference only."""
     op = "mhc_post"
+    tensors, rest = (x, residual, post_mix, comb_mix), (backend,)
+    plan = _fast(op, tensors, rest, out)
+    if plan is not None:
+        return plan(tensors)
     c = _Checker(op, "x", x, 1)
     h, lead, m = c.hidden, c.lead, c.m
     c.tensor("x", x, BF16, [tuple(x.shape)])
@@ -240,10 +321,11 @@ def mhc_post(x, residual, post_mix, comb_mix, *, backend: str = "auto", out=None
             return out
         return torch.ops.mhc_cute.post(*args, backend).view(shape)
     if flat_out is None:
-        flat_out = torch.empty_like(args[1])
+        flat_out = _post_out(args)
     else:
         c.out_memory(flat_out)
     _dispatch(op, backend, c.device, h, m, args, flat_out)
+    _remember(op, c, tensors, rest, args, (), _post_out, shape, backend, out)
     return out if out is not None else flat_out.view(shape)
 
 
@@ -255,6 +337,10 @@ def mhc_collapse(residual, pre_mix, *, norm_weight=None, norm_eps: float = 1e-20
     ``norm_weight`` step 7, the final RMSNorm): ``[..., H]`` bf16 from ``residual [..., 4, H]`` bf16 and ``pre_mix
     [..., 4(, 1)]`` fp32; ``norm_weight [H]`` bf16 or fp32. ``out``: the caller's ``[..., H]`` bf16 buffer."""
     op = "mhc_collapse"
+    tensors, rest = (residual, pre_mix, norm_weight), (backend, norm_eps)
+    plan = _fast(op, tensors, rest, out)
+    if plan is not None:
+        return plan(tensors)
     c = _Checker(op, "residual", residual, 2)
     h, lead, m = c.hidden, c.lead, c.m
     c.tensor("residual", residual, BF16, _lead_shapes(lead, (HC_MULT, h)))
@@ -262,11 +348,13 @@ def mhc_collapse(residual, pre_mix, *, norm_weight=None, norm_eps: float = 1e-20
     c.tensor("norm_weight", norm_weight, BF16 + F32, [(h,)], optional=True)
     norm_eps = c.scalar("norm_eps", norm_eps, positive=True)
     args = (c.flat(residual, m, HC_MULT, h), c.flat(pre_mix, m, HC_MULT), c.flat(norm_weight, h), norm_eps)
-    return _run_collapsing(op, c, args, out, torch.ops.mhc_cute.collapse, torch.ops.mhc_cute.collapse_out, backend)
+    return _run_collapsing(op, c, args, out, torch.ops.mhc_cute.collapse, torch.ops.mhc_cute.collapse_out, backend,
+                           tensors, rest)
 
 
-def _run_collapsing(op, c: _Checker, args, out, custom_op, custom_out_op, backend):
-    """The end of ``mhc_collapse`` and ``mhc_head`` (``[..., H]`` output)."""
+def _run_collapsing(op, c: _Checker, args, out, custom_op, custom_out_op, backend, tensors, rest):
+    """The end of ``mhc_collapse`` and ``mhc_head`` (``[..., H]`` output); ``tensors`` and ``rest``: the call's
+    signature (``_remember``)."""
     h, lead, m = c.hidden, c.lead, c.m
     shape = lead + (h,)
     flat_out = None if out is None else c.out(out, shape, (m, h))
@@ -276,10 +364,12 @@ def _run_collapsing(op, c: _Checker, args, out, custom_op, custom_out_op, backen
             return out
         return custom_op(*args, backend).view(shape)
     if flat_out is None:
-        flat_out = args[0].new_empty((m, h))
+        flat_out = _token_rows_out(args)
     else:
         c.out_memory(flat_out)
     _dispatch(op, backend, c.device, h, m, args, flat_out)
+    n = len(tensors)
+    _remember(op, c, tensors, rest, args[:n], args[n:], _token_rows_out, shape, backend, out)
     return out if out is not None else flat_out.view(shape)
 
 
@@ -292,6 +382,10 @@ def mhc_head(residual, head_fn, head_scale, head_base, *, rms_eps: float = 1e-6,
     ``head_fn [4, 4H]``, ``head_scale [1]``, ``head_base [4]`` fp32. ``out``: the caller's ``[..., H]`` bf16
     buffer."""
     op = "mhc_head"
+    tensors, rest = (residual, head_fn, head_scale, head_base, norm_weight), (backend, rms_eps, hc_eps, norm_eps)
+    plan = _fast(op, tensors, rest, out)
+    if plan is not None:
+        return plan(tensors)
     c = _Checker(op, "residual", residual, 2)
     h, lead, m = c.hidden, c.lead, c.m
     c.tensor("residual", residual, BF16, _lead_shapes(lead, (HC_MULT, h)))
@@ -304,7 +398,8 @@ def mhc_head(residual, head_fn, head_scale, head_base, *, rms_eps: float = 1e-6,
     norm_eps = c.scalar("norm_eps", norm_eps, positive=True)
     args = (c.flat(residual, m, HC_MULT, h), c.flat(head_fn, HC_MULT, HC_MULT * h), c.flat(head_scale, 1),
             c.flat(head_base, HC_MULT), c.flat(norm_weight, h), rms_eps, hc_eps, norm_eps)
-    return _run_collapsing(op, c, args, out, torch.ops.mhc_cute.head, torch.ops.mhc_cute.head_out, backend)
+    return _run_collapsing(op, c, args, out, torch.ops.mhc_cute.head, torch.ops.mhc_cute.head_out, backend, tensors,
+                           rest)
 
 
 # --- torch.compile: custom ops on the flat tensors, with fakes -----------------------------------------------------

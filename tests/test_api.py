@@ -7,6 +7,7 @@ import torch
 
 from mhc_cute.accuracy import check_outputs, make_inputs, problem_of, run_backend
 from mhc_cute import MhcFusedHcOutput, mhc_fused_hc, reference
+from mhc_cute.signatures import RecentSignatures
 
 
 def call(inputs, **kw):
@@ -381,7 +382,7 @@ def test_a_signature_is_checked_and_prepared_once(monkeypatch):
     made = []
     new_plan = api._new_plan
     monkeypatch.setattr(api, "_PLANS", {})
-    monkeypatch.setattr(api, "_RECENT", {False: [], True: []})
+    monkeypatch.setattr(api, "_RECENT", {False: RecentSignatures(), True: RecentSignatures()})
     monkeypatch.setattr(api, "_new_plan", lambda *args: made.append(args) or new_plan(*args))
     inp = make_inputs(3, 64, seed=12, norm=True)
     first = call(inp)
@@ -399,13 +400,13 @@ def test_a_recent_signature_is_found_without_its_key(monkeypatch):
     """A call of a recent signature finds its plan by the C++ check of the tensors' metadata (the key is not built);
     any change of a tensor's shape, dtype, strides, device or presence, of a scalar, the backend or the precision
     is another signature: resolved again (checked in full where it is new)."""
-    from mhc_cute import api
+    from mhc_cute import api, signatures
 
-    assert api._TensorGuards is not None  # this torch has the check: eager calls take the short path
+    assert signatures.TensorGuards is not None  # this torch has the check: eager calls take the short path
     made = []
     new_plan = api._new_plan
     monkeypatch.setattr(api, "_PLANS", {})
-    monkeypatch.setattr(api, "_RECENT", {False: [], True: []})
+    monkeypatch.setattr(api, "_RECENT", {False: RecentSignatures(), True: RecentSignatures()})
     monkeypatch.setattr(api, "_new_plan", lambda *args: made.append(args) or new_plan(*args))
     inp = make_inputs(3, 64, seed=14)
     first = call(inp)
@@ -453,7 +454,7 @@ def test_plans_are_bounded(monkeypatch):
     from mhc_cute import api
 
     monkeypatch.setattr(api, "_PLANS", {})
-    monkeypatch.setattr(api, "_RECENT", {False: [], True: []})
+    monkeypatch.setattr(api, "_RECENT", {False: RecentSignatures(), True: RecentSignatures()})
     monkeypatch.setattr(api, "MAX_PLANS", 2)
     outs = [call(make_inputs(m, 64)) for m in (1, 2, 3)]
     assert len(api._PLANS) == 2 and [next(iter(key)) for key in api._PLANS] == [(2, 64), (3, 64)]  # x's shape first

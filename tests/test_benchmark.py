@@ -75,6 +75,8 @@ def test_host_table():
     assert lines[4].split() == ["7168", "1", "|", "15.0", "10.0", "1.50", "-", "|", "half_fma", "(default)"]
     assert lines[5].split()[3:7] == ["18.0", "12.0", "1.50", "60.0"]
     assert "compiled" not in bm.format_host_table(rows[:1], "NVIDIA H200").splitlines()[2]
+    assert "mhc_post" in bm.format_host_table(rows[:1], "NVIDIA H200", "mhc_post").splitlines()[0]
+    assert "5 torch.empty" in bm.format_host_table(rows[:1], "NVIDIA H200", "mhc_fused_hc_delayed").splitlines()[0]
 
 
 @pytest.mark.gpu
@@ -98,6 +100,9 @@ def test_the_host_floor_computes_what_auto_computes():
     for delayed in (False, True):
         times = bm.host_times(1, 512, dev, False, compiled=True, delayed=delayed)
         assert times.auto_us > 0 and times.floor_us > 0 and times.compiled_us > 0
+    for op in ("mhc_post", "mhc_collapse", "mhc_head"):
+        times = bm.op_host_times(op, 3, 512, dev)
+        assert times.auto_us > 0 and times.floor_us > 0 and times.choice in ("cute", "triton", "seam"), times
 
 
 def test_readme_tables_show_auto_host_time_beside_its_floor(tmp_path):

@@ -6,6 +6,7 @@ import torch
 
 from mhc_cute import MhcFusedHcDelayedOutput, backends, mhc_fused_hc, mhc_fused_hc_delayed, reference
 from mhc_cute.accuracy import check_backend, check_outputs, make_inputs, problem_of, run_backend
+from mhc_cute.signatures import RecentSignatures
 
 # (op, form, pre): the seam variants. pre None: mhc_fused_hc; "carried" / "identity": the delayed seam's
 # pre_mix_prev given / None. The V4.1 entry is the broadcast form with the identity.
@@ -543,7 +544,7 @@ def test_every_variant_is_planned_once(op, form, pre, monkeypatch):
     made = []
     new_plan = api._new_plan
     monkeypatch.setattr(api, "_PLANS", {})
-    monkeypatch.setattr(api, "_RECENT", {False: [], True: []})
+    monkeypatch.setattr(api, "_RECENT", {False: RecentSignatures(), True: RecentSignatures()})
     monkeypatch.setattr(api, "_new_plan", lambda *args: made.append(args) or new_plan(*args))
     inputs = make_inputs(3, 64, seed=21, form=form, pre=pre)
     first, again = seam(inputs), seam(inputs)

@@ -371,3 +371,30 @@ def test_head_auto_takes_the_seam_form_on_a_gpu(monkeypatch):
     cuda = torch.device("cuda")
     assert ops._resolve("mhc_head", "auto", cuda, 7168) is ops.OP_BACKENDS["mhc_head"]["seam"]
     assert ops._resolve("mhc_head", "auto", torch.device("cpu"), 64) is ops.OP_BACKENDS["mhc_head"]["torch"]
+
+
+@pytest.mark.parametrize("op", STANDALONE_OPS)
+def test_a_recent_signature_skips_the_full_checks(op, monkeypatch):
+    """A call of a recent signature runs its plan without the full checks (same bits, a fresh output, the leading
+    dims); a misaligned input of that signature is copied as on the full path; after a good call every bad input of
+    ``BAD_INPUTS`` is still refused by name."""
+    from mhc_cute.signatures import RecentSignatures
+
+    checks = []
+    init = ops._Checker.__init__
+    monkeypatch.setattr(ops, "_RECENT", {o: RecentSignatures() for o in ops.OP_BACKENDS})
+    monkeypatch.setattr(ops._Checker, "__init__", lambda self, *a: checks.append(a) or init(self, *a))
+    inputs = make_op_inputs(op, 6, 64, seed=9, norm=op != "mhc_post", lead=(2, 3))
+    first = call_op(op, inputs)
+    again = call_op(op, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+    assert len(checks) == 1
+    assert torch.equal(first, again) and first.data_ptr() != again.data_ptr() and again.shape == first.shape
+    first_arg = "x" if op == "mhc_post" else "residual"
+    moved = _misaligned(inputs[first_arg])
+    moved.copy_(inputs[first_arg])
+    assert torch.equal(call_op(op, dict(inputs, **{first_arg: moved})), first) and len(checks) == 1
+    good = make_op_inputs(op, 3, 64, norm=op != "mhc_post")
+    for case, (make_bad, name) in BAD_INPUTS[op].items():
+        call_op(op, good)
+        with pytest.raises(ValueError, match=f"{op}: `{name}`"):
+            call_op(op, make_bad(good))
