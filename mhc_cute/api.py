@@ -218,6 +218,14 @@ def _plan(tensors: tuple, scalars: tuple, backend: str, precision: str, tactic, 
     return plan
 
 
+def planned_launch(tensors: tuple, scalars: tuple):
+    """``auto``'s prepared ``launch(inputs, out)`` for ``mhc_fused_hc`` calls of this signature (its plan's: checked
+    and made on first use; None for no tokens), for a caller that passes flat, aligned inputs (``Problem.inputs``
+    order) and fresh output buffers of its own, so that none of a call's per-call checks apply (``ops``' head as a
+    seam)."""
+    return _plan(tensors, scalars, "auto", "fp32", None, None, False).launch
+
+
 def _call(tensors: tuple, scalars: tuple, backend: str, precision: str, tactic, out, delayed: bool):
     """Both seams: eager (the implementation directly: the custom-op boundary costs host time per call) or, while
     ``torch.compile`` traces, through the custom ops."""

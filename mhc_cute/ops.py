@@ -125,8 +125,10 @@ def _head_as_seam(residual, head_fn, head_scale, head_base, norm_weight, rms_eps
     running that form): the head weight as the pre rows of a 24-row weight (zero rows after them,
     ``head_scale`` for every group, zero bias), prepared once per weight; the seam's pre gates and collapse (and norm)
     are then the head's, written into ``out`` as its ``layer_input`` (no copy). Its post gates and Sinkhorn are
-    computed on zero mixes into scratch and dropped (a few hundred bytes a token beside 10H)."""
-    from .api import mhc_fused_hc
+    computed on zero mixes into scratch and dropped (a few hundred bytes a token beside 10H). The inputs are flat and
+    aligned and the buffers fresh, so the seam's launch is called directly, without an ``out=`` call's checks."""
+    from .api import planned_launch
+    from .problem import Scalars
     from .weights import prepared
 
     fn = prepared(head_fn, "head_as_seam", lambda f: torch.cat([f, f.new_zeros(N_MIXES - HC_MULT, f.shape[1])]))
@@ -135,8 +137,10 @@ def _head_as_seam(residual, head_fn, head_scale, head_base, norm_weight, rms_eps
     m = residual.shape[0]
     mixes = (residual.new_empty((m, HC_MULT, 1), dtype=torch.float32),
              residual.new_empty((m, HC_MULT, HC_MULT), dtype=torch.float32))
-    mhc_fused_hc(None, residual, None, None, fn, scale, base, rms_eps=rms_eps, hc_pre_eps=hc_eps,
-                 norm_weight=norm_weight, norm_eps=norm_eps, out=(None, *mixes, out))
+    inputs = (None, residual, None, None, fn, scale, base, norm_weight, None)
+    launch = planned_launch(inputs, tuple(Scalars(rms_eps=rms_eps, hc_pre_eps=hc_eps, norm_eps=norm_eps)))
+    if launch is not None:
+        launch(inputs, (None, *mixes, out))
 
 
 # --- validation -------------------------------------------------------------------------------------------------
