@@ -106,7 +106,7 @@ def _shaped(result, lead: tuple, hidden: int, kind, no_post: bool, residual_prev
     elif len(lead) != 1:  # not already [M, ...]
         shapes = ((*lead, HC_MULT, hidden), (*lead, HC_MULT, 1), (*lead, HC_MULT, HC_MULT), (*lead, hidden),
                   (*lead, HC_MULT))
-        result = kind(*(None if t is None else t.view(shape) for t, shape in zip(result, shapes)))
+        result = kind(*(None if t is None else t.view(*shape) for t, shape in zip(result, shapes)))
     if no_post:
         result = result._replace(residual_cur=residual_prev)
     return result
@@ -138,7 +138,7 @@ class _Plan:
         if self.reshapes:
             tensors = list(tensors)
             for i, shape, contiguous in self.reshapes:
-                tensors[i] = tensors[i].view(shape) if contiguous else tensors[i].reshape(shape).contiguous()
+                tensors[i] = tensors[i].view(*shape) if contiguous else tensors[i].reshape(shape).contiguous()
         ptrs = 0
         for t in self.present(tensors):
             ptrs |= t.data_ptr()

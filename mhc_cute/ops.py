@@ -135,8 +135,8 @@ def _head_as_seam(residual, head_fn, head_scale, head_base, norm_weight, rms_eps
     scale = prepared(head_scale, "head_as_seam", lambda t: t.reshape(1).expand(3).contiguous())
     base = prepared(head_base, "head_as_seam", lambda b: torch.cat([b, b.new_zeros(N_MIXES - HC_MULT)]))
     m = residual.shape[0]
-    mixes = (residual.new_empty((m, HC_MULT, 1), dtype=torch.float32),
-             residual.new_empty((m, HC_MULT, HC_MULT), dtype=torch.float32))
+    mixes = (residual.new_empty(m, HC_MULT, 1, dtype=torch.float32),
+             residual.new_empty(m, HC_MULT, HC_MULT, dtype=torch.float32))
     inputs = (None, residual, None, None, fn, scale, base, norm_weight, None)
     launch = planned_launch(inputs, tuple(Scalars(rms_eps=rms_eps, hc_pre_eps=hc_eps, norm_eps=norm_eps)))
     if launch is not None:
@@ -246,7 +246,7 @@ class _OpPlan:
         if self.reshapes:
             tensors = list(tensors)
             for i, shape, contiguous in self.reshapes:
-                tensors[i] = tensors[i].view(shape) if contiguous else tensors[i].reshape(shape).contiguous()
+                tensors[i] = tensors[i].view(*shape) if contiguous else tensors[i].reshape(shape).contiguous()
         ptrs = 0
         for t in self.present(tensors):
             ptrs |= t.data_ptr()
@@ -259,7 +259,7 @@ class _OpPlan:
             else:
                 with torch.cuda.device(self.device_index):
                     self.run(*tensors, *self.scalars, out)
-        return out if self.shape is None else out.view(self.shape)
+        return out if self.shape is None else out.view(*self.shape)
 
 
 # per op: the plans of its last few signatures (eager, fresh output), found by a C++ check of the tensors' metadata
@@ -294,7 +294,7 @@ def _post_out(flat):
 
 
 def _token_rows_out(flat):
-    return flat[0].new_empty((flat[0].shape[0], flat[0].shape[-1]))
+    return flat[0].new_empty(flat[0].shape[0], flat[0].shape[-1])
 
 
 # --- mhc_post ---------------------------------------------------------------------------------------------------

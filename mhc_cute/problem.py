@@ -101,17 +101,18 @@ def new_outputs(x, residual, post_mix, comb_mix, delayed: bool, m: int) -> MhcFu
     """``Problem.empty_outputs`` of the flat inputs of ``m`` tokens (an eager call's plan allocates without building a
     Problem)."""
     if x is not None:
-        # empty_like of the flat (contiguous) inputs of the same shapes and dtypes: the cheapest allocation call
-        outs = (torch.empty_like(residual), post_mix.new_empty((m, HC_MULT, 1)), torch.empty_like(comb_mix),
+        # empty_like of the flat (contiguous) inputs of the same shapes and dtypes, and sizes passed as separate ints
+        # rather than a tuple (torch parses a tuple argument at twice the cost): the cheapest allocation calls
+        outs = (torch.empty_like(residual), post_mix.new_empty(m, HC_MULT, 1), torch.empty_like(comb_mix),
                 torch.empty_like(x))
     else:
         h = residual.shape[-1]
         f32 = dict(dtype=torch.float32)
-        outs = (residual.new_empty((m, HC_MULT, h)) if residual.dim() == 2 else None,
-                residual.new_empty((m, HC_MULT, 1), **f32), residual.new_empty((m, HC_MULT, HC_MULT), **f32),
-                residual.new_empty((m, h)))
+        outs = (residual.new_empty(m, HC_MULT, h) if residual.dim() == 2 else None,
+                residual.new_empty(m, HC_MULT, 1, **f32), residual.new_empty(m, HC_MULT, HC_MULT, **f32),
+                residual.new_empty(m, h))
     if delayed:
-        return MhcFusedHcDelayedOutput(*outs, outs[1].new_empty((m, HC_MULT)))
+        return MhcFusedHcDelayedOutput(*outs, outs[1].new_empty(m, HC_MULT))
     return MhcFusedHcOutput(*outs)
 
 
