@@ -358,7 +358,7 @@ def host_floor_call(s: dict, backend: str = "auto", precision: str = "fp32") -> 
     without compiled kernels (the reference, Triton) is its prepared launch instead. The call returns the outputs."""
     from .accuracy import problem_of
     from .api import prepared_launch
-    from .kernels import KernelLaunch
+    from .kernels.launch import OUTPUT_ARGS, PRE_MIX_CUR_ARG, KernelLaunch
 
     with torch.inference_mode():
         problem = problem_of(s, precision)
@@ -373,17 +373,14 @@ def host_floor_call(s: dict, backend: str = "auto", precision: str = "fp32") -> 
             return out if gates is None else (*out, torch.empty(gates, dtype=f32, device=dev))
 
         if isinstance(launch, KernelLaunch):
-            before, after = launch.arguments(problem.inputs, problem.empty_outputs())
+            args = launch.arguments(problem.inputs, problem.empty_outputs())
+            before, between, after = args[:OUTPUT_ARGS.start], args[OUTPUT_ARGS.stop:PRE_MIX_CUR_ARG], \
+                args[PRE_MIX_CUR_ARG + 1:]
             compiled = launch.compiled
-            # after = (partials, counters, pre_mix_prev, pre_mix_cur, *scalars): the fresh pre_mix_cur goes at 3
-            head, tail = after[:3], after[4:]
 
             def bare(_s):
                 out = outputs()
-                if gates is None:
-                    compiled(*before, *out, *after)
-                else:
-                    compiled(*before, *out[:4], *head, out[4], *tail)
+                compiled(*before, *out[:4], *between, out[4] if gates else None, *after)
                 return out
             return bare
         inputs = problem.inputs

@@ -20,6 +20,10 @@ import threading
 import torch
 
 
+# torch.cuda.is_current_stream_capturing() without its Python frame (asked on every launch)
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
 def _current_stream_handle(device: torch.device) -> int:
     try:
         return torch._C._cuda_getCurrentRawStream(device.index)  # cheap: no Stream object
@@ -66,7 +70,7 @@ def get_workspace(device: torch.device) -> Workspace:
     different streams: a call being captured gets buffers of its own from the graph's private pool (its
     counters zeroed by a memset node at every replay), which live exactly as long as the graph.
     """
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or _is_capturing():
         return Workspace(device)  # (a CPU device: Triton's interpreter, nothing to reuse)
     key = (device.index, _current_stream_handle(device))
     ws = _workspaces.get(key)

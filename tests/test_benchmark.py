@@ -44,7 +44,7 @@ def test_the_host_floor_makes_the_compiled_call_a_plan_makes(monkeypatch, pre):
 
     from mhc_cute import api, tactics
     from mhc_cute.accuracy import make_inputs, problem_of
-    from mhc_cute.kernels import KernelLaunch
+    from mhc_cute.kernels.launch import KernelLaunch
 
     calls = []
 

@@ -869,7 +869,8 @@ def test_the_broadcast_weight_is_the_summed_weight_over_one_stream():
 def test_a_launch_without_post_passes_residual_prev_as_residual_cur():
     """The compiled call gets ``residual_prev`` where ``residual_cur`` goes (the big fuse collapses it), and the
     regular form its own output buffer."""
-    from mhc_cute.kernels import KernelLaunch, spec_problem
+    from mhc_cute.kernels import spec_problem
+    from mhc_cute.kernels.launch import KernelLaunch
 
     tactic = tac.parse_tactic("half_fma:k8:t8:n6:w256:s1:b1:flat")
     for form in ("regular", "no_post"):

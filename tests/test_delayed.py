@@ -562,7 +562,8 @@ def test_kernel_launch_passes_the_seam_arguments(seam_mode):
     in fn's place), the four outputs, scratch, then the delayed seam's pre_mix_prev and pre_mix_cur (None, None for
     mhc_fused_hc), then the scalars."""
     from mhc_cute import tactics
-    from mhc_cute.kernels import KernelLaunch, scalar_args, spec_problem
+    from mhc_cute.kernels import scalar_args, spec_problem
+    from mhc_cute.kernels.launch import KernelLaunch
 
     calls = []
     p = spec_problem(64, "fp32", None, seam_mode)

@@ -12,7 +12,7 @@ def test_workspaces_of_dropped_streams_are_bounded(monkeypatch):
     monkeypatch.setattr(workspace, "_workspaces", {})
     monkeypatch.setattr(workspace, "_current_stream_handle", lambda device: next(handles))
     monkeypatch.setattr(workspace, "Workspace", lambda device: object())
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(workspace, "_is_capturing", lambda: False)
     dev = torch.device("cuda", 0)
     for _ in range(3 * workspace.MAX_WORKSPACES):
         workspace.get_workspace(dev)

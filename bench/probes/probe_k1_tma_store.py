@@ -39,11 +39,12 @@ from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 
 from mhc_cute import benchmark as mb, selector, tactics as tac  # noqa: E402
 from mhc_cute.kernels import (  # noqa: E402
-    CompiledKernels, KernelLaunch, compile_kernel, delayed_mode, fake_buffer, fake_tensors, norm_dtype_of,
+    CompiledKernels, compile_kernel, delayed_mode, fake_buffer, fake_tensors, norm_dtype_of,
     seam_fakes, spec_problem,
 )
 from mhc_cute.kernels import device_utils as du  # noqa: E402
 from mhc_cute.kernels.big_fuse import BigFuseScalars, flat_outputs, gate_rows, partials_view  # noqa: E402
+from mhc_cute.kernels.launch import KernelLaunch  # noqa: E402
 from mhc_cute.kernels.mma import BLOCK_H, HC_MULT, VEC, MmaFusedHcKernel, compiled_mma, weight_of  # noqa: E402
 from mhc_cute.kernels.wgmma_tf32 import make_tf32_tiled_mma  # noqa: E402
 from mhc_cute.tactics import mma_stage_bytes as stage_bytes  # noqa: E402

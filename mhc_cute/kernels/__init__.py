@@ -1,7 +1,8 @@
 """CuTe DSL kernels (sm_90a) and the host-side helpers their wrappers share.
 
 Modules: ``device_utils`` (device helpers), ``big_fuse`` (SPEC steps 2-7, standalone kernel and device
-phase), ``fma`` (paths E and F). The helpers below build the fake tensors a kernel is compiled against,
+phase), ``fma`` (paths E and F), ``mma`` and ``wgmma_tf32`` (paths B and D), ``post`` and ``collapse`` (the
+standalone ops), ``launch`` (the per-call launch of the seams' kernels, host code only). The helpers below build the fake tensors a kernel is compiled against,
 compile it for the TVM-FFI launch path and cache the result (``CompiledKernels``). CuTe DSL is imported
 lazily so that importing this package (as the backend registry does to find a backend) works on a machine
 without it.
@@ -9,8 +10,8 @@ without it.
 Compiling a variant takes seconds. With ``MHC_CUTE_KERNEL_CACHE=<dir>`` compiled kernels are also kept as
 object files in that directory and loaded from there (about a millisecond) by later processes; the file
 names include a hash of the kernel sources that shape that family (every kernel module but the other families'
-own modules, and the modules outside the package whose code shapes a kernel: tactics, prepared weights, scratch)
-and the CuTe DSL version.
+own modules and the host-only ``launch``, and the modules outside the package whose code shapes a kernel: tactics,
+prepared weights) and the CuTe DSL version.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import warnings
 from pathlib import Path
 
 from ..tactics import PARTIAL_COLS
-from ..workspace import get_workspace
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before the first `import cutlass` anywhere
 
@@ -106,8 +106,10 @@ def compile_kernel(kernel, *fake_args):
 
 
 # modules outside this package whose code shapes a compiled kernel: the tactics' derived shapes and constants (the
-# partial rows' layout), the prepared weight's layout the tensor-core kernels read, the scratch they are handed
-KERNEL_INPUT_MODULES = ("tactics.py", "weights.py", "workspace.py")
+# partial rows' layout), the prepared weight's layout the tensor-core kernels read
+KERNEL_INPUT_MODULES = ("tactics.py", "weights.py")
+# modules of this package that compile nothing: the per-call launch (host code only), whose edits keep every file
+HOST_MODULES = ("launch.py",)
 
 
 # the modules that each define one family of compiled kernels and import no other (tests/test_cute_compile.py checks
@@ -123,7 +125,7 @@ def _sources_digest(family: str | None = None) -> str:
     import cutlass
 
     here = Path(__file__).parent
-    skipped = set(FAMILY_MODULES) - {family} if family else set()
+    skipped = (set(FAMILY_MODULES) - {family} if family else set()) | set(HOST_MODULES)
     h = hashlib.sha256(getattr(cutlass, "__version__", "?").encode())
     for path in sorted(here.glob("*.py")) + [here.parent / name for name in KERNEL_INPUT_MODULES]:
         if path.parent == here and path.name in skipped:
@@ -215,40 +217,6 @@ def delayed_mode(problem) -> str | None:
     if not problem.delayed:
         return None
     return "identity" if problem.pre_mix is None else "carried"
-
-
-class KernelLaunch:
-    """The per-call part of a CuTe path (a backend's prepared ``launch(inputs, out)``), with everything that depends
-    only on the call's signature resolved: it takes the current stream's scratch (split-K partials, and ``counters``
-    election counters unless None), the prepared form of the weight (``weight(fn)``, or ``fn`` itself when None) and
-    calls the ``compiled`` kernels through TVM-FFI. ``inputs``: the flat problem's tensors (``Problem.inputs``,
-    ``pre_mix`` last)."""
-
-    __slots__ = ("compiled", "device", "n_partials", "counters", "weight", "scalars", "delayed", "no_post")
-
-    def __init__(self, compiled, problem, tactic, counters: int | None, weight=None):
-        self.compiled, self.device = compiled, problem.residual.device
-        self.n_partials = partials_count(tactic, problem.m)
-        self.counters, self.weight = counters, weight
-        self.scalars = scalar_args(problem.scalars)
-        self.delayed = problem.delayed
-        self.no_post = problem.form == "no_post"
-
-    def __call__(self, inputs, out) -> None:
-        before, after = self.arguments(inputs, out)
-        # without a post residual_cur is residual_prev (the kernels read it there and write nothing)
-        self.compiled(*before, *((inputs[1], *out[1:4]) if self.no_post else out[:4]), *after)
-
-    def arguments(self, inputs, out) -> tuple[tuple, tuple]:
-        """The compiled call's arguments before the four outputs and after them, for ``inputs`` on the current
-        stream (``out``: the delayed seam's ``pre_mix_cur`` is one of the arguments after)."""
-        ws = get_workspace(self.device)
-        tensors = inputs[:8]
-        if self.weight is not None:
-            tensors = (*tensors[:4], self.weight(tensors[4]), *tensors[5:])
-        seam = (inputs[8], out[4]) if self.delayed else (None, None)
-        return tensors, (ws.partials(self.n_partials), None if self.counters is None else ws.counters(self.counters),
-                         *seam, *self.scalars)
 
 
 def spec_problem(hidden: int, precision: str, norm: str | None, delayed: str | None = None, form: str = "regular"):

@@ -55,7 +55,7 @@ from cutlass.cute.nvgpu import warp  # noqa: E402
 from .. import tactics as tac  # noqa: E402
 from ..tactics import HC_MULT, MMA_TILE_ROWS, N_MIXES, FmaTactic  # noqa: E402
 from . import (  # noqa: E402
-    CompiledKernels, KernelLaunch, compile_in_processes, compile_kernel, delayed_mode, fake_buffer, fake_tensors,
+    CompiledKernels, compile_in_processes, compile_kernel, delayed_mode, fake_buffer, fake_tensors,
     norm_dtype_of, resolve_tactic, seam_fakes, spec_problem,
 )
 from ..reference import broadcast_fn  # noqa: E402
@@ -64,6 +64,7 @@ from . import device_utils as du  # noqa: E402
 from .big_fuse import (  # noqa: E402
     X1_SUMSQ_COL, BigFusePhase, BigFuseScalars, flat_outputs, gate_rows, partials_view, standalone_big_fuse,
 )
+from .launch import KernelLaunch  # noqa: E402
 
 SUMSQ_COL = N_MIXES
 QUAD = 4  # fp32 elements in one 16-byte access

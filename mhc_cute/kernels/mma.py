@@ -31,7 +31,7 @@ rounded streams they hold with the carried gates into ``x1`` (bf16), store it to
 
 The entry forms (``form``, compile-time). Without post (``"no_post"``) ``residual_prev`` is the streams: no
 ``x_prev`` tiles are loaded, nothing is stored to ``residual_cur``, and the big fuse collapses ``residual_prev``,
-which the launch passes where ``residual_cur`` goes (``kernels.KernelLaunch``). The broadcast entry
+which the launch passes where ``residual_cur`` goes (``launch.KernelLaunch``). The broadcast entry
 (``"broadcast"``): the embedding ``[M, H]`` is one input stream, stored four times as ``residual_cur`` and projected
 over H with the prepared ``reference.broadcast_fn`` (K = 32 per stage); its sum of squares is stored times 4, so the
 big fuse's mean over 4H is the SPEC's mean over H bit for bit (a power-of-two scale).
@@ -62,12 +62,13 @@ from ..reference import broadcast_fn  # noqa: E402
 from ..weights import prepared  # noqa: E402
 from . import device_utils as du  # noqa: E402
 from . import (  # noqa: E402
-    CompiledKernels, KernelLaunch, compile_in_processes, compile_kernel, delayed_mode, fake_buffer, fake_tensors,
+    CompiledKernels, compile_in_processes, compile_kernel, delayed_mode, fake_buffer, fake_tensors,
     norm_dtype_of, resolve_tactic, seam_fakes, spec_problem,
 )
 from .big_fuse import (  # noqa: E402
     X1_SUMSQ_COL, BigFusePhase, BigFuseScalars, flat_outputs, gate_rows, partials_view, standalone_big_fuse,
 )
+from .launch import KernelLaunch  # noqa: E402
 from .wgmma_tf32 import make_tf32_tiled_mma  # noqa: E402
 
 VEC = 8  # contiguous H positions per thread and row: one 16-byte bf16 vector
@@ -599,7 +600,7 @@ class MmaFusedHcKernel:
                 if ctx.quad == 0:
                     if const_expr(self.broadcast):
                         # 4 x the squares over H: the big fuse's sum over the 4H of the copies
-                        mPartials[split, m, SUMSQ_COL] = ctx.sumsq[r] * Float32(4.0)
+                        mPartials[split, m, SUMSQ_COL] = ctx.sumsq[r] * Float32(HC_MULT)
                     else:
                         mPartials[split, m, SUMSQ_COL] = ctx.sumsq[r]
                     if const_expr(self.x1_norm):
