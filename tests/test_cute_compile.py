@@ -202,23 +202,6 @@ def test_grid_barrier_probe_compiles(vectors, barriers, kind, lag):
     assert callable(_bench_module("probe_grid_barrier").compiled(132, 256, vectors, barriers, kind, lag))
 
 
-@pytest.mark.parametrize("seam, tile_m", [("v4", 128), ("delayed", 64), ("delayed", 128)])
-def test_k1_tma_store_probe_compiles(seam, tile_m, tmp_path, dump_env):
-    """bench/probes/probe_k1_tma_store.py (path B's kernel 1 with TMA stores) compiles for sm_90a, and its kernel
-    stores through TMA: one bulk tensor store per stage (two for the delayed seam, ``layer_input`` too), after the
-    proxy fence and the consumers' named barrier."""
-    code = (f"import probe_k1_tma_store as p; from mhc_cute.kernels import spec_problem; from mhc_cute import tactics; "
-            f"pr = spec_problem(7168, 'fp32', None, {None if seam == 'v4' else 'carried'!r}); "
-            f"p.compiled_variant(tactics.parse_tactic('half_mma:k8:m{tile_m}:s3:fbw'), pr, pr.empty_outputs())")
-    env = dump_env(tmp_path, "ptx")
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), "bench", "probes")])
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
-    (ptx,) = [f.read_text() for f in tmp_path.glob("*TmaStoreKernel1*.ptx")]
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)) == (1 if seam == "v4" else 2)
-    assert "fence.proxy.async.shared::cta" in ptx and f"bar.sync \t1, {tile_m * 2};" in ptx
-
-
 @pytest.mark.parametrize("cluster, tokens", [(8, 24), (16, 32)])
 def test_cluster_probe_compiles(cluster, tokens):
     """bench/probes/probe_cluster.py (the cluster tail of the on-chip-collapse design in docs/experiments.md:
