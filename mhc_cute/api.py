@@ -13,14 +13,13 @@ plan without the signature's key (``signatures.RecentSignatures``: torch's C++ c
 from __future__ import annotations
 
 import threading
-from operator import itemgetter
 
 import torch
 
 from . import backends, selector
 from .problem import (
-    ALIGN_BYTES, MhcFusedHcDelayedOutput, MhcFusedHcOutput, Problem, _as_delayed, aligned, check_no_grad,
-    check_out_memory, flat_out, new_outputs, validate,
+    Flattening, MhcFusedHcDelayedOutput, MhcFusedHcOutput, Problem, _as_delayed, check_no_grad, check_out_memory,
+    flat_out, new_outputs, validate,
 )
 from .reference import HC_MULT
 from .signatures import RecentSignatures
@@ -71,11 +70,8 @@ def _resolve(problem: Problem, backend: str, tactic):
 
 
 def _on_device(device: torch.device, fn, *args):
-    """``fn(*args)`` with ``device`` current: Triton and the TVM-FFI launches use the current device and its stream."""
-    if device.type == "cuda" and device.index != backends.current_cuda_device():
-        with torch.cuda.device(device):
-            return fn(*args)
-    return fn(*args)
+    """``fn(*args)`` with ``device`` current (``backends.call_on``)."""
+    return backends.call_on(device.index if device.type == "cuda" else None, fn, *args)
 
 
 def _dispatch(problem: Problem, backend: str, tactic=None, out=None) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
@@ -115,17 +111,13 @@ def _shaped(result, lead: tuple, hidden: int, kind, no_post: bool, residual_prev
 class _Plan:
     """A call signature, checked and resolved: ``plan.run(tensors, out)`` runs a call of it (module docstring)."""
 
-    __slots__ = ("lead", "m", "hidden", "device", "device_index", "reshapes", "present", "scalars", "precision",
-                 "delayed", "no_post", "kind", "launch", "as_returned")
+    __slots__ = ("lead", "m", "hidden", "device", "device_index", "flatten", "scalars", "precision", "delayed",
+                 "no_post", "kind", "launch", "as_returned")
 
     def __init__(self, tensors, problem: Problem, lead: tuple, launch):
         self.lead, self.m, self.hidden, self.device = lead, problem.m, problem.hidden, problem.residual.device
         self.device_index = self.device.index if self.device.type == "cuda" else None
-        # (argument index, flat shape, contiguous): the inputs that are not already flat and contiguous
-        self.reshapes = tuple((i, tuple(f.shape), t.is_contiguous())
-                              for i, (t, f) in enumerate(zip(tensors, problem.inputs))
-                              if t is not None and (t.shape != f.shape or not t.is_contiguous()))
-        self.present = itemgetter(*(i for i, t in enumerate(tensors) if t is not None))  # the tensor arguments
+        self.flatten = Flattening(tensors, problem.inputs)
         self.scalars, self.precision, self.delayed = problem.scalars, problem.precision, problem.delayed
         self.no_post = problem.x is None and not problem.broadcast
         self.kind = MhcFusedHcDelayedOutput if problem.delayed else MhcFusedHcOutput
@@ -135,15 +127,7 @@ class _Plan:
     def run(self, tensors: tuple, out):
         """The call on ``tensors`` (the arguments in the order of ``Problem.inputs``): its flat outputs (``out``'s
         flat views when given; ``residual_cur`` None without a post)."""
-        if self.reshapes:
-            tensors = list(tensors)
-            for i, shape, contiguous in self.reshapes:
-                tensors[i] = tensors[i].view(*shape) if contiguous else tensors[i].reshape(shape).contiguous()
-        ptrs = 0
-        for t in self.present(tensors):
-            ptrs |= t.data_ptr()
-        if ptrs % ALIGN_BYTES:
-            tensors = tuple(map(aligned, tensors))
+        tensors = self.flatten(tensors)
         if out is None:
             outs = new_outputs(tensors[0], tensors[1], tensors[2], tensors[3], self.delayed, self.m)
         else:
@@ -151,11 +135,7 @@ class _Plan:
             outs = _flat_out(out, self.lead, problem, self.no_post)
             check_out_memory(outs, tensors)
         if self.launch is not None:
-            if self.device_index is None or self.device_index == backends.current_cuda_device():
-                self.launch(tensors, outs)
-            else:
-                with torch.cuda.device(self.device_index):
-                    self.launch(tensors, outs)
+            backends.call_on(self.device_index, self.launch, tensors, outs)
         return outs
 
     def __call__(self, tensors: tuple, out):

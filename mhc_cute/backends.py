@@ -60,6 +60,15 @@ OPS = ("fused_hc", "fused_hc_delayed")
 current_cuda_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
+def call_on(device_index: int | None, fn, *args):
+    """``fn(*args)`` with CUDA device ``device_index`` current (None: not a CUDA call, run as is): Triton and the
+    TVM-FFI launches use the current device and its stream."""
+    if device_index is None or device_index == current_cuda_device():
+        return fn(*args)
+    with torch.cuda.device(device_index):
+        return fn(*args)
+
+
 def _every_form(entry: str) -> tuple:
     """``entry`` for every (op, form) beyond mhc_fused_hc's regular form."""
     return tuple(((op, form), entry) for op in OPS for form in SEAM_FORMS if (op, form) != ("fused_hc", "regular"))

@@ -455,9 +455,7 @@ def op_host_times(op: str, m: int, hidden: int, device) -> HostTimes:
     with torch.inference_mode():
         call_op(op, inputs)
     plan = ops._RECENT[op].entries[0].plan
-    flat = list(inputs.values())  # the op's tensor arguments, in its order
-    for i, shape, contiguous in plan.reshapes:
-        flat[i] = flat[i].view(shape) if contiguous else flat[i].reshape(shape).contiguous()
+    flat = plan.flatten(tuple(inputs.values()))  # the op's tensor arguments, in its order
 
     def bare(_s):
         out = plan.alloc(flat)

@@ -11,13 +11,12 @@ order listed, on a GPU.
 from __future__ import annotations
 
 import math
-from operator import itemgetter
 from typing import NamedTuple
 
 import torch
 
 from . import backends, reference
-from .problem import ALIGN_BYTES, aligned
+from .problem import ALIGN_BYTES, Flattening, aligned
 from .reference import HC_MULT, N_MIXES
 from .signatures import RecentSignatures
 
@@ -95,11 +94,7 @@ def _dispatch(op: str, backend: str, device: torch.device, hidden: int, m: int, 
     if m == 0:
         return out
     run = backends._load_entry(_resolve(op, backend, device, hidden).entry)
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            run(*args, out)
-    else:
-        run(*args, out)
+    backends.call_on(device.index if device.type == "cuda" else None, run, *args, out)
     return out
 
 
@@ -232,33 +227,18 @@ class _OpPlan:
     allocation and shape, the backend's entry resolved; a call of it makes only the checks that depend on more than
     its signature (grad mode, in ``_fast``; alignment: copies)."""
 
-    __slots__ = ("reshapes", "present", "scalars", "alloc", "shape", "run", "device_index")
+    __slots__ = ("flatten", "scalars", "alloc", "shape", "run", "device_index")
 
     def __init__(self, tensors: tuple, flat: tuple, scalars: tuple, alloc, shape, run, device: torch.device):
-        # (argument index, flat shape, contiguous): the inputs that are not already flat and contiguous
-        self.reshapes = tuple((i, tuple(f.shape), t.is_contiguous()) for i, (t, f) in enumerate(zip(tensors, flat))
-                              if t is not None and (t.shape != f.shape or not t.is_contiguous()))
-        self.present = itemgetter(*(i for i, t in enumerate(tensors) if t is not None))
+        self.flatten = Flattening(tensors, flat)
         self.scalars, self.alloc, self.shape, self.run = scalars, alloc, shape, run
         self.device_index = device.index if device.type == "cuda" else None
 
     def __call__(self, tensors: tuple) -> torch.Tensor:
-        if self.reshapes:
-            tensors = list(tensors)
-            for i, shape, contiguous in self.reshapes:
-                tensors[i] = tensors[i].view(*shape) if contiguous else tensors[i].reshape(shape).contiguous()
-        ptrs = 0
-        for t in self.present(tensors):
-            ptrs |= t.data_ptr()
-        if ptrs % ALIGN_BYTES:
-            tensors = tuple(map(aligned, tensors))
+        tensors = self.flatten(tensors)
         out = self.alloc(tensors)
         if self.run is not None:  # None: no tokens
-            if self.device_index is None or self.device_index == backends.current_cuda_device():
-                self.run(*tensors, *self.scalars, out)
-            else:
-                with torch.cuda.device(self.device_index):
-                    self.run(*tensors, *self.scalars, out)
+            backends.call_on(self.device_index, self.run, *tensors, *self.scalars, out)
         return out if self.shape is None else out.view(*self.shape)
 
 

@@ -4,6 +4,7 @@ receives."""
 from __future__ import annotations
 
 import math
+from operator import itemgetter
 from typing import NamedTuple
 
 import torch
@@ -275,6 +276,30 @@ def check_out_memory(out: MhcFusedHcOutput, inputs) -> None:
 def aligned(t):
     """``t``, or a copy of it at an aligned base when its base is not ``ALIGN_BYTES``-aligned (None stays None)."""
     return t if t is None or t.data_ptr() % ALIGN_BYTES == 0 else t.clone()
+
+
+class Flattening:
+    """How a call signature's tensor arguments become the flat, contiguous, aligned tensors its backend reads (an
+    eager plan's, resolved once from one call's ``tensors`` and their ``flat`` forms): a view or a copy of each input
+    that is not already flat and contiguous, and every call's alignment check (misaligned bases are copied)."""
+
+    __slots__ = ("reshapes", "present")
+
+    def __init__(self, tensors, flat):
+        # (argument index, flat shape as ints, contiguous)
+        self.reshapes = tuple((i, tuple(f.shape), t.is_contiguous()) for i, (t, f) in enumerate(zip(tensors, flat))
+                              if t is not None and (t.shape != f.shape or not t.is_contiguous()))
+        self.present = itemgetter(*(i for i, t in enumerate(tensors) if t is not None))
+
+    def __call__(self, tensors) -> tuple | list:
+        if self.reshapes:
+            tensors = list(tensors)
+            for i, shape, contiguous in self.reshapes:  # sizes as ints: a tuple argument costs torch twice as much
+                tensors[i] = tensors[i].view(*shape) if contiguous else tensors[i].reshape(shape).contiguous()
+        ptrs = 0
+        for t in self.present(tensors):
+            ptrs |= t.data_ptr()
+        return tuple(map(aligned, tensors)) if ptrs % ALIGN_BYTES else tensors
 
 
 def validate(

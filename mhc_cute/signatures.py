@@ -65,6 +65,3 @@ class RecentSignatures:
             return
         absent = tuple(i for i, t in enumerate(tensors) if t is None)
         self.entries = [_Entry(guards, itemgetter(*present), absent, rest, plan), *self.entries[:self.size - 1]]
-
-    def clear(self) -> None:
-        self.entries = []

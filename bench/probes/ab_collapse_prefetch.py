@@ -44,7 +44,7 @@ def main() -> int:
             timers = {p: (lambda p=p: mb.time_graph(variant_call(p), sets)) for p in (True, False)}
             times = mb.alternating_rounds(timers, args.rounds)
             pre, no = (statistics.median(times[p]) for p in (True, False))
-            picked = "prefetch" if h <= collapse.PREFETCH_NORM_MAX_H else "no_prefetch"
+            picked = "prefetch" if collapse.prefetches_norm(h) else "no_prefetch"
             floor = mb.collapse_floor_bytes(m, h) / bandwidth * 1e6
             print(f"{h:6d} {m:6d} {pre:9.2f} {no:9.2f} {no / pre:6.3f} {picked:12s} {100 * floor / min(pre, no):5.1f}%",
                   flush=True)

@@ -10,8 +10,6 @@ import os
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-import statistics  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -50,17 +48,11 @@ def compile_touch(n: int, launches: int, pointers: bool):
     return cute.compile(Touch(launches), tensor(), *rest, Float32(0.0), Int32(0), stream, options="--enable-tvm-ffi")
 
 
-def per_call(fn, calls=2000, rounds=9) -> float:
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) * 1e6 / calls)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+def per_call(fn) -> float:
+    """Host µs per call of ``fn()`` (``benchmark.host_us_per_call``)."""
+    from mhc_cute.benchmark import host_us_per_call
+
+    return host_us_per_call(lambda _s: fn(), None, calls=2000, rounds=9)
 
 
 def main() -> int:

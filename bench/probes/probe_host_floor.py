@@ -10,8 +10,6 @@ between loops). ``--profile``: a cProfile of eager calls at the first M, sorted 
 import argparse
 import cProfile
 import pstats
-import statistics
-import time
 
 import torch
 
@@ -19,21 +17,9 @@ from mhc_cute import api, benchmark as mb
 from mhc_cute.api import mhc_fused_hc
 
 
-def per_call(fn, calls=2000, rounds=9) -> float:
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) * 1e6 / calls)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
-
-
 def report(name, fn):
-    print(f"PIECE {name:44s} {per_call(fn):7.2f}", flush=True)
+    us = mb.host_us_per_call(lambda _s: fn(), None, calls=2000, rounds=9)
+    print(f"PIECE {name:44s} {us:7.2f}", flush=True)
 
 
 def allocation_pieces(m, h, dev):

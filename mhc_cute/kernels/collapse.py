@@ -30,6 +30,11 @@ BATCH = 4  # 8-vectors per thread in flight together
 PREFETCH_NORM_MAX_H = 5120  # the largest H whose collapse prefetches the norm weight (measured at 5120 and 7168)
 
 
+def prefetches_norm(hidden: int) -> bool:
+    """Whether the collapse at this H holds the norm weight in registers from the start (``run_collapse``'s rule)."""
+    return hidden <= PREFETCH_NORM_MAX_H
+
+
 def collapse_threads(hidden: int) -> int:
     """Threads of the CTA: each thread one batch of ``BATCH`` 8-vectors of the row, at least 64."""
     per_batch = -(-(hidden // du.VEC_BF16) // BATCH)
@@ -108,7 +113,7 @@ def compile_collapse(residual, pre_mix, norm_weight, out, prefetch_norm: bool = 
 def run_collapse(residual, pre_mix, norm_weight, norm_eps, out) -> None:
     """``mhc_cute.ops`` backend entry: flat ``residual [M, 4, H]``, ``pre_mix [M, 4]``, ``norm_weight [H]`` or None
     into ``out [M, H]``."""
-    fn = compiled_collapse(residual, pre_mix, norm_weight, out, residual.shape[2] <= PREFETCH_NORM_MAX_H)
+    fn = compiled_collapse(residual, pre_mix, norm_weight, out, prefetches_norm(residual.shape[2]))
     fn(residual, pre_mix, norm_weight, out, 0.0, 0.0, 0.0, 0.0, 0, norm_eps)
 
 
@@ -124,7 +129,7 @@ def spec_operands(hidden: int, norm: str | None):
 
 def _compile_spec(spec) -> tuple:
     hidden, norm, *prefetch = spec
-    compiled_collapse(*spec_operands(hidden, norm), prefetch[0] if prefetch else hidden <= PREFETCH_NORM_MAX_H)
+    compiled_collapse(*spec_operands(hidden, norm), prefetch[0] if prefetch else prefetches_norm(hidden))
     return spec
 
 
