@@ -255,14 +255,14 @@ def future_cases(attr: str, norm_applies: bool) -> Callable[[], list]:
     the seam backends that run the delayed seam, or a standalone op's own backends (``ops.OP_BACKENDS``)."""
     def cases():
         import mhc_cute
-        from mhc_cute import backends, ops
+        from mhc_cute import ops
 
         if not hasattr(mhc_cute, attr):
             return []
         if attr in ops.OP_BACKENDS:
             names = [b for b in ops.OP_BACKENDS[attr] if b != "torch"]
         else:
-            names = [b for b in kernel_backends() if backends.BACKENDS[b].entry_for(attr.removeprefix("mhc_"))]
+            names = kernel_backends()
         return [c for b in names + ["auto"] for c in checkerboard(attr, b, norm_applies)]
     return cases
 

@@ -208,9 +208,9 @@ def _seam_h_multiple(backend: str, config: dict) -> int:
     return BACKENDS[backend].h_multiple_for(config.get("form", "regular"))
 
 
-def _draw_form(rng: random.Random, env: Env, op: str) -> str:
-    """A seam form (the regular one half the time) that some backend of the soak runs for ``op``."""
-    return rng.choice([f for f in ("regular", "regular", "no_post", "broadcast") if seam_backends(env, op, f)])
+def _draw_form(rng: random.Random) -> str:
+    """A seam form, the regular one half the time (every seam backend runs every form)."""
+    return rng.choice(["regular", "regular", "no_post", "broadcast"])
 
 
 def _embedding_lead(d: dict) -> dict:
@@ -224,8 +224,7 @@ def _embedding_lead(d: dict) -> dict:
 def draw_fused_hc(rng: random.Random, env: Env) -> dict:
     """A ``mhc_fused_hc`` call in one of its forms (regular, no post, broadcast entry)."""
     def configure(rng):
-        form = _draw_form(rng, env, "fused_hc")
-        return dict(form=form), seam_backends(env, "fused_hc", form)
+        return dict(form=_draw_form(rng)), env.backends
 
     d = _embedding_lead(_draw_call(rng, env, "mhc_fused_hc", configure, _seam_h_multiple, seam=True))
     d["poison"] = None
@@ -454,19 +453,10 @@ def label_seam(d: dict) -> str:
 
 # --- mhc_fused_hc_delayed -------------------------------------------------------------------------------------
 
-def seam_backends(env: Env, op: str, form: str) -> list:
-    """The soak's seam backends (``env.backends``) that run ``op`` in ``form``; auto runs every one."""
-    from mhc_cute import BACKENDS
-
-    return [b for b in env.backends if b == "auto" or BACKENDS[b].entry_for(op, form)]
-
-
 def draw_fused_hc_delayed(rng: random.Random, env: Env) -> dict:
     """A ``mhc_fused_hc`` draw plus the seam's form and its carried gates (``pre_mix_prev`` None: the identity)."""
     def configure(rng):
-        form = _draw_form(rng, env, "fused_hc_delayed")
-        return dict(form=form, pre=rng.choice(["carried", "carried", "identity"])), \
-            seam_backends(env, "fused_hc_delayed", form)
+        return dict(form=_draw_form(rng), pre=rng.choice(["carried", "carried", "identity"])), env.backends
 
     return _embedding_lead(_draw_call(rng, env, "mhc_fused_hc_delayed", configure, _seam_h_multiple, seam=True))
 

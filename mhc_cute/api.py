@@ -30,7 +30,7 @@ def prepared_launch(problem: Problem, backend: str, tactic, out):
     """The prepared ``launch(inputs, out)`` (``backends``) of ``backend`` (``auto``: the selector's choice) for calls
     of ``problem``'s signature, or the error that says why it cannot run them."""
     b, tactic = _resolve(problem, backend, tactic)
-    return _on_device(problem.residual.device, b.load(problem.op, problem.form), problem, tactic, out)
+    return _on_device(problem.residual.device, b.load(), problem, tactic, out)
 
 
 def _resolve(problem: Problem, backend: str, tactic):
@@ -48,18 +48,13 @@ def _resolve(problem: Problem, backend: str, tactic):
             backend, tactic = backends.pick_auto_for(dev, form, problem.hidden), None
     if backend not in backends.BACKENDS:
         raise ValueError(
-            f"{name}: unknown backend {backend!r}; available here: {['auto'] + backends.available(dev, op, form)}"
-        )
-    if backends.BACKENDS[backend].entry_for(op, form) is None:
-        raise ValueError(
-            f"{name}: backend {backend!r} does not implement the {form.replace('_', ' ')} form of this op; "
-            f"available here: {['auto'] + backends.available(dev, op, form)}"
+            f"{name}: unknown backend {backend!r}; available here: {['auto'] + backends.available(dev)}"
         )
     why = backends.unavailable_reason(backend, dev)
     if why is not None:
         raise RuntimeError(
             f"{name}: backend {backend!r} is unavailable on {dev} ({why}); "
-            f"available here: {['auto'] + backends.available(dev, op, form)}"
+            f"available here: {['auto'] + backends.available(dev)}"
         )
     b = backends.BACKENDS[backend]
     mult = b.h_multiple_for(form)

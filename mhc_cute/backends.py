@@ -7,8 +7,9 @@ compiled kernels, scratch sizes (``problem`` and ``out`` are one call's tensors 
 ``launch(inputs, out)`` reads the flattened operands ``inputs`` (``Problem.inputs``) of any call of that signature
 and writes every element of its flattened output buffers ``out`` (which the dispatcher allocates, and which never
 alias an input). ``tactic`` is None (the backend chooses) or a backend-specific tactic.
-Entries are keyed by op (``problem.op``: ``"fused_hc"``, ``"fused_hc_delayed"``) and seam form (``problem.form``:
-``"regular"``, ``"no_post"``, ``"broadcast"``); a backend runs only the (op, form) pairs it registers.
+A backend's one ``prepare`` runs every op (``problem.op``: ``"fused_hc"``, ``"fused_hc_delayed"``) in every seam form
+(``problem.form``: ``"regular"``, ``"no_post"``, ``"broadcast"``; compile-time flags of the same kernels), at the H
+multiples ``Backend.h_multiple_for`` names.
 """
 
 from __future__ import annotations
@@ -27,33 +28,24 @@ from .tactics import FMA_BUCKETS
 @dataclass(frozen=True)
 class Backend:
     name: str
-    entry: str  # "module:function" implementing prepare(problem, tactic, out) -> launch(inputs, out)
+    entry: str  # "module:function": prepare(problem, tactic, out) -> launch(inputs, out), for every op and form
     kind: str  # "reference" | "cute" | "triton"
     summary: str
     h_multiple: int = 1  # kernel backends tile H by 64
-    # the other (op, form) pairs it runs, each with its "module:function"; ``entry`` is mhc_fused_hc's regular form
-    entries: tuple[tuple[tuple[str, str], str], ...] = ()
     broadcast_h_multiple: int = 1  # the broadcast entry's H multiple where larger (paths E/F walk H / 4 in chunks)
 
     def h_multiple_for(self, form: str) -> int:
         """The multiple of H this backend runs seam ``form`` at."""
         return max(self.h_multiple, self.broadcast_h_multiple) if form == "broadcast" else self.h_multiple
 
-    def entry_for(self, op: str = "fused_hc", form: str = "regular") -> str | None:
-        """The entry that runs ``op`` in seam ``form`` here, None when this backend does not implement it."""
-        if op == "fused_hc" and form == "regular":
-            return self.entry
-        return next((e for key, e in self.entries if key == (op, form)), None)
-
-    def load(self, op: str = "fused_hc", form: str = "regular"):
-        """The backend's ``prepare`` for ``op`` in seam ``form``."""
-        return _load_entry(self.entry_for(op, form))
+    def load(self):
+        """The backend's ``prepare``."""
+        return _load_entry(self.entry)
 
 
 SEAM_FORMS = ("regular", "no_post", "broadcast")
 # paths E/F's broadcast entry: H / 4 in whole 64-position chunks (``tactics.fma_broadcast_tactic``)
 FMA_BROADCAST_H = 256
-OPS = ("fused_hc", "fused_hc_delayed")
 
 
 # torch.cuda.current_device() without its Python checks (an eager call asks it once per launch)
@@ -69,31 +61,22 @@ def call_on(device_index: int | None, fn, *args):
         return fn(*args)
 
 
-def _every_form(entry: str) -> tuple:
-    """``entry`` for every (op, form) beyond mhc_fused_hc's regular form."""
-    return tuple(((op, form), entry) for op in OPS for form in SEAM_FORMS if (op, form) != ("fused_hc", "regular"))
-
-
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("torch", "mhc_cute.backends:prepare_reference", "reference", "plain torch, fp32 compute, any device",
-                entries=_every_form("mhc_cute.backends:prepare_reference")),
+        Backend("torch", "mhc_cute.backends:prepare_reference", "reference", "plain torch, fp32 compute, any device"),
         Backend("triton", "mhc_cute.triton.fused_hc:prepare", "triton",
-                "Triton main + reduce kernels (ROCm gfx950 design; NVIDIA; CPU interpreter)", 64,
-                entries=_every_form("mhc_cute.triton.fused_hc:prepare")),
+                "Triton main + reduce kernels (ROCm gfx950 design; NVIDIA; CPU interpreter)", 64),
         Backend("half_fma", "mhc_cute.kernels.fma:prepare_half_fma", "cute",
                 "path E: CuTe DSL, FFMA projection + big-fuse kernel (2 launches)", 64,
-                entries=_every_form("mhc_cute.kernels.fma:prepare_half_fma"), broadcast_h_multiple=FMA_BROADCAST_H),
+                broadcast_h_multiple=FMA_BROADCAST_H),
         Backend("all_fma", "mhc_cute.kernels.fma:prepare_all_fma", "cute",
                 "path F: CuTe DSL, FFMA projection, last-CTA big fuse (1 launch)", 64,
-                entries=_every_form("mhc_cute.kernels.fma:prepare_all_fma"), broadcast_h_multiple=FMA_BROADCAST_H),
+                broadcast_h_multiple=FMA_BROADCAST_H),
         Backend("half_mma", "mhc_cute.kernels.mma:prepare_half_mma", "cute",
-                "path B: CuTe DSL, TF32 wgmma projection + big-fuse kernel (2 launches)", 64,
-                entries=_every_form("mhc_cute.kernels.mma:prepare_half_mma")),
+                "path B: CuTe DSL, TF32 wgmma projection + big-fuse kernel (2 launches)", 64),
         Backend("all_mma", "mhc_cute.kernels.mma:prepare_all_mma", "cute",
-                "path D: CuTe DSL, TF32 wgmma projection, last-CTA big fuse (1 launch)", 64,
-                entries=_every_form("mhc_cute.kernels.mma:prepare_all_mma")),
+                "path D: CuTe DSL, TF32 wgmma projection, last-CTA big fuse (1 launch)", 64),
     )
 }
 
@@ -155,8 +138,9 @@ def _unavailable_reason(name: str, device_type: str, device_index, interpret: bo
     return _module_missing(b.kind)
 
 
-def available(device: torch.device, op: str = "fused_hc", form: str = "regular") -> list[str]:
-    return [n for n, b in BACKENDS.items() if b.entry_for(op, form) and unavailable_reason(n, device) is None]
+def available(device: torch.device) -> list[str]:
+    """The seam backends that can run on ``device``."""
+    return [n for n in BACKENDS if unavailable_reason(n, device) is None]
 
 
 def _is_rocm() -> bool:

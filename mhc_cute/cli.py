@@ -106,11 +106,10 @@ def cmd_bench(args) -> int:
         names = args.backends or [n for n in ops.available(args.op, dev) if n != "torch"]
         calls = bm.op_calls(args.op, [n for n in names if n != "auto"])
     elif args.form:  # a seam in an entry form, with mhc_fused_hc's auto as the comparison column; no peers
-        op = "fused_hc_delayed" if args.delayed else "fused_hc"
-        names = args.backends or [n for n in backends.available(dev, op, args.form) if n != "torch"]
+        names = args.backends or [n for n in backends.available(dev) if n != "torch"]
         calls = bm.form_calls([n for n in names if n != "auto"], args.delayed, args.precision)
     elif args.delayed:  # the delayed seam, with mhc_fused_hc's auto as the comparison column; no peers
-        names = args.backends or [n for n in backends.available(dev, "fused_hc_delayed") if n != "torch"]
+        names = args.backends or [n for n in backends.available(dev) if n != "torch"]
         calls = bm.delayed_calls([n for n in names if n != "auto"], args.precision)
     else:
         names = args.backends or [n for n in backends.available(dev) if n != "torch"]

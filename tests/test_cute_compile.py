@@ -776,15 +776,14 @@ def test_no_post_is_its_own_compiled_kernel(monkeypatch, tactic):
     assert len({id(f) for f in fns}) == 2 * len(forms)
 
 
-def test_the_kernel_paths_run_the_entry_forms():
-    """Every CuTe path runs the seams without post and the broadcast entry (paths E/F at H % 256 == 0)."""
+def test_the_kernel_paths_broadcast_h_multiples():
+    """Every CuTe path runs the broadcast entry: paths E/F at H % 256 == 0, paths B/D at H % 64 == 0."""
     from mhc_cute import backends
 
     for name in tac.FMA_PATHS + tac.MMA_PATHS:
         b = backends.BACKENDS[name]
-        for op in ("fused_hc", "fused_hc_delayed"):
-            assert b.entry_for(op, "no_post") is not None and b.entry_for(op, "broadcast") is not None
         assert b.h_multiple_for("broadcast") == (256 if name in tac.FMA_PATHS else 64)
+        assert b.h_multiple_for("regular") == b.h_multiple_for("no_post") == 64
 
 
 BROADCAST_VARIANTS = [

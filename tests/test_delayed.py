@@ -312,19 +312,6 @@ def test_v4_seam_refuses_carried_gates_and_half_posts():
         mhc_fused_hc(**{**inputs, "x_prev": None, "post_mix_prev": None})
 
 
-def test_backend_without_the_form_is_refused(monkeypatch):
-    """A registered backend that lacks a form is named in the error (every backend shipped runs every form)."""
-    import dataclasses
-
-    inputs = make_inputs(5, 64, form="broadcast", pre="identity")
-    partial = dataclasses.replace(backends.BACKENDS["torch"], name="partial", entries=())
-    monkeypatch.setitem(backends.BACKENDS, "partial", partial)
-    with pytest.raises(ValueError, match=r"mhc_fused_hc_delayed: backend 'partial' does not implement the broadcast"):
-        mhc_fused_hc_delayed(**inputs, backend="partial")
-    assert backends.available(torch.device("cpu"), "fused_hc_delayed", "broadcast")[0] == "torch"
-    assert "partial" not in backends.available(torch.device("cpu"), "fused_hc_delayed", "broadcast")
-
-
 @pytest.mark.parametrize("backend", ["half_fma", "all_fma"])
 def test_the_fma_paths_broadcast_entry_needs_whole_chunks_in_a_quarter_of_h(monkeypatch, backend):
     """Paths E/F walk the embedding as four quarters of H / 4 in 64-position chunks: H % 256 != 0 is refused
@@ -363,15 +350,6 @@ def test_fma_broadcast_tactic_keeps_the_k_of_a_cta():
                 for seam in autotune.candidate_tactics(path, m, h, 132):  # the defaults and what the tuner tries
                     if seam.invalid_reason(h) is None:
                         tactics.fma_broadcast_tactic(seam, h)  # valid: check() passes
-
-
-def test_cute_paths_run_the_delayed_seam():
-    for name in ("half_fma", "all_fma", "half_mma", "all_mma"):
-        b = backends.BACKENDS[name]
-        assert b.entry_for("fused_hc_delayed", "regular") == b.entry
-        # every entry form on every path (compile-time flags)
-        for op in ("fused_hc", "fused_hc_delayed"):
-            assert all(b.entry_for(op, form) == b.entry for form in backends.SEAM_FORMS)
 
 
 def test_auto_takes_the_v4_seams_pick_for_the_delayed_seam(monkeypatch):
@@ -471,11 +449,7 @@ GPU_MS = [1, 2, 3, 16, 17, 64, 100, 1000, 8192]
 GPU_HS = [512, 4096, 5120, 7168]
 
 
-def gpu_backends(op, form):
-    return [n for n, b in backends.BACKENDS.items() if b.entry_for(op, form)]
-
-
-GPU_CASES = [(backend, op, form, pre) for op, form, pre in VARIANTS for backend in gpu_backends(op, form)]
+GPU_CASES = [(backend, op, form, pre) for op, form, pre in VARIANTS for backend in backends.BACKENDS]
 
 
 @pytest.mark.gpu
@@ -490,7 +464,7 @@ def test_gpu_variants(backend, op, form, pre, m, h, norm):
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("m", [1, 17, 4096])
-@pytest.mark.parametrize("backend", gpu_backends("fused_hc_delayed", "regular") + ["auto"])
+@pytest.mark.parametrize("backend", list(backends.BACKENDS) + ["auto"])
 def test_gpu_residual_bitwise_equal_to_the_v4_seam(backend, m, norm):
     inputs = make_inputs(m, 5120, seed=m, device="cuda", norm=norm, pre="carried")
     if backend != "auto" and backends.unavailable_reason(backend, torch.device("cuda")) is not None:
@@ -501,15 +475,13 @@ def test_gpu_residual_bitwise_equal_to_the_v4_seam(backend, m, norm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", gpu_backends("fused_hc_delayed", "regular") + ["auto"])
+@pytest.mark.parametrize("backend", list(backends.BACKENDS) + ["auto"])
 @pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
 def test_gpu_graph_capture_and_side_stream(backend, op, form, pre):
     """Captured in a CUDA graph with static out= buffers, replayed on new inputs copied in place, and run on a
     side stream: the same bits as eager calls."""
     if backend != "auto" and backends.unavailable_reason(backend, torch.device("cuda")) is not None:
         pytest.skip(f"{backend} unavailable")
-    if backend != "auto" and backends.BACKENDS[backend].entry_for(op, form) is None:
-        pytest.skip(f"{backend} does not implement {op} {form}")
     static = make_inputs(33, 4096, seed=1, device="cuda", norm=True, form=form, pre=pre)
     bufs = [None if t is None else t.cuda() for t in _out_buffers(static, form, pre is not None, lead=(33,), h=4096)]
     seam(static, backend=backend, out=bufs)  # warm (compile, prepare the weight) outside the capture
