@@ -37,8 +37,9 @@ def _resolve(problem: Problem, backend: str, tactic):
     """The ``backends.Backend`` that runs ``problem`` (its op and form) and its tactic, or the error that says why
     none can."""
     dev = problem.residual.device
-    op, form = problem.op, problem.form
-    name = "mhc_" + op
+    form = problem.form
+    name = "mhc_" + problem.op
+    tactic = _callers_tactic(name, backend, tactic, dev)
     if backend == "auto":
         # the delayed seam and the entry forms run the same kernels with flags: the V4 seam's tuned pick, where
         # it runs the form at this H (paths E/F's broadcast entry needs H % 256 == 0)
@@ -46,10 +47,8 @@ def _resolve(problem: Problem, backend: str, tactic):
                                                     problem.norm_weight is not None)
         if backend in backends.BACKENDS and problem.hidden % backends.BACKENDS[backend].h_multiple_for(form):
             backend, tactic = backends.pick_auto_for(dev, form, problem.hidden), None
-    if backend not in backends.BACKENDS:
-        raise ValueError(
-            f"{name}: unknown backend {backend!r}; available here: {['auto'] + backends.available(dev)}"
-        )
+    if backend not in backends.BACKENDS:  # MHC_CUTE_BACKEND's
+        raise _unknown_backend(name, backend, dev)
     why = backends.unavailable_reason(backend, dev)
     if why is not None:
         raise RuntimeError(
@@ -62,6 +61,27 @@ def _resolve(problem: Problem, backend: str, tactic):
         of = " for the broadcast entry" if mult != b.h_multiple else ""
         raise ValueError(f"{name}: backend {backend!r} needs H % {mult} == 0{of}; got H = {problem.hidden}")
     return b, tactic
+
+
+def _unknown_backend(name: str, backend, dev: torch.device) -> ValueError:
+    return ValueError(f"{name}: unknown backend {backend!r}; available here: {['auto'] + backends.available(dev)}")
+
+
+def _callers_tactic(name: str, backend, tactic, dev: torch.device):
+    """The caller's ``backend`` checked (a registered name or ``"auto"``) and their ``tactic`` as that backend runs
+    it (its tactic object; None: its own choice), or the error that names what is wrong."""
+    if not isinstance(backend, str):
+        raise ValueError(f"{name}: `backend` must be a str (a backend's name or 'auto'); got {type(backend).__name__}")
+    if backend != "auto" and backend not in backends.BACKENDS:
+        raise _unknown_backend(name, backend, dev)
+    if tactic is None:
+        return None
+    if backend == "auto":
+        raise ValueError(f"{name}: `tactic` needs a named backend ('auto' picks its own); got {tactic!r}")
+    try:
+        return backends.checked_tactic(backend, tactic)
+    except ValueError as e:
+        raise ValueError(f"{name}: `tactic`: {e}") from None
 
 
 def _on_device(device: torch.device, fn, *args):
@@ -114,7 +134,7 @@ class _Plan:
         self.device_index = self.device.index if self.device.type == "cuda" else None
         self.flatten = Flattening(tensors, problem.inputs)
         self.scalars, self.precision, self.delayed = problem.scalars, problem.precision, problem.delayed
-        self.no_post = problem.x is None and not problem.broadcast
+        self.no_post = problem.form == "no_post"
         self.kind = MhcFusedHcDelayedOutput if problem.delayed else MhcFusedHcOutput
         self.launch = launch  # None: no tokens
         self.as_returned = len(lead) == 1 and not self.no_post  # fresh flat outputs are what the caller gets
@@ -154,7 +174,7 @@ def _new_plan(tensors, scalars: tuple, backend: str, precision: str, tactic, out
     problem, lead = validate(*tensors[:8], scalars, precision, tensors[8], delayed=delayed)
     launch = None
     if out is not None:
-        out = _flat_out(out, lead, problem, problem.x is None and not problem.broadcast)
+        out = _flat_out(out, lead, problem, problem.form == "no_post")
         check_out_memory(out, problem.inputs)
     if problem.m:
         launch = prepared_launch(problem, backend, tactic, out or problem.empty_outputs())
@@ -205,7 +225,7 @@ def _call(tensors: tuple, scalars: tuple, backend: str, precision: str, tactic, 
     """Both seams: eager (the implementation directly: the custom-op boundary costs host time per call) or, while
     ``torch.compile`` traces, through the custom ops."""
     if torch.compiler.is_compiling():
-        return _traced(tensors, scalars, backend, precision, out, delayed)
+        return _traced(tensors, scalars, backend, precision, tactic, out, delayed)
     return _plan(tensors, scalars, backend, precision, tactic, out, delayed)(tensors, out)
 
 
@@ -302,17 +322,20 @@ def mhc_fused_hc_delayed(
     return _call(tensors, scalars, backend, precision, tactic, out, True)
 
 
-def _traced(tensors: tuple, scalars: tuple, backend: str, precision: str, out, delayed: bool):
+def _traced(tensors: tuple, scalars: tuple, backend: str, precision: str, tactic, out, delayed: bool):
     """The call as ``torch.compile`` traces it: checked (on fake tensors), then one of the custom ops on the flat
-    tensors (the tactic is the backend's own)."""
+    tensors (the tactic by its name)."""
     problem, lead = validate(*tensors[:8], scalars, precision, tensors[8], delayed=delayed)
-    no_post = problem.x is None and not problem.broadcast
+    name = "mhc_" + problem.op
+    tactic = _callers_tactic(name, backend, tactic, problem.residual.device)
+    no_post = problem.form == "no_post"
     flat = None if out is None else _flat_out(out, lead, problem, no_post)
     s = problem.scalars
     args = (problem.x, problem.residual, problem.post_mix, problem.comb_mix)
     args += (problem.pre_mix,) if delayed else ()
     args += (problem.fn, problem.hc_scale, problem.hc_base, problem.norm_weight, s.rms_eps, s.hc_pre_eps,
-             s.hc_sinkhorn_eps, s.hc_post_mult_value, s.sinkhorn_repeat, s.norm_eps, backend, precision)
+             s.hc_sinkhorn_eps, s.hc_post_mult_value, s.sinkhorn_repeat, s.norm_eps, backend, precision,
+             None if tactic is None else tactic.name)
     ops = torch.ops.mhc_cute
     kind = MhcFusedHcDelayedOutput if delayed else MhcFusedHcOutput
     result = None
@@ -326,12 +349,13 @@ def _traced(tensors: tuple, scalars: tuple, backend: str, precision: str, out, d
     return _shaped(result, lead, problem.hidden, kind, no_post, tensors[1], out)
 
 
-# The ops' inputs as the custom ops take them (flat tensors, then the scalars, the backend and the precision); one
+# The ops' inputs as the custom ops take them (flat tensors, then the scalars, the backend, the precision and the
+# tactic's name); one
 # schema for both forms of an op, the out= one first taking the buffers it writes (residual_cur None without post).
 _OP_TENSORS = "Tensor? x, Tensor residual, Tensor? post_mix, Tensor? comb_mix, "
 _OP_REST = ("Tensor fn, Tensor hc_scale, Tensor hc_base, Tensor? norm_weight, float rms_eps, float hc_pre_eps, "
             "float hc_sinkhorn_eps, float hc_post_mult_value, int sinkhorn_repeat, float norm_eps, str backend, "
-            "str precision")
+            "str precision, str? tactic")
 _OP_INPUTS = _OP_TENSORS + _OP_REST
 _DELAYED_INPUTS = _OP_TENSORS + "Tensor? pre_mix, " + _OP_REST
 _OUT_BUFFERS = ("Tensor(a!)? residual_cur, Tensor(b!) post_mix_cur, Tensor(c!) comb_mix_cur, "
@@ -347,9 +371,9 @@ def _run_op(out, x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_we
             pre_mix=None, delayed=False):
     """The body of the custom ops (real tensors, already flat): ``out`` None (fresh outputs) or the buffers; the
     flat outputs, through the plan of the call's signature."""
-    *scalars, backend, precision = scalars_and_mode
+    *scalars, backend, precision, tactic = scalars_and_mode
     tensors = (x, residual, post_mix, comb_mix, fn, hc_scale, hc_base, norm_weight, pre_mix)
-    return _plan(tensors, tuple(scalars), backend, precision, None, out, delayed).run(tensors, out)
+    return _plan(tensors, tuple(scalars), backend, precision, tactic, out, delayed).run(tensors, out)
 
 
 def _fresh(result):

@@ -15,6 +15,7 @@ import torch
 
 from . import accuracy, benchmark as bm, tactics
 from .kernels import KERNEL_CACHE_ENV
+from .problem import FORMS
 from .selector import (
     Choice, TuneKey, all_buckets, bucket_of, load_shipped_tables, load_user_tables, nearest, tactic_or_none,
 )
@@ -34,10 +35,8 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
     big-fuse shape (two-launch paths); for the tensor-core paths in split_k (half and double) and M tile; for the
     FMA paths the FFMA-projection tactic (``tactics.ffma_tactic``, the default itself outside 9 <= M <= 128) and its
     neighbours in split_k, tokens per CTA, big-fuse shape and the weight pipeline with wider post-map steps (where a
-    CTA walks several chunks: at M = 32 on an H200, ``stages=2, burst=4`` took 17% less time than the FFMA
-    tactic), and from M = 8 the projection on warp MMA (16 or 32 tokens per CTA, one chunk per CTA, each big-fuse
-    shape; 256 threads, or 128 with the FFMA tactic's chunk or one twice as wide: the 128-thread 64-position chunk
-    won at H = 7168, M = 16 on the H200), each of them whose grid is one wave also with ``one_per_sm`` toggled; only
+    CTA walks several chunks), and from M = 8 the projection on warp MMA (16 or 32 tokens per CTA, one chunk per
+    CTA, each big-fuse shape; 256 threads, or 128 with the FFMA tactic's chunk or one twice as wide), each of them whose grid is one wave also with ``one_per_sm`` toggled; only
     valid ones. None stands for a backend without tactics of its own
     (the reference, Triton's table)."""
     if backend in tactics.FMA_PATHS:
@@ -94,9 +93,8 @@ def auto_candidates(hidden: int, max_m: int, precision: str, sm_count: int) -> l
 
 # the seam kernels each op's ``auto`` may run, as (seam, form): ``kernels.delayed_mode``'s seam flag and the form
 SEAM_VARIANTS = {
-    "mhc_fused_hc": ((None, "regular"), (None, "no_post"), (None, "broadcast")),
-    "mhc_fused_hc_delayed": tuple((seam, form) for seam in ("carried", "identity")
-                                  for form in ("regular", "no_post", "broadcast")),
+    "mhc_fused_hc": tuple((None, form) for form in FORMS),
+    "mhc_fused_hc_delayed": tuple((seam, form) for seam in ("carried", "identity") for form in FORMS),
     "mhc_head": ((None, "no_post"),),  # its seam form: the no-post seam on the padded head weight
 }
 
@@ -174,8 +172,8 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
     """Time every candidate (backend, tactic) per M bucket with CUDA-graph replay over rotated inputs and keep
     the fastest that is correct; tactics that fail to run are skipped. ``measure="contexts"`` ranks buckets up to
     ``benchmark.CONTEXT_MAX_M`` by the worst of back to back and after each kernel a call follows in a model
-    (``worst_context``; on the H200 the back-to-back winner lost up to 1.9 µs after a cuBLAS GEMM that let it
-    launch early, see docs/performance.md); ``"back-to-back"`` by the graph time alone. A backend's own default
+    (``worst_context``: the back-to-back winner can lose after a cuBLAS GEMM that lets it launch early, see
+    docs/performance.md); ``"back-to-back"`` by the graph time alone. A backend's own default
     tactic (the first candidate) wins over a non-default one that is less than ``TUNE_MARGIN`` faster: a timing
     differs by a few percent from run to run at a few µs, and the defaults are what the tests cover most. Once every
     bucket is timed, each pick is checked against the float64 contract (``accuracy.failure_of``) on the bucket's
@@ -208,8 +206,8 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
             timed = worst_context(timed, sets, precision)
         scored.append((h, b, timed))
         del sets
-    # The float64 checks come after all the timing: the candidates timed right after a check ran up to 8% slower
-    # than the same tactic timed before it (H200, bench/measured/h200_triton_sweep_wide_2026-12-03.txt).
+    # The float64 checks come after all the timing: a candidate timed right after a check ran slower than the same
+    # tactic timed before it (docs/experiments.md).
     tables: dict[str, dict[int, Choice]] = {}
     for h, b, timed in scored:
         torch.cuda.empty_cache()

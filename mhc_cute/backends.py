@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from .reference import fused_hc, fused_hc_delayed
-from .tactics import FMA_BUCKETS
+from .tactics import FMA_BUCKETS, FmaTactic, MmaTactic
+from .tactics import parse_tactic as parse_cute_tactic
+from .triton.configs import TritonTactic, parse_triton_tactic
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,6 @@ class Backend:
         return _load_entry(self.entry)
 
 
-SEAM_FORMS = ("regular", "no_post", "broadcast")
 # paths E/F's broadcast entry: H / 4 in whole 64-position chunks (``tactics.fma_broadcast_tactic``)
 FMA_BROADCAST_H = 256
 
@@ -79,6 +80,35 @@ BACKENDS: dict[str, Backend] = {
                 "path D: CuTe DSL, TF32 wgmma projection, last-CTA big fuse (1 launch)", 64),
     )
 }
+
+
+def parse_tactic(backend: str, name: str | None):
+    """The tactic of ``backend`` named ``name`` (None: the backend's own default); ValueError if it names none of
+    that backend's."""
+    if name is None:
+        return None
+    if backend == "triton":
+        return parse_triton_tactic(name)
+    tactic = parse_cute_tactic(name)
+    if tactic.path != backend:
+        raise ValueError(f"tactic {name!r} is one of backend {tactic.path!r}, not of {backend!r}")
+    return tactic
+
+
+def checked_tactic(backend: str, tactic):
+    """``tactic`` (None, a tactic object or its name) as backend ``backend`` (a registered one) runs it; ValueError
+    when it is not one of that backend's."""
+    if tactic is None or isinstance(tactic, str):
+        return parse_tactic(backend, tactic)
+    if backend == "triton":
+        ok = isinstance(tactic, TritonTactic)
+    else:
+        ok = isinstance(tactic, (FmaTactic, MmaTactic)) and tactic.path == backend
+    if not ok:
+        kinds = {"torch": "none (it has no tactics)", "triton": "a TritonTactic or its name"}
+        raise ValueError(f"backend {backend!r} takes {kinds.get(backend, 'one of its tactics or a name')}; "
+                         f"got {tactic!r}")
+    return tactic
 
 
 @functools.lru_cache(maxsize=None)

@@ -285,7 +285,7 @@ def main(argv=None) -> int:
     b.add_argument("--op", choices=["mhc_post", "mhc_collapse", "mhc_head"],
                    help="time a standalone op (floor from SPEC's cost model) against mhc_fused_hc's auto on the "
                         "same tokens")
-    b.add_argument("--form", choices=["no_post", "broadcast"],
+    b.add_argument("--form", choices=["no_post", "broadcast"],  # problem.FORMS' entry forms (no torch import here)
                    help="time the seam (with --delayed: the delayed seam) in an entry form (floor from SPEC's cost "
                         "model) against mhc_fused_hc's auto on the regular seam's inputs")
     b.add_argument("--json", help="write the results here")

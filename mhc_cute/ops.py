@@ -45,7 +45,7 @@ OP_BACKENDS: dict[str, dict[str, OpBackend]] = {
     },
     "mhc_head": {
         # a seam without post on the padded head weight, on mhc_fused_hc's auto pick for that form: first, as it beat
-        # the Triton head at every M measured on the H200 (bench/measured/h200_mma_no_post_dd22a12_2026-12-04.txt)
+        # the Triton head at every M measured (docs/experiments.md)
         "seam": OpBackend("mhc_cute.ops:_head_as_seam", "reference"),
         "triton": OpBackend("mhc_cute.triton.ops:run_head", "triton"),
         "torch": OpBackend("mhc_cute.ops:_head_torch", "reference"),
@@ -75,6 +75,8 @@ def auto_backend(op: str, device: torch.device, hidden: int) -> str:
 
 
 def _resolve(op: str, backend: str, device: torch.device, hidden: int) -> OpBackend:
+    if not isinstance(backend, str):
+        raise ValueError(f"{op}: `backend` must be a str (a backend's name or 'auto'); got {type(backend).__name__}")
     if backend == "auto":
         backend = auto_backend(op, device, hidden)
     if backend not in OP_BACKENDS[op]:
@@ -126,9 +128,9 @@ def _head_as_seam(residual, head_fn, head_scale, head_base, norm_weight, rms_eps
     from .problem import Scalars
     from .weights import prepared
 
-    fn = prepared(head_fn, "head_as_seam", lambda f: torch.cat([f, f.new_zeros(N_MIXES - HC_MULT, f.shape[1])]))
-    scale = prepared(head_scale, "head_as_seam", lambda t: t.reshape(1).expand(3).contiguous())
-    base = prepared(head_base, "head_as_seam", lambda b: torch.cat([b, b.new_zeros(N_MIXES - HC_MULT)]))
+    fn = prepared(head_fn, "head_fn_as_24_rows", lambda f: torch.cat([f, f.new_zeros(N_MIXES - HC_MULT, f.shape[1])]))
+    scale = prepared(head_scale, "head_scale_as_3", lambda t: t.reshape(1).expand(3).contiguous())
+    base = prepared(head_base, "head_base_as_24", lambda b: torch.cat([b, b.new_zeros(N_MIXES - HC_MULT)]))
     m = residual.shape[0]
     mixes = (residual.new_empty(m, HC_MULT, 1, dtype=torch.float32),
              residual.new_empty(m, HC_MULT, HC_MULT, dtype=torch.float32))

@@ -70,10 +70,6 @@ class Problem(NamedTuple):
         return self.residual.shape[-1]
 
     @property
-    def has_post(self) -> bool:
-        return self.x is not None
-
-    @property
     def broadcast(self) -> bool:
         return self.residual.dim() == 2
 
@@ -89,7 +85,7 @@ class Problem(NamedTuple):
 
     @property
     def form(self) -> str:
-        """``"regular"``, ``"no_post"`` or ``"broadcast"`` (SPEC "The op family")."""
+        """One of ``FORMS`` (SPEC "The op family")."""
         return "regular" if self.x is not None else "broadcast" if self.residual.dim() == 2 else "no_post"
 
     def empty_outputs(self) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
@@ -117,6 +113,7 @@ def new_outputs(x, residual, post_mix, comb_mix, delayed: bool, m: int) -> MhcFu
     return MhcFusedHcOutput(*outs)
 
 
+FORMS = ("regular", "no_post", "broadcast")  # the seam forms: with a post, without one, the broadcast entry
 PRECISIONS = ("fp32", "tf32")
 
 
@@ -129,21 +126,22 @@ def _as_delayed(e: ValueError) -> ValueError:
     return ValueError(str(e).replace("mhc_fused_hc:", "mhc_fused_hc_delayed:", 1))
 
 
-def _check_tensor(name, t, dtypes, shape_tail, device):
+def _check_tensor(name, t, dtypes, shape_tail, device, anchor="x_prev"):
+    """``anchor``: the argument whose device the call runs on (named in the device error)."""
     if not isinstance(t, torch.Tensor):
         _fail(name, "a torch.Tensor", type(t).__name__)
     if t.dtype not in dtypes:
         _fail(name, " or ".join(str(d) for d in dtypes), t.dtype)
     if t.device != device:
-        _fail(name, f"on the same device as x_prev ({device})", t.device)
+        _fail(name, f"on the same device as {anchor} ({device})", t.device)
     if shape_tail is not None:
         n = len(shape_tail)
         if t.dim() < n or tuple(t.shape[t.dim() - n :]) != tuple(shape_tail):
             _fail(name, f"of shape [..., {', '.join(map(str, shape_tail))}]", list(t.shape))
 
 
-def _check_exact(name, t, dtypes, shape, device):
-    _check_tensor(name, t, dtypes, None, device)
+def _check_exact(name, t, dtypes, shape, device, anchor):
+    _check_tensor(name, t, dtypes, None, device, anchor)
     if tuple(t.shape) != tuple(shape):
         _fail(name, f"of shape {list(shape)}", list(t.shape))
 
@@ -227,7 +225,7 @@ def _check_out(out, lead, hidden, device, kind=MhcFusedHcOutput, no_post=False) 
             shapes.append(None)
             continue
         tails = [tuple(hidden if d is None else d for d in tail) for tail in tails]
-        _check_tensor(name, t, (dtype,), None, device)
+        _check_tensor(name, t, (dtype,), None, device, "the inputs")
         if not _shape_in(t.shape, [lead + tail for tail in tails]):
             _fail(name, "of shape " + " or ".join(str(list(lead + tail)) for tail in tails), list(t.shape))
         if not t.is_contiguous():
@@ -423,20 +421,17 @@ def _validate_all(
             _fail("comb_mix_prev", f"of shape {list(lead) + [4, 4]} or {list(lead) + [16]}",
                   list(comb_mix_prev.shape))
     else:
-        _check_tensor("residual_prev", residual_prev, bf16, None, dev)
+        _check_tensor("residual_prev", residual_prev, bf16, None, dev, anchor)
     if pre_mix_prev is not None:
-        if not delayed:
-            _fail("pre_mix_prev", "None for mhc_fused_hc (carried gates belong to mhc_fused_hc_delayed)",
-                  type(pre_mix_prev).__name__)
-        _check_tensor("pre_mix_prev", pre_mix_prev, f32, None, dev)
+        _check_tensor("pre_mix_prev", pre_mix_prev, f32, None, dev, anchor)
         if not _shape_in(pre_mix_prev.shape, (lead + (HC_MULT,), lead + (HC_MULT, 1))):
             _fail("pre_mix_prev", f"of shape {list(lead) + [4]} or {list(lead) + [4, 1]} (leading dims of "
                   f"{anchor})", list(pre_mix_prev.shape))
-    _check_exact("fn", fn, f32, (N_MIXES, HC_MULT * h), dev)
-    _check_exact("hc_scale", hc_scale, f32, (3,), dev)
-    _check_exact("hc_base", hc_base, f32, (N_MIXES,), dev)
+    _check_exact("fn", fn, f32, (N_MIXES, HC_MULT * h), dev, anchor)
+    _check_exact("hc_scale", hc_scale, f32, (3,), dev, anchor)
+    _check_exact("hc_base", hc_base, f32, (N_MIXES,), dev, anchor)
     if norm_weight is not None:
-        _check_exact("norm_weight", norm_weight, (torch.bfloat16, torch.float32), (h,), dev)
+        _check_exact("norm_weight", norm_weight, (torch.bfloat16, torch.float32), (h,), dev, anchor)
     for name in ("rms_eps", "hc_pre_eps", "hc_sinkhorn_eps", "hc_post_mult_value", "norm_eps"):
         v = getattr(scalars, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import backends, tactics
+from . import backends
 from .version import __version__
 
 CACHE_FORMAT = 1
@@ -255,7 +255,7 @@ class Selector:
             return hit
         forced = os.environ.get("MHC_CUTE_BACKEND")
         if forced:
-            hit = (forced, parse_tactic(forced, os.environ.get("MHC_CUTE_TACTIC")))
+            hit = (forced, backends.parse_tactic(forced, os.environ.get("MHC_CUTE_TACTIC")))
         else:
             choice = None
             if device.type == "cuda" and torch.version.hip is None:
@@ -269,20 +269,13 @@ class Selector:
         return hit
 
 
-def parse_tactic(backend: str, name: str | None):
-    """The tactic object of ``backend`` named ``name`` (None: the backend's own default)."""
-    if name is None:
-        return None
-    return tactics.parse_tactic(name)
-
-
 def tactic_or_none(choice: Choice | None):
     """The tactic of a table entry; one this version cannot parse (a table written by another version) falls
     back to the backend's default tactic with a warning."""
     if choice is None:
         return None
     try:
-        return parse_tactic(choice.backend, choice.tactic)
+        return backends.parse_tactic(choice.backend, choice.tactic)
     except ValueError as e:
         warnings.warn(f"mhc_cute: tuned tactic {choice.tactic!r} not understood ({e}); using the default", stacklevel=3)
         return None

@@ -12,9 +12,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-N_MIXES = 24  # pre(4) + post(4) + comb(16) projection columns
-HC_MULT = 4
+from .reference import HC_MULT, N_MIXES
+
 PARTIAL_COLS = 32  # a split-K partial row: 24 dots, the sum of squares, 7 unused (one 128-byte line)
+SUMSQ_COL = N_MIXES  # a partial row's column of the sum of squares
 MAX_SMEM_BYTES = 48 * 1024  # static smem budget per CTA (no opt-in carve-out needed)
 MAX_ACCUMULATORS = 64  # fp32 accumulators per thread (tokens_per_cta * tile_n) before register spills
 MMA_TILE_ROWS = 16  # tokens per warp-level MMA tile (m16n8k8)
@@ -249,17 +250,14 @@ def ffma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> FmaTacti
 def default_fma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> FmaTactic:
     """A sensible FMA tactic for M tokens at hidden size H (before any tuning): ``ffma_tactic``, except on path E
     from 9 to 128 tokens, where the projection runs on warp MMA in 16- or 32-token CTAs of one 64-position chunk
-    each (H / 64 splits) with the latency shape of the big fuse, as the tuned picks there have: on the H200 those
-    were 22-40% faster than path B's default at M = 32-128 at H = 4096, 5120 and 7168. Path F keeps the FFMA
-    tactic: its last CTA of a token block runs the big fuse for all of the block's tokens, and with 16 or 32 of them
-    it took 19-40% longer than with 8 (H = 6144 and 7168, M = 16-128;
-    bench/measured/h200_fma_defaults_2026-12-03.txt).
+    each (H / 64 splits) with the latency shape of the big fuse, as the tuned picks there have (faster than path B's
+    default there). Path F keeps the FFMA tactic: its last CTA of a token block runs the big fuse for all of the
+    block's tokens, and 16 or 32 of them took longer than 8 (``docs/experiments.md``).
 
     On path E a grid of at most one wave (at the bucket's largest M) runs one CTA per SM (``one_per_sm``), and at
     17-32 tokens 32-token CTAs are taken where 16-token ones would need more than a wave: launched early through
-    PDL (after a cuBLAS GEMM) its CTAs otherwise stacked two to an SM, which took 0.4-1.1 us more at M = 8-64 on
-    the H200, where one per SM was as fast or faster in the other measures (H = 4096-7168,
-    bench/measured/h200_ab_one_per_sm_2026-12-03.txt)."""
+    PDL (after a cuBLAS GEMM) its CTAs otherwise stacked two to an SM, slower there, while one per SM was as fast or
+    faster in the other measures (``docs/experiments.md``)."""
     bucket_m, _, mma_tokens = next(b for b in FMA_BUCKETS if m <= b[0])
     if path in ONE_LAUNCH_PATHS:
         return ffma_tactic(path, m, hidden, sm_count)

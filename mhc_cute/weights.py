@@ -11,6 +11,8 @@ from typing import Callable
 
 import torch
 
+from .reference import broadcast_fn
+
 CACHE_ENTRIES = 512  # V4-Pro has 122 boundary weights: every one stays prepared in a couple of forms
 
 _cache: dict = {}  # insertion-ordered: the oldest entry goes first when full
@@ -53,6 +55,12 @@ def prepared(fn: torch.Tensor, kind: str, prepare: Callable[[torch.Tensor], torc
         del _cache[next(iter(_cache))]
     _cache[key] = (weakref.ref(fn if fn._base is None else fn._base), w)
     return w
+
+
+def broadcast_weight(fn: torch.Tensor) -> torch.Tensor:
+    """The broadcast entry's weight ``reference.broadcast_fn(fn)`` (``[24, H]``), prepared once per weight tensor
+    for every backend."""
+    return prepared(fn, "broadcast_fn", broadcast_fn)
 
 
 def clear() -> None:

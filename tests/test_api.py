@@ -331,6 +331,80 @@ def test_inputs_requiring_grad_are_refused_with_grad_mode_on(name):
 def test_unknown_backend_lists_available():
     with pytest.raises(ValueError, match=r"unknown backend 'nope'.*available here: \['auto', 'torch'"):
         call(make_inputs(2, 64), backend="nope")
+    with pytest.raises(ValueError, match=r"^mhc_fused_hc: `backend` must be a str .*; got list"):
+        call(make_inputs(2, 64), backend=["torch"])
+
+
+def test_the_device_error_names_the_argument_the_call_runs_by():
+    """Without a post the call's device is residual_prev's (x_prev is None): the error names it."""
+    inp = make_inputs(3, 64, form="no_post")
+    with pytest.raises(ValueError, match=r"^mhc_fused_hc: `fn` must be on the same device as residual_prev \(cpu\)"):
+        call({**inp, "fn": inp["fn"].to("meta")})
+    inp = make_inputs(3, 64)
+    with pytest.raises(ValueError, match=r"^mhc_fused_hc: `fn` must be on the same device as x_prev \(cpu\)"):
+        call({**inp, "fn": inp["fn"].to("meta")})
+
+
+TACTIC_ERRORS = [
+    ("auto", "half_fma:k1:t1:n6:w256:s1:b1:flat", r"`tactic` needs a named backend \('auto' picks its own\)"),
+    ("torch", object(), r"`tactic`: backend 'torch' takes none \(it has no tactics\)"),
+    ("torch", "half_fma:k1:t1:n6:w256:s1:b1:flat", r"`tactic`: tactic '[^']+' is one of backend 'half_fma', not of "
+                                                   r"'torch'"),
+    ("triton", "half_fma:k1:t1:n6:w256:s1:b1:flat", r"`tactic`: unknown Triton tactic name"),
+    ("triton", 3, r"`tactic`: backend 'triton' takes a TritonTactic or its name; got 3"),
+    ("half_fma", "half_mma:k8:m64:s3:fbw", r"`tactic`: tactic '[^']+' is one of backend 'half_mma', not of "
+                                           r"'half_fma'"),
+    ("half_mma", "nonsense", r"`tactic`: unknown tactic name 'nonsense'"),
+]
+
+
+@pytest.mark.parametrize("backend,tactic,message", TACTIC_ERRORS)
+def test_a_tactic_the_backend_cannot_run_is_refused(backend, tactic, message):
+    """A tactic is checked against the backend named with it before anything runs (so on any machine)."""
+    with pytest.raises(ValueError, match="^mhc_fused_hc: " + message):
+        call(make_inputs(2, 64), backend=backend, tactic=tactic)
+
+
+def test_tactic_names_read_back():
+    from mhc_cute import backends, tactics
+    from mhc_cute.triton.configs import TABLES, TritonTactic
+
+    for table in TABLES:
+        for _, t in table.buckets:
+            assert backends.parse_tactic("triton", t.name) == t
+    t = TritonTactic(32, 64, 16, 8, num_stages=3, reduce_block_t=2, reduce_block_h=4096, reduce_warps=8, chunk_m=1024)
+    assert t.name == "triton:m32:h64:k16:w8:s3:rt2:rh4096:rw8:c1024" and backends.checked_tactic("triton", t.name) == t
+    for name in ("half_fma:k112:t1:n6:w256:s1:b1:flat", "all_mma:k8:m64:s3:fbw"):
+        t = tactics.parse_tactic(name)
+        assert backends.parse_tactic(t.path, name) == t and backends.checked_tactic(t.path, t) is t
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs Triton under its CPU interpreter")
+def test_a_tactic_reaches_the_backend_eagerly_and_under_torch_compile(monkeypatch):
+    """``tactic`` (an object or its name) is what the backend runs, in eager calls and through the custom ops."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from mhc_cute import api, backends
+    from mhc_cute.triton.configs import TritonTactic
+
+    seen = []
+    load = backends._load_entry
+
+    def spy(entry):
+        prepare = load(entry)
+        return lambda p, t, o: seen.append(t) or prepare(p, t, o)
+
+    monkeypatch.setattr(backends, "_load_entry", spy)
+    monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(api, "_RECENT", {False: api.RecentSignatures(), True: api.RecentSignatures()})
+    tactic = TritonTactic(1, 32, 2, 4)
+    inp = make_inputs(2, 64)
+    want = call(inp, backend="triton", tactic=tactic)
+    compiled = torch.compile(lambda i: mhc_fused_hc(**i, backend="triton", tactic=tactic.name), fullgraph=True,
+                             backend="eager")
+    got = compiled(inp)
+    assert seen == [tactic, tactic]
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")

@@ -874,8 +874,7 @@ def test_the_default_tactic_of_a_seam_without_post(monkeypatch):
     monkeypatch.setattr(kernels, "sm_count", lambda index: 132)
     for form in ("regular", "no_post"):
         problem = spec_problem(512, "fp32", None, None, form)
-        tactic = kernels.resolve_tactic("half_fma", None, problem, tac.FmaTactic, tac.parse_tactic,
-                                        fma._default_tactic)
+        tactic = kernels.resolve_tactic("half_fma", None, problem, fma._default_tactic)
         assert tactic.path == "half_fma"
 
 

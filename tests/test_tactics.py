@@ -83,19 +83,18 @@ def test_chunk_and_smem():
     assert FmaTactic("half_fma", 8, 8, 6, 256, 1, 4).smem_bytes() == 8 * 4 * 256 * 4 + 8 * 8 * 7 * 4
 
 
-def test_resolve_tactic_default_name_object_and_wrong_path(monkeypatch):
+def test_resolve_tactic_default_or_the_callers(monkeypatch):
+    """A path runs the caller's tactic (checked by the API, ``backends.checked_tactic``), else its default."""
     from mhc_cute import kernels
     from mhc_cute.accuracy import make_inputs, problem_of
-    from mhc_cute.tactics import FmaTactic, default_fma_tactic, parse_tactic
+    from mhc_cute.tactics import default_fma_tactic
 
     monkeypatch.setattr(kernels, "sm_count", lambda index: 132)
     problem = problem_of(make_inputs(3, 512))
     want = default_fma_tactic("all_fma", 3, 512, 132)
-    assert kernels.resolve_tactic("all_fma", None, problem, FmaTactic, parse_tactic, default_fma_tactic) == want
-    assert kernels.resolve_tactic("all_fma", want.name, problem, FmaTactic, parse_tactic, default_fma_tactic) == want
-    assert kernels.resolve_tactic("all_fma", want, problem, FmaTactic, parse_tactic, default_fma_tactic) is want
-    with pytest.raises(ValueError, match="needs a FmaTactic with path 'half_fma'"):
-        kernels.resolve_tactic("half_fma", want, problem, FmaTactic, parse_tactic, default_fma_tactic)
+    assert kernels.resolve_tactic("all_fma", None, problem, default_fma_tactic) == want
+    other = default_fma_tactic("all_fma", 300, 512, 132)
+    assert kernels.resolve_tactic("all_fma", other, problem, default_fma_tactic) is other
 
 
 def test_big_fuse_shape_follows_m_on_the_two_launch_paths():

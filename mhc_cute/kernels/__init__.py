@@ -199,15 +199,11 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def resolve_tactic(path: str, tactic, problem, tactic_type, parse, default):
-    """The tactic a path runs: ``default(path, M, H, SMs)`` (memoised by the caller) when ``tactic`` is None, a
-    parsed name, or the given ``tactic_type`` object, checked to belong to ``path``."""
+def resolve_tactic(path: str, tactic, problem, default):
+    """The tactic a path runs: the caller's (a tactic object of ``path``, checked by the API), else
+    ``default(path, M, H, SMs)`` (memoised by the caller)."""
     if tactic is None:
         return default(path, problem.m, problem.hidden, sm_count(problem.residual.device.index))
-    if isinstance(tactic, str):
-        tactic = parse(tactic)
-    if not isinstance(tactic, tactic_type) or tactic.path != path:
-        raise ValueError(f"backend {path!r} needs a {tactic_type.__name__} with path {path!r}; got {tactic!r}")
     return tactic
 
 

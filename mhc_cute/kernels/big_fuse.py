@@ -34,10 +34,9 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import BFloat16, Float32, Int32  # noqa: E402
 
-from ..tactics import HC_MULT, N_MIXES, PARTIAL_COLS  # noqa: E402
+from ..tactics import HC_MULT, N_MIXES, PARTIAL_COLS, SUMSQ_COL  # noqa: E402
 from . import device_utils as du  # noqa: E402
 
-SUMSQ_COL = N_MIXES  # column of the sum of squares in a partial row
 X1_SUMSQ_COL = SUMSQ_COL + 1  # the delayed seam with the norm: the sum of squares of the bf16 collapse x1
 SCALE_AT = N_MIXES  # hc_scale's place in the constants (after hc_base)
 SOFTMAX_LANES = HC_MULT * HC_MULT  # lanes per token of the Sinkhorn warp's lane-parallel softmax
@@ -71,8 +70,8 @@ class BigFusePhase:
     the partials), and the one long serial chain, the Sinkhorn (one thread per token), runs beside the collapse
     (in a warp of its own with ``sinkhorn_warp``, else in the first warp); the post gates are spread over the
     collapse threads (``post_gates``). The op's own inputs (hc_base, hc_scale, the norm weight) are loaded first,
-    before the partials (the standalone kernel loads them before it waits for its producer grid): on the H200 that
-    took 0.9-1.7 us off a call at M = 1.
+    before the partials (the standalone kernel loads them before it waits for its producer grid), off the critical
+    path at small M (``docs/experiments.md``).
     """
 
     def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4,
@@ -510,8 +509,7 @@ class BigFusePhase:
         ``pair_sinkhorn`` two lanes per token, each with two rows (``du.sinkhorn_4x4``'s ``pair``). The pair form runs in the whole
         warp, since its shuffles need every lane; a lane past the block's tokens repeats its last token and stores
         nothing. Kept as two branches: one body with the lanes per token a compile-time value made the one-lane calls
-        2-15% slower on the H200 (scalar comb stores, the gates' stores predicated one by one;
-        ``bench/measured/h200_ab_unified_sinkhorn_2026-12-02.txt``)."""
+        slower (scalar comb stores, the gates' stores predicated one by one; ``docs/experiments.md``)."""
         tidx, _, _ = cute.arch.thread_idx()
         pos = tidx - ((self.warps - 1) * du.WARP if self.sinkhorn_warp else 0)
         if cutlass.const_expr(self.pair_sinkhorn):
@@ -620,8 +618,7 @@ def standalone_big_fuse(hidden: int, split_k: int, norm_dtype, fuse: str, delaye
     pair = fuse.endswith("p")
     if fuse.removesuffix("p") == "lat":
         batch = 4
-        per_batch = -(-(hidden // du.VEC_BF16) // batch)
-        threads = min(1024 - du.WARP, max(64, -(-per_batch // du.WARP) * du.WARP)) + du.WARP
+        threads = du.batch_threads(hidden, batch, 1024 - du.WARP) + du.WARP
         return BigFuseKernel(hidden, split_k, 1, threads, norm_dtype, batch, sinkhorn_warp=True, pair_sinkhorn=pair,
                              delayed=delayed)
     return BigFuseKernel(hidden, split_k, 1, 128, norm_dtype, 2, pair_sinkhorn=pair, delayed=delayed)

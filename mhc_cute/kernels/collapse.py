@@ -7,10 +7,9 @@ in flight (the big fuse's "lat" shape), so the collapse costs one memory round t
 stays in registers for the second pass. One pass over 10H + 16 bytes per token.
 
 With the norm, the weight's 8-vectors can be loaded before ``griddepcontrol_wait`` and held in registers
-(``prefetch_norm``), which takes a round trip off each CTA but holds registers through the row's loads. On the H200
-that won at every M at H = 5120 (1.01-1.25x) and lost at every M at H = 7168 (0.82-0.93x; 80 registers a thread
-against 72 there, 3 resident CTAs of 224 threads instead of 4), so ``run_collapse`` prefetches up to
-``PREFETCH_NORM_MAX_H`` (``docs/experiments.md``).
+(``prefetch_norm``), which takes a round trip off each CTA but holds registers through the row's loads; at large H
+the registers cost a resident CTA per SM, so ``run_collapse`` prefetches up to ``PREFETCH_NORM_MAX_H`` (measured:
+``docs/experiments.md``).
 """
 
 import os
@@ -37,8 +36,7 @@ def prefetches_norm(hidden: int) -> bool:
 
 def collapse_threads(hidden: int) -> int:
     """Threads of the CTA: each thread one batch of ``BATCH`` 8-vectors of the row, at least 64."""
-    per_batch = -(-(hidden // du.VEC_BF16) // BATCH)
-    return min(1024, max(64, -(-per_batch // du.WARP) * du.WARP))
+    return du.batch_threads(hidden, BATCH, 1024)
 
 
 class CollapseKernel:

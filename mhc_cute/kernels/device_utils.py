@@ -16,6 +16,14 @@ from cutlass.cutlass_dsl import dsl_user_op  # noqa: E402
 
 WARP = 32
 VEC_BF16 = 8  # bf16 elements in one 16-byte access
+VEC_F32 = 4  # fp32 elements in one 16-byte access
+
+
+def batch_threads(hidden: int, batch: int, limit: int) -> int:
+    """Threads (whole warps, at least 64, at most ``limit``) that hold a row of ``hidden`` bf16 values as one batch
+    of ``batch`` 8-vectors each: the row loads in one memory round trip."""
+    per_batch = -(-(hidden // VEC_BF16) // batch)
+    return min(limit, max(64, -(-per_batch // WARP) * WARP))
 
 
 def row_major(*shape):
@@ -88,24 +96,6 @@ def warp_reduce_scatter(vals: list):
 
 
 @cute.jit
-def block_sum(val: Float32, scratch: cute.Tensor, n_warps: cutlass.Constexpr[int]) -> Float32:
-    """Sum over all threads of the CTA; every thread gets the result.
-
-    ``scratch``: ``n_warps`` fp32 in shared memory. Two barriers: the scratch is free again on return.
-    """
-    val = warp_sum(val)
-    lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
-    if lane == 0:
-        scratch[warp] = val
-    cute.arch.sync_threads()
-    total = Float32(0.0)
-    for w in cutlass.range_constexpr(n_warps):  # the same order in every thread
-        total = total + scratch[w]
-    cute.arch.sync_threads()
-    return total
-
-
-@cute.jit
 def sigmoid(x: Float32) -> Float32:
     """1 / (1 + exp(-x)), accurate to about an ulp (full-precision exp): the gates feed the collapse directly.
 
@@ -137,9 +127,7 @@ def sinkhorn_4x4(c: cute.Tensor, eps: Float32, repeat: Int32, pair: cutlass.Cons
     ``diag(r) K diag(s)``, and the steps run on the scaling vectors instead of the 16 elements: with u = 1/r and
     v = 1/s, a row step is ``u_i <- (K s)_i + eps u_i`` (row i sums to ``r_i (K s)_i``), a column step
     ``v_j <- (K^T r)_j + eps v_j``, each followed by 4 reciprocals; ``c = K_ij r_i s_j`` at the end. The chain is
-    issue bound, and this issues about half the instructions of scaling the elements (H200, one warp: 124
-    cycles per iteration against 135 alone and 179 beside busy warps;
-    ``bench/measured/h200_fma_shapes_2026-12-02.txt``).
+    issue bound, and this issues about half the instructions of scaling the elements (``docs/experiments.md``).
     With ``pair`` a lane computes u, r of its two rows and its half of each column dot, the halves crossing in one
     shuffle; the one-lane dot is ``(rows 0-1) + (rows 2-3)`` with the same roundings (fp32 addition commutes
     exactly), so both forms give the same bits.
@@ -298,3 +286,10 @@ def load_f32x4(src: cute.Tensor):
     frag = cute.make_rmem_tensor((4,), Float32)
     cute.autovec_copy(src, frag)
     return frag.load()
+
+
+@cute.jit
+def collapse_term(j: cutlass.Constexpr[int], gate: Float32, value: Float32, acc):
+    """Term ``j`` of the delayed seam's collapse with the carried gates (SPEC "V4.1: the delayed seam", step 3):
+    ``gate * value`` for stream 0, then ``fma(gate, value, acc)``, the rounding order every path keeps."""
+    return gate * value if cutlass.const_expr(j == 0) else cute.math.fma(gate, value, acc)

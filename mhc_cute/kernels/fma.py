@@ -53,21 +53,18 @@ from cutlass import BFloat16, Float32, Int32, TFloat32  # noqa: E402
 from cutlass.cute.nvgpu import warp  # noqa: E402
 
 from .. import tactics as tac  # noqa: E402
-from ..tactics import HC_MULT, MMA_TILE_ROWS, N_MIXES, FmaTactic  # noqa: E402
+from ..tactics import HC_MULT, MMA_TILE_ROWS, N_MIXES, SUMSQ_COL, FmaTactic  # noqa: E402
 from . import (  # noqa: E402
     CompiledKernels, compile_in_processes, compile_kernel, delayed_mode, fake_buffer, fake_tensors,
     norm_dtype_of, resolve_tactic, seam_fakes, spec_problem,
 )
-from ..reference import broadcast_fn  # noqa: E402
-from ..weights import prepared  # noqa: E402
+from ..weights import broadcast_weight  # noqa: E402
 from . import device_utils as du  # noqa: E402
 from .big_fuse import (  # noqa: E402
     X1_SUMSQ_COL, BigFusePhase, BigFuseScalars, flat_outputs, gate_rows, partials_view, standalone_big_fuse,
 )
 from .launch import KernelLaunch  # noqa: E402
 
-SUMSQ_COL = N_MIXES
-QUAD = 4  # fp32 elements in one 16-byte access
 MMA_N = 8  # mix columns per warp-MMA tile (m16n8k8): three tiles cover the 24
 MMA_K_VEC = 16  # K elements per 16-byte vector of a lane: two m16n8k8 steps (see ``project_mma``)
 PRE_AT = HC_MULT + HC_MULT * HC_MULT  # the carried pre gates' place in a task's coefficients (after post, comb)
@@ -81,7 +78,7 @@ class FmaFusedHc:
     def __init__(self, tactic: FmaTactic, hidden: int, norm_dtype, delayed: str | None = None,
                  form: str = "regular"):
         self.broadcast = form == "broadcast"
-        self.no_post = form != "regular"  # no x, post_mix, comb_mix (the broadcast entry writes residual_cur)
+        self.has_post = form == "regular"  # else no x, post_mix, comb_mix (the broadcast entry writes residual_cur)
         # the length of an input stream: the broadcast entry's embedding is walked as four quarters of H / 4
         self.stream_h = hidden // HC_MULT if self.broadcast else hidden
         tactic.check(self.stream_h)
@@ -96,7 +93,7 @@ class FmaFusedHc:
         self.group_threads = tactic.threads * tactic.tile_n // N_MIXES  # one K vector each, = chunk_h
         self.warps_per_group = self.group_threads // du.WARP
         self.chunk_h = tactic.chunk_h
-        self.quads = self.chunk_h // QUAD  # K vectors per stream in a chunk
+        self.quads = self.chunk_h // du.VEC_F32  # K vectors per stream in a chunk
         self.burst = tactic.burst  # chunks per post-map step
         self.load_h = self.chunk_h * tactic.burst  # hidden positions per post-map step
         self.octets = self.load_h // du.VEC_BF16  # post-map tasks per token per step
@@ -112,10 +109,10 @@ class FmaFusedHc:
             self.act_rows = tactic.mma_rows  # token rows of sAct: whole MMA tiles (rows past the tokens unused)
             self.warp_k = tactic.mma_warp_k
             # a lane's weight fragment: rows g, g + 8, g + 16 (one per 8-column N tile) x its 16-byte vectors
-            self.w_shape = (N_MIXES // MMA_N, self.warp_k // MMA_K_VEC, QUAD)
+            self.w_shape = (N_MIXES // MMA_N, self.warp_k // MMA_K_VEC, du.VEC_F32)
         else:
             self.act_rows = self.tokens
-            self.w_shape = (self.tile_n, 1, QUAD)  # a thread's tile_n weight rows at its K vector
+            self.w_shape = (self.tile_n, 1, du.VEC_F32)  # a thread's tile_n weight rows at its K vector
         self.fused = tactic.path == "all_fma"
         if self.fused:
             self.phase = BigFusePhase(hidden, tactic.split_k, self.tokens, self.threads, norm_dtype,
@@ -150,10 +147,10 @@ class FmaFusedHc:
         norm_eps: Float32,
         stream,
     ):
-        m, h = (residual if self.no_post else x).shape[0], self.hidden
+        m, h = (x if self.has_post else residual).shape[0], self.hidden
         mRes = cute.make_tensor(residual.iterator, du.row_major(m, HC_MULT * self.stream_h))
         mX, mPost, mComb = None, None, None  # no post: x, post_mix, comb_mix are None
-        if cutlass.const_expr(not self.no_post):
+        if cutlass.const_expr(self.has_post):
             mX = cute.make_tensor(x.iterator, du.row_major(m, h))
             mPost = cute.make_tensor(post_mix.iterator, du.row_major(m, HC_MULT))
             mComb = cute.make_tensor(comb_mix.iterator, du.row_major(m, HC_MULT * HC_MULT))
@@ -217,7 +214,7 @@ class FmaFusedHc:
             # warp w owns K range [w warp_k, (w + 1) warp_k) of each chunk (inside one stream), every column
             lane = cute.arch.lane_idx()
             k0 = cute.arch.warp_idx() * self.warp_k
-            stream_j, quad = k0 // self.chunk_h, (k0 % self.chunk_h) // QUAD + lane % 4
+            stream_j, quad = k0 // self.chunk_h, (k0 % self.chunk_h) // du.VEC_F32 + lane % 4
             w_row0, w_row_step = lane // 4, MMA_N
             acc = cute.make_rmem_tensor((self.m_tiles, N_MIXES // MMA_N, 4), Float32)  # C fragments, summed
             sumsq = cute.make_rmem_tensor((self.m_tiles, 2), Float32)  # rows g and g + 8 of each tile
@@ -231,7 +228,7 @@ class FmaFusedHc:
         acc.fill(0.0)
         sumsq.fill(0.0)
         # quad index of this thread's (first) K vector in a weight row, at chunk 0 of this split
-        fn_quad0 = stream_j * (self.stream_h // QUAD) + split * (self.split_h // QUAD) + quad
+        fn_quad0 = stream_j * (self.stream_h // du.VEC_F32) + split * (self.split_h // du.VEC_F32) + quad
         weights = cute.make_rmem_tensor(self.w_shape, Float32)
         self.load_weights(weights, mFn, w_row0, w_row_step, fn_quad0)
         # launched with programmatic dependent launch: the first weights (an input no kernel of the stream writes)
@@ -239,7 +236,7 @@ class FmaFusedHc:
         cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(self.fused):
             cute.arch.griddepcontrol_launch_dependents()  # the next kernel may start its own prologue
-        coefs = self.load_post_coefficients(m0, mRes if self.no_post else mPost, mPost, mComb, mPre)
+        coefs = self.load_post_coefficients(m0, mPost if self.has_post else mRes, mPost, mComb, mPre)
         for c in cutlass.range(self.n_chunks, unroll=1):
             if cutlass.const_expr(self.tactic.stages == 2):
                 next_weights = cute.make_rmem_tensor(self.w_shape, Float32)
@@ -258,11 +255,11 @@ class FmaFusedHc:
                 self.project_mma(sAct, stream_j, sub * self.quads + quad, weights, acc, sumsq)
             else:
                 for t in cutlass.range_constexpr(self.tokens):
-                    a = cute.local_tile(sAct[t, stream_j, None], (QUAD,), (sub * self.quads + quad,)).load()
+                    a = cute.local_tile(sAct[t, stream_j, None], (du.VEC_F32,), (sub * self.quads + quad,)).load()
                     # a 4-term dot first, then one rounding into the long accumulator (halves its rounding error)
                     for i in cutlass.range_constexpr(self.tile_n):
                         dot = a[0] * weights[i, 0, 0]
-                        for e in cutlass.range_constexpr(1, QUAD):
+                        for e in cutlass.range_constexpr(1, du.VEC_F32):
                             dot = cute.math.fma(a[e], weights[i, 0, e], dot)
                         acc[t, i] = acc[t, i] + dot
                     if group == 0:
@@ -307,7 +304,7 @@ class FmaFusedHc:
         for r in cutlass.range_constexpr(self.post_rounds):
             task = tidx + r * self.threads
             m = cutlass.min(m0 + task // self.octets, m_last)  # clamped: the tail tasks' values are unused
-            if cutlass.const_expr(not self.no_post):
+            if cutlass.const_expr(self.has_post):
                 for j in cutlass.range_constexpr(HC_MULT):
                     coefs[r, j] = mPost[m, j]
                 for i in cutlass.range_constexpr(HC_MULT * HC_MULT):
@@ -323,7 +320,7 @@ class FmaFusedHc:
         for i in cutlass.range_constexpr(self.w_shape[0]):
             row = mFn[row0 + i * row_step, None]
             for v in cutlass.range_constexpr(self.w_shape[1]):
-                vec = cute.local_tile(row, (QUAD,), (fn_quad + v * (MMA_K_VEC // QUAD),))
+                vec = cute.local_tile(row, (du.VEC_F32,), (fn_quad + v * (MMA_K_VEC // du.VEC_F32),))
                 weights[i, v, None].store(du.load_f32x4(vec))
 
     @cute.jit
@@ -350,7 +347,7 @@ class FmaFusedHc:
                 tile[nt].fill(0.0)
             for v in cutlass.range_constexpr(self.w_shape[1]):
                 rows = [sAct[mt * MMA_TILE_ROWS + lane // 4 + 8 * r, stream_j, None] for r in range(2)]
-                a = [cute.local_tile(row, (QUAD,), (quad0 + v * (MMA_K_VEC // QUAD),)).load() for row in rows]
+                a = [cute.local_tile(row, (du.VEC_F32,), (quad0 + v * (MMA_K_VEC // du.VEC_F32),)).load() for row in rows]
                 for r in cutlass.range_constexpr(2):
                     sumsq[mt, r] = sumsq[mt, r] + du.sum_squares(a[r])
                 for s in cutlass.range_constexpr(2):
@@ -380,7 +377,7 @@ class FmaFusedHc:
         the first two, which cost a second memory round trip on the critical path at small M (seen in the SASS).
         """
         tidx, _, _ = cute.arch.thread_idx()
-        m_total = (mRes if self.no_post else mX).shape[0]
+        m_total = (mX if self.has_post else mRes).shape[0]
         octets_in = self.stream_h // du.VEC_BF16  # 8-vectors per input stream (the broadcast entry: per quarter)
         octets_h = self.hidden // du.VEC_BF16  # 8-vectors per output stream
         raw = cute.make_rmem_tensor(du.row_major(self.post_rounds, 1 + HC_MULT, du.VEC_BF16), BFloat16)
@@ -388,7 +385,7 @@ class FmaFusedHc:
             task = cutlass.min(tidx + r * self.threads, self.post_tasks - 1)
             m = cutlass.min(m0 + task // self.octets, m_total - 1)
             vec = h0 // du.VEC_BF16 + task % self.octets  # index of this 8-vector within an input stream row
-            if cutlass.const_expr(not self.no_post):
+            if cutlass.const_expr(self.has_post):
                 cute.autovec_copy(cute.local_tile(du.token_row(mX, m), (du.VEC_BF16,), (vec,)), raw[r, 0, None])
             for k in cutlass.range_constexpr(HC_MULT):
                 src = cute.local_tile(du.token_row(mRes, m), (du.VEC_BF16,), (k * octets_in + vec,))
@@ -401,14 +398,14 @@ class FmaFusedHc:
                 m = m0 + t
                 if m < m_total:
                     vec = h0 // du.VEC_BF16 + o
-                    if cutlass.const_expr(not self.no_post or self.broadcast):
+                    if cutlass.const_expr(self.has_post or self.broadcast):
                         row_out = du.token_row(mResCur, m)
-                    if cutlass.const_expr(not self.no_post):
+                    if cutlass.const_expr(self.has_post):
                         xv = raw[r, 0, None].load().to(Float32)
                     res = [raw[r, 1 + k, None].load().to(Float32) for k in range(HC_MULT)]
                     streams = []
                     for j in cutlass.range_constexpr(HC_MULT):
-                        if cutlass.const_expr(self.no_post):
+                        if cutlass.const_expr(not self.has_post):
                             rounded = res[j]  # bf16 values, exact in fp32
                             if cutlass.const_expr(self.broadcast):  # quarter j, at its place in every stream
                                 for copy in cutlass.range_constexpr(HC_MULT):
@@ -448,9 +445,9 @@ class FmaFusedHc:
             return du.store_bf16x8(dst, streams[0])
         x1 = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
         for e in cutlass.range_constexpr(du.VEC_BF16):
-            acc = coefs[r, PRE_AT] * streams[0][e]
-            for j in cutlass.range_constexpr(1, HC_MULT):
-                acc = cute.math.fma(coefs[r, PRE_AT + j], streams[j][e], acc)
+            acc = None
+            for j in cutlass.range_constexpr(HC_MULT):
+                acc = du.collapse_term(j, coefs[r, PRE_AT + j], streams[j][e], acc)
             x1[e] = acc
         return du.store_bf16x8(dst, x1.load())
 
@@ -560,7 +557,7 @@ def compile_fma(tactic: FmaTactic, problem, out, kernel_class=None):
     token_tensors = fake_tensors(problem.x, problem.residual, problem.post_mix, problem.comb_mix, tokens=m)
     # without a post the big fuse collapses residual_prev, passed where residual_cur goes (``KernelLaunch``)
     outputs = fake_tensors(problem.residual if no_post else out[0], *out[1:4], tokens=m)
-    # the broadcast entry reads the summed weight [24, H] (``broadcast_weight``)
+    # the broadcast entry reads the summed weight [24, H] (``weights.broadcast_weight``)
     fn = torch.empty(N_MIXES, problem.hidden) if problem.broadcast else problem.fn
     fn, norm_weight = fake_tensors(fn, problem.norm_weight)
     scale, base = fake_tensors(problem.hc_scale, problem.hc_base, align=4)  # read as scalars
@@ -569,18 +566,13 @@ def compile_fma(tactic: FmaTactic, problem, out, kernel_class=None):
                           counters, *seam_fakes(problem, out, m))
 
 
-def broadcast_weight(fn):
-    """The broadcast entry's weight ``reference.broadcast_fn(fn)``, prepared once per weight tensor."""
-    return prepared(fn, "broadcast_fn", broadcast_fn)
-
-
 @functools.lru_cache(maxsize=4096)
 def _default_tactic(path: str, m: int, hidden: int, sm_count: int) -> FmaTactic:
     return tac.default_fma_tactic(path, m, hidden, sm_count)
 
 
 def _prepare(path: str, problem, tactic, out):
-    tactic = resolve_tactic(path, tactic, problem, FmaTactic, tac.parse_tactic, _default_tactic)
+    tactic = resolve_tactic(path, tactic, problem, _default_tactic)
     weight = None
     if problem.broadcast:
         tactic, weight = tac.fma_broadcast_tactic(tactic, problem.hidden), broadcast_weight

@@ -56,7 +56,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 
 from .. import tactics as tac  # noqa: E402
 from ..tactics import HC_MULT, MMA_BLOCK_H as BLOCK_H, MMA_WG_THREADS as WG_THREADS  # noqa: E402
-from ..tactics import N_MIXES  # noqa: E402
+from ..tactics import N_MIXES, SUMSQ_COL  # noqa: E402
 from ..tactics import MmaTactic, default_mma_tactic, mma_stage_bytes as stage_bytes  # noqa: E402
 from ..reference import broadcast_fn  # noqa: E402
 from ..weights import prepared  # noqa: E402
@@ -71,8 +71,6 @@ from .big_fuse import (  # noqa: E402
 from .launch import KernelLaunch  # noqa: E402
 from .wgmma_tf32 import make_tf32_tiled_mma  # noqa: E402
 
-VEC = 8  # contiguous H positions per thread and row: one 16-byte bf16 vector
-SUMSQ_COL = N_MIXES  # partials column of the sum of squares
 
 
 class _Consumer(NamedTuple):
@@ -183,7 +181,7 @@ class MmaFusedHcKernel:
         tactic.check(hidden)
         self.hidden = hidden
         self.delayed = delayed
-        self.no_post = form != "regular"  # no x_prev tiles, no post coefficients
+        self.has_post = form == "regular"  # else no x_prev tiles, no post coefficients
         self.broadcast = form == "broadcast"
         self.in_streams = 1 if self.broadcast else HC_MULT  # streams of the activation tiles and the weight
         self.x1_norm = delayed is not None and norm_dtype is not None  # kernel 1 sums x1's squares
@@ -272,9 +270,8 @@ class MmaFusedHcKernel:
         reads are 64 B apart, conflict-free.
 
         Inline descriptors (encoded by the compiled host code, passed by value) rather than tma_cache's
-        device-resident ones, for every operand: measured on an H200 (tma_cache/README.md), inline costs ~0.01 µs
-        of host time per descriptor against 1.2-1.6 µs for a cache hit, and a by-pointer descriptor adds a per-CTA
-        tensormap fence and fetch (+1.9 µs at 448 CTAs)."""
+        device-resident ones, for every operand: they cost less host time than a cache hit, and a by-pointer
+        descriptor adds a per-CTA tensormap fence and fetch (measured: tma_cache/README.md)."""
         tile_m = self.tile_m
         streams = self.in_streams
         res_layout = cute.make_layout(
@@ -284,7 +281,7 @@ class MmaFusedHcKernel:
         tma_res, tma_mRes = cpasync.make_tiled_tma_atom(
             g2s, mRes, cute.slice_(res_layout, (None, None, None, 0)), (tile_m, streams, wide)
         )
-        if const_expr(self.no_post):
+        if const_expr(not self.has_post):
             return res_layout, cute.make_layout(1), tma_res, tma_mRes, None, None
         x_layout = cute.make_layout((tile_m, wide, stages), stride=(wide, 1, tile_m * wide))
         tma_x, tma_mX = cpasync.make_tiled_tma_atom(g2s, mX, cute.slice_(x_layout, (None, None, 0)), (tile_m, wide))
@@ -339,9 +336,8 @@ class MmaFusedHcKernel:
         bidx, _, _ = cute.arch.block_idx()
         if const_expr(not self.fused and self.tactic.fuse == "lat"):
             # path B at latency-bound sizes: the big-fuse CTAs launch while this grid runs and wait for it
-            # (griddepcontrol.wait), so their launch latency leaves the critical path (H200: -1.9 us at M = 32,
-            # H = 7168). Not for "bw", where it was slower (+1.1 us at M = 256, +2.5 us with the norm; likely
-            # because CTAs placed while this grid holds the SMs crowd onto the few idle ones)
+            # (griddepcontrol.wait), so their launch latency leaves the critical path. Not for "bw", where it was
+            # slower: CTAs placed while this grid holds the SMs crowd onto the few idle ones (docs/experiments.md)
             cute.arch.griddepcontrol_launch_dependents()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         split = bidx % self.split_k
@@ -352,7 +348,7 @@ class MmaFusedHcKernel:
 
         if warp_idx == self.producer_warp:
             cpasync.prefetch_descriptor(tma_res)
-            if const_expr(not self.no_post):
+            if const_expr(self.has_post):
                 cpasync.prefetch_descriptor(tma_x)
             cpasync.prefetch_descriptor(tma_w)
 
@@ -362,7 +358,7 @@ class MmaFusedHcKernel:
         if const_expr(self.fused):
             finish_storage = self.finish.allocate(smem)
         sRes = storage.sRes.get_tensor(res_layout)
-        sX = None if const_expr(self.no_post) else storage.sX.get_tensor(x_layout)
+        sX = storage.sX.get_tensor(x_layout) if const_expr(self.has_post) else None
         sW = storage.sW.get_tensor(w_layout.outer, swizzle=w_layout.inner)
 
         ab_pipeline = pipeline.PipelineTmaAsync.create(
@@ -370,7 +366,7 @@ class MmaFusedHcKernel:
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_wgs * 4),
-            tx_count=stage_bytes(self.tile_m, self.n_parts, with_x=not self.no_post, streams=self.in_streams),
+            tx_count=stage_bytes(self.tile_m, self.n_parts, with_x=self.has_post, streams=self.in_streams),
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
 
@@ -421,7 +417,7 @@ class MmaFusedHcKernel:
         one = cute.make_layout(1)
         tRs, tRg = cpasync.tma_partition(tma_res, 0, one, cute.group_modes(sRes, 0, 3), cute.group_modes(gRes, 0, 3))
         tXs, tXg = None, None
-        if const_expr(not self.no_post):
+        if const_expr(self.has_post):
             gX = cute.local_tile(tma_mX, (tile_m, BLOCK_H), (m_tile, None))
             tXs, tXg = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
         tBs, tBg = cpasync.tma_partition(tma_w, 0, one, cute.group_modes(sW, 0, 2), cute.group_modes(gB, 0, 2))
@@ -431,7 +427,7 @@ class MmaFusedHcKernel:
             ab_pipeline.producer_acquire(state)
             bar = ab_pipeline.producer_get_barrier(state)
             cute.copy(tma_res, tRg[(None, blk)], tRs[(None, state.index)], tma_bar_ptr=bar)
-            if const_expr(not self.no_post):
+            if const_expr(self.has_post):
                 cute.copy(tma_x, tXg[(None, blk)], tXs[(None, state.index)], tma_bar_ptr=bar)
             cute.copy(tma_w, tBg[(None, blk)], tBs[(None, state.index)], tma_bar_ptr=bar)
             ab_pipeline.producer_commit(state)
@@ -481,7 +477,7 @@ class MmaFusedHcKernel:
         comb = cute.make_rmem_tensor((2, HC_MULT, HC_MULT), Float32)
         post.fill(0.0)
         comb.fill(0.0)
-        if const_expr(not self.no_post):
+        if const_expr(self.has_post):
             for r in cutlass.range_constexpr(2):
                 m = m_tile * self.tile_m + rows[r]
                 if m < m_total:
@@ -511,27 +507,27 @@ class MmaFusedHcKernel:
         ``residual_prev``'s values, nothing stored), the squares and the A fragment, then the stage's MMAs against
         weight stage ``wi``, waited for (the A registers are rewritten next). The delayed seam: the collapse x1 of
         the rounded streams into ``layer_input`` too (``store_x1``)."""
-        xv = cute.make_rmem_tensor((2, VEC), Float32)
-        rv = cute.make_rmem_tensor((2, HC_MULT, VEC), Float32)
-        out = cute.make_rmem_tensor((VEC,), BFloat16)
-        xf = cute.make_rmem_tensor((VEC,), Float32)
-        x1 = cute.make_rmem_tensor((2, VEC), Float32)  # the carried collapse's fp32 chain, per row
-        vec_idx = blk * (BLOCK_H // VEC) + ctx.quad
+        xv = cute.make_rmem_tensor((2, du.VEC_BF16), Float32)
+        rv = cute.make_rmem_tensor((2, HC_MULT, du.VEC_BF16), Float32)
+        out = cute.make_rmem_tensor((du.VEC_BF16,), BFloat16)
+        xf = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
+        x1 = cute.make_rmem_tensor((2, du.VEC_BF16), Float32)  # the carried collapse's fp32 chain, per row
+        vec_idx = blk * (BLOCK_H // du.VEC_BF16) + ctx.quad
         for r in cutlass.range_constexpr(2):
-            if const_expr(not self.no_post):
+            if const_expr(self.has_post):
                 xv[r, None].store(self._vec(sX[(ctx.rows[r], None, si)], vec_in_row).load().to(Float32))
             for k in cutlass.range_constexpr(self.in_streams):
                 rv[r, k, None].store(self._vec(sRes[(ctx.rows[r], k, None, si)], vec_in_row).load().to(Float32))
         for j in cutlass.range_constexpr(HC_MULT):
             for r in cutlass.range_constexpr(2):
-                if const_expr(self.no_post and not self.broadcast):
+                if const_expr(not self.has_post and not self.broadcast):
                     xf.store(rv[r, j, None].load())  # bf16 values, exact in fp32
                 else:
                     if const_expr(self.broadcast):
                         out.store(rv[r, 0, None].load().to(BFloat16))  # stream j is a copy of the embedding
                     else:
                         # SPEC step 1: acc = post[j] x[h]; acc = fma(comb[k][j], res[k][h], acc), k = 0..3
-                        for e in cutlass.range_constexpr(VEC):
+                        for e in cutlass.range_constexpr(du.VEC_BF16):
                             out[e] = du.post_element(ctx.post[r, j], xv[r, e],
                                                      [ctx.comb[r, k, j] for k in range(HC_MULT)],
                                                      [rv[r, k, e] for k in range(HC_MULT)]).to(BFloat16)
@@ -540,17 +536,13 @@ class MmaFusedHcKernel:
                         cute.autovec_copy(out, self._vec(mResOut[(m, j, None)], vec_idx))
                     xf.store(out.load().to(Float32))
                 if const_expr(j < self.in_streams):  # the broadcast entry projects stream 0 alone
-                    for e in cutlass.range_constexpr(VEC):
+                    for e in cutlass.range_constexpr(du.VEC_BF16):
                         ctx.sumsq[r] = cute.math.fma(xf[e], xf[e], ctx.sumsq[r])
                         # H offset 8 t + e is K column t (e even) or t + 4 (e odd) of k8 step 4 j + e // 2
                         ctx.tCrA[(r + 2 * (e % 2), 0, j * 4 + e // 2)] = xf[e]
                 if const_expr(self.delayed == "carried"):
-                    # SPEC "V4.1: the delayed seam" step 3: acc = pre[0] r0, then acc = fma(pre[j], rj, acc)
-                    for e in cutlass.range_constexpr(VEC):
-                        if const_expr(j == 0):
-                            x1[r, e] = ctx.pre[r, 0] * xf[e]
-                        else:
-                            x1[r, e] = cute.math.fma(ctx.pre[r, j], xf[e], x1[r, e])
+                    for e in cutlass.range_constexpr(du.VEC_BF16):
+                        x1[r, e] = du.collapse_term(j, ctx.pre[r, j], xf[e], None if const_expr(j == 0) else x1[r, e])
                 if const_expr(self.delayed == "identity" and j == 0):
                     x1[r, None].store(xf.load())
         if const_expr(self.delayed is not None):
@@ -610,7 +602,7 @@ class MmaFusedHcKernel:
     @cute.jit
     def _vec(row: cute.Tensor, idx) -> cute.Tensor:
         """The ``idx``-th 8-element (16-byte) vector of a 1-D bf16 tensor."""
-        return cute.local_tile(row, (VEC,), (idx,))
+        return cute.local_tile(row, (du.VEC_BF16,), (idx,))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -655,7 +647,7 @@ def _default_tactic(path: str, m: int, hidden: int, sm_count: int) -> MmaTactic:
 
 
 def _prepare(path: str, problem, tactic, out):
-    tactic = resolve_tactic(path, tactic, problem, MmaTactic, tac.parse_tactic, _default_tactic)
+    tactic = resolve_tactic(path, tactic, problem, _default_tactic)
     return KernelLaunch(compiled_mma(tactic, problem, out), problem, tactic, -(-problem.m // tactic.tile_m),
                         weight_of(problem.precision, problem.broadcast))
 

@@ -19,7 +19,6 @@ from ..tactics import HC_MULT  # noqa: E402
 from . import CompiledKernels, compile_in_processes, compile_kernel, fake_tensors  # noqa: E402
 from . import device_utils as du  # noqa: E402
 
-QUAD = 4  # fp32 elements in one 16-byte access
 THREADS = 128
 
 
@@ -60,9 +59,9 @@ class PostKernel:
         cute.arch.griddepcontrol_launch_dependents()
         coefs = cute.make_rmem_tensor((HC_MULT + HC_MULT * HC_MULT,), Float32)
         row_post, row_comb = du.token_row(mPost, m), du.token_row(mComb, m)
-        cute.autovec_copy(cute.local_tile(row_post, (QUAD,), (0,)), cute.local_tile(coefs, (QUAD,), (0,)))
+        cute.autovec_copy(cute.local_tile(row_post, (du.VEC_F32,), (0,)), cute.local_tile(coefs, (du.VEC_F32,), (0,)))
         for q in cutlass.range_constexpr(HC_MULT):
-            cute.autovec_copy(cute.local_tile(row_comb, (QUAD,), (q,)), cute.local_tile(coefs, (QUAD,), (1 + q,)))
+            cute.autovec_copy(cute.local_tile(row_comb, (du.VEC_F32,), (q,)), cute.local_tile(coefs, (du.VEC_F32,), (1 + q,)))
         raw = cute.make_rmem_tensor(du.row_major(1 + HC_MULT, du.VEC_BF16), BFloat16)
         cute.autovec_copy(cute.local_tile(du.token_row(mX, m), (du.VEC_BF16,), (o,)), raw[0, None])
         row_res = du.token_row(mRes, m)

@@ -19,9 +19,9 @@ and MI300X (gfx942, 304 CUs), compile for those targets, and have not been run o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+import re
+from dataclasses import dataclass, fields, replace
 
-PARTIAL_COLS = 32  # partials row: 24 dot products, the sum of squares at column 24, padding
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,11 @@ class TritonTactic:
         """Whether the main kernel projects on tensor cores (else with fp32 FMAs)."""
         return self.block_m >= 16
 
+    @property
+    def name(self) -> str:
+        """``triton:`` and every field as ``key value`` (``_NAME_KEYS``); ``parse_triton_tactic`` reads it back."""
+        return "triton:" + ":".join(f"{key}{getattr(self, f.name)}" for key, f in zip(_NAME_KEYS, fields(self)))
+
     def __post_init__(self):
         for name in ("block_m", "block_h", "reduce_block_t", "reduce_block_h"):
             v = getattr(self, name)
@@ -61,6 +66,18 @@ class TritonTactic:
             raise ValueError(f"TritonTactic.block_h must be >= 16; got {self.block_h}")
         if self.split_k < 1 or self.num_warps < 1 or self.reduce_warps < 1 or self.num_stages < 1 or self.chunk_m < 0:
             raise ValueError(f"TritonTactic: split_k, warps and stages must be >= 1; got {self}")
+
+
+_NAME_KEYS = ("m", "h", "k", "w", "s", "rt", "rh", "rw", "c")  # TritonTactic's fields, in order
+_NAME = re.compile("triton" + "".join(f":{key}(\\d+)" for key in _NAME_KEYS) + "$")
+
+
+def parse_triton_tactic(name: str) -> TritonTactic:
+    """The ``TritonTactic`` whose ``name`` is ``name``."""
+    match = _NAME.match(name)
+    if match is None:
+        raise ValueError(f"unknown Triton tactic name {name!r} (like {TritonTactic(16, 64, 8, 4).name!r})")
+    return TritonTactic(*map(int, match.groups()))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ its H range of all 4 streams, the ``residual_cur`` store, and the split's share 
 values: 24 fp32-accurate dot products and the sum of squares, written to partials ``[split_k, M, 32]``
 (columns 0-23 the dots, column 24 the sum of squares). Small token blocks project with fp32 FMAs; blocks of 16+
 tokens on tensor cores with ``fn`` split exactly into three bf16 terms (exact products, fp32 accumulation;
-Triton's FFMA ``tl.dot`` ran at ~10% of FP32 peak on an H200, which made the op compute bound). The split is
+Triton's FFMA ``tl.dot`` is slow enough on Hopper to make the op compute bound). The split is
 done once per weight tensor (``split_bf16x3``, cached by ``weights.prepared``), so the kernel loads the terms as
 they are fed to the tensor cores. The K loop accumulates with compensation, so the mixes stay within ~1e-7 of
 float64.
@@ -36,9 +36,10 @@ import triton.language as tl
 
 from ..problem import MhcFusedHcDelayedOutput, MhcFusedHcOutput, Problem
 from ..reference import broadcast_fn
-from ..weights import bf16_terms, prepared
+from ..weights import bf16_terms, broadcast_weight, prepared
 from ..workspace import get_workspace
-from .configs import PARTIAL_COLS, TritonTactic, arch_of, fit, select_tactic
+from ..tactics import PARTIAL_COLS
+from .configs import TritonTactic, arch_of, fit, select_tactic
 
 # Under Triton's CPU interpreter: fp32 -> bf16 casts truncate (its explicit RTNE mode rounds ties up), so the
 # rounding is done on the bits there; and bf16 dots are not emulated, so their (exact) operands go in as fp32.
@@ -477,7 +478,7 @@ def _weight(problem: Problem, t: TritonTactic) -> torch.Tensor:
     if problem.broadcast:
         if t.uses_dot:
             return prepared(problem.fn, "triton_bf16x3_broadcast", lambda fn: split_bf16x3(broadcast_fn(fn), 1))
-        return prepared(problem.fn, "broadcast", broadcast_fn)
+        return broadcast_weight(problem.fn)
     return prepared(problem.fn, "triton_bf16x3", split_bf16x3) if t.uses_dot else problem.fn
 
 
