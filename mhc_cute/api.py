@@ -250,7 +250,7 @@ def mhc_fused_hc(
     tactic=None,
     out=None,
 ) -> MhcFusedHcOutput:
-    """The mHC boundary op: post of the previous sublayer fused with pre of the next (``../shared/SPEC.md``).
+    """The mHC boundary op: post of the previous sublayer fused with pre of the next (``docs/contract.md``).
 
     Shapes: ``x_prev [..., H]`` bf16, ``residual_prev [..., 4, H]`` bf16, ``post_mix_prev [..., 4(, 1)]`` fp32,
     ``comb_mix_prev [..., 4, 4]`` (or ``[..., 16]``) fp32, ``fn [24, 4H]`` fp32, ``hc_scale [3]`` fp32,
@@ -262,7 +262,8 @@ def mhc_fused_hc(
     ``backend``: ``"auto"`` (tuned choice for this GPU, the reference on a CPU), ``"torch"``, ``"triton"``,
     ``"half_fma"``, ``"all_fma"``, ``"half_mma"``, ``"all_mma"``. ``precision``: ``"fp32"`` (fp32-accurate
     projection) or ``"tf32"`` (allows a single-TF32 projection on the MMA paths; other backends stay fp32).
-    ``tactic``: a tactic object or name for the chosen backend (advanced; None lets the backend choose).
+    ``tactic``: a tactic of the named backend, as an object or its name (advanced; None lets the backend choose;
+    ``auto`` and ``torch`` take none): refused with a ValueError when it is not one of that backend's.
     ``out``: the caller's output buffers ``(residual_cur, post_mix_cur, comb_mix_cur, layer_input)`` (e.g. the
     static buffers of a CUDA graph): the output shapes and dtypes (``post_mix_cur`` may be ``[..., 4]``,
     ``comb_mix_cur`` ``[..., 16]``), contiguous, 16-byte aligned, sharing no memory with each other or with the
@@ -306,7 +307,7 @@ def mhc_fused_hc_delayed(
     tactic=None,
     out=None,
 ) -> MhcFusedHcDelayedOutput:
-    """DeepSeek-V4.1's delayed seam (``../shared/SPEC.md``, "V4.1: the delayed seam"): the post of the previous
+    """DeepSeek-V4.1's delayed seam (``docs/contract.md``, "V4.1: the delayed seam"): the post of the previous
     sublayer, this seam's gates, and the collapse of the new streams with the gates *carried* from the previous seam.
 
     Arguments as ``mhc_fused_hc``'s, plus ``pre_mix_prev [..., 4(, 1)]`` fp32: the previous seam's ``pre_mix_cur``,

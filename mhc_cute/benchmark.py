@@ -736,8 +736,8 @@ def write_json(results: list[Result], path: str, bandwidth: float | None, gpu: s
 
 class ModelConfig(NamedTuple):
     """The mHC shape of a DeepSeek model: H, layers (2 sublayers each), Engram layers, V4.1's delayed seams.
-    Sources: ``../shared/SPEC.md`` (H) and ``../shared/research/v41_delayed.md`` section 1 (layers: V4-Pro 61,
-    V4-Flash 43, V4.1-Flash 40; Engram layers {1, 14} of V4.1-Flash's released config)."""
+    From the models' released configs: H (``docs/contract.md``), layers (V4-Pro 61, V4-Flash 43, V4.1-Flash 40) and
+    V4.1-Flash's Engram layers {1, 14}."""
 
     hidden: int
     layers: int

@@ -1,5 +1,5 @@
 """The mHC side of a whole DeepSeek-V4 / V4.1 forward pass, as an engine wires it: the documented example of the op
-family (``../shared/SPEC.md``, *The op family*), and what ``mhc-cute bench --model`` times.
+family (``docs/contract.md``, *The op family*), and what ``mhc-cute bench --model`` times.
 
 A model of L layers has 2L sublayers (attention, then MoE, per layer), in order. Each sublayer ``i`` has its mHC
 weights (``SublayerWeights``: ``fn [24, 4H]``, ``hc_scale [3]``, ``hc_base [24]`` and the sublayer's input RMSNorm

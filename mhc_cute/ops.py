@@ -1,4 +1,4 @@
-"""The standalone ops of a forward pass (``../shared/SPEC.md``, *The op family*): ``mhc_post``, ``mhc_head``,
+"""The standalone ops of a forward pass (``docs/contract.md``, *The op family*): ``mhc_post``, ``mhc_head``,
 ``mhc_collapse``; their validation, backends, and ``torch.library`` registration for ``torch.compile``.
 
 Each op flattens its leading dims into M, checks every argument (errors name it), and runs one backend on the flat

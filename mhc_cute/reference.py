@@ -1,4 +1,4 @@
-"""The numerical contract of ``../shared/SPEC.md`` in plain torch.
+"""The numerical contract of ``docs/contract.md`` in plain torch.
 
 Every backend is tested against these functions. They run on any device and compute either in float32 (the
 ``"torch"`` backend) or in float64 (the test reference). Rounding points are explicit:

@@ -1,5 +1,5 @@
-"""The ``"triton"`` backend: ``mhc_fused_hc`` as a main kernel and a reduce kernel (the gfx950 design of
-``shared/seeds/003``), computing exactly ``shared/SPEC.md``.
+"""The ``"triton"`` backend: ``mhc_fused_hc`` as a main kernel and a reduce kernel (the ROCm gfx950
+fusion's design), computing exactly the contract of ``docs/contract.md``.
 
 Main kernel, grid (K splits, token blocks): SPEC step 1 (fp32 FMA chain, one bf16 rounding) for its tokens and
 its H range of all 4 streams, the ``residual_cur`` store, and the split's share of steps 2-3 on the rounded
