@@ -8,18 +8,17 @@ same checkout (the file names carry a digest of the kernel sources and the CuTe 
 
 ``--tune`` compiles the candidates ``mhc-cute tune`` times at those M and H instead of the default tactics.
 
-``--session`` compiles every variant one device session reaches (``bench/device_session.sh``'s warm stage runs
+``--gpu-suite`` compiles every variant a GPU run of the tests and the bench reaches (``bench/gpu_run.sh``'s warm stage runs
 it): the GPU tests' default tactics over their grid (fp32 and tf32) and their explicit tactics (the big-fuse
 shapes, the warp-MMA tactics), the bench grid's defaults and the shipped tables' tactics, with and without the norm;
 and the delayed seam's (``mhc_fused_hc_delayed``: tests/test_delayed.py's GPU grid and the bench grid, carried and
 identity gates, with and without the norm, and every CuTe path's entry forms, as the shipped picks in them;
 ``--delayed`` compiles only those). The FMA broadcast specs name the seam's tactic (the worker compiles
-``tactics.fma_broadcast_tactic`` of it, as the launch does). About 800 FMA and 850 MMA variants: on the 2-core
-development machine (2026-12-04) about 1.5 FMA and 0.8 MMA variants a second with two workers, half an hour in all;
-packed for the device about 3-4 MB:
+``tactics.fma_broadcast_tactic`` of it, as the launch does). About 1000 FMA and 1100 MMA variants, half an hour on
+two cores; packed, about 4.5 MB, for a GPU machine that should not spend its time compiling:
 
-    MHC_CUTE_KERNEL_CACHE=/tmp/kc python bench/precompile.py --session
-    mkdir -p .kcarry && tar -C /tmp/kc -cJf .kcarry/kcache.tar.xz .   # carry=[".devbundle", ".kcarry"]
+    MHC_CUTE_KERNEL_CACHE=/tmp/kc python bench/precompile.py --gpu-suite
+    mkdir -p .kcarry && tar -C /tmp/kc -cJf .kcarry/kcache.tar.xz .   # gpu_run.sh unpacks it
 """
 
 import argparse
@@ -58,8 +57,8 @@ def specs_for(backends, ms, hiddens, norms, precisions, sm_count, seams=(None,),
     return split_specs(pairs, norms, precisions, seams, form)
 
 
-def delayed_session_specs(sm_count):
-    """(FMA specs, MMA specs) of the delayed seam's variants a device session reaches: tests/test_delayed.py's GPU
+def delayed_gpu_suite_specs(sm_count):
+    """(FMA specs, MMA specs) of the delayed seam's variants a GPU run reaches: tests/test_delayed.py's GPU
     grid (and its M = 4096 and 33-token cases) and ``mhc-cute bench --delayed``'s grid at H = 4096, 5120, 7168."""
     sys.path[:0] = [os.path.join(HERE, "..", "tests")]
     from test_delayed import GPU_HS, GPU_MS
@@ -89,8 +88,8 @@ def tune_specs(backends, ms, hiddens, norms, precisions, sm_count):
     return split_specs(pairs, norms, precisions)
 
 
-def session_specs(sm_count):
-    """(FMA specs, MMA specs) of every variant a device session reaches (see the module docstring)."""
+def gpu_suite_specs(sm_count):
+    """(FMA specs, MMA specs) of every variant a GPU run reaches (see the module docstring)."""
     sys.path[:0] = [os.path.join(HERE, "..", "tests"), HERE]
     import bench_mma
     from test_correctness import (GPU_HS, GPU_MS, LARGE_FIRST_PAST, LARGE_H, LARGE_ROWS_PAST, PAIR_TACTICS,
@@ -133,7 +132,7 @@ def compile_jobs(jobs, workers: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--session", action="store_true", help="every variant of a device session (no --m/--hidden)")
+    ap.add_argument("--gpu-suite", action="store_true", help="every variant the GPU tests and the bench reach (no --m/--hidden)")
     ap.add_argument("--delayed", action="store_true",
                     help="the delayed seam's variants: alone, or with --m/--hidden those of the default tactics there")
     ap.add_argument("--tune", action="store_true", help="the tuner's candidates at --m/--hidden, not the defaults")
@@ -148,10 +147,10 @@ def main() -> int:
     if not os.environ.get("MHC_CUTE_KERNEL_CACHE"):
         print("set MHC_CUTE_KERNEL_CACHE to the folder to fill", file=sys.stderr)
         return 2
-    if args.session or (args.delayed and not (args.m or args.hidden)):
-        fma_specs, mma_specs = delayed_session_specs(args.sm_count)
+    if args.gpu_suite or (args.delayed and not (args.m or args.hidden)):
+        fma_specs, mma_specs = delayed_gpu_suite_specs(args.sm_count)
         if not args.delayed:
-            v4 = session_specs(args.sm_count)
+            v4 = gpu_suite_specs(args.sm_count)
             fma_specs, mma_specs = v4[0] + fma_specs, v4[1] + mma_specs
     elif args.m and args.hidden:
         norms = {"off": [None], "on": ["bfloat16"], "both": [None, "bfloat16"]}[args.norm]
@@ -162,11 +161,11 @@ def main() -> int:
             specs = tune_specs if args.tune else specs_for
             fma_specs, mma_specs = specs(args.backends, args.m, args.hidden, norms, args.precision, args.sm_count)
     else:
-        ap.error("give --session, --delayed, or --m and --hidden")
+        ap.error("give --gpu-suite, --delayed, or --m and --hidden")
     from mhc_cute.kernels import fma, mma
 
     jobs = [("FMA", fma, fma_specs), ("MMA", mma, mma_specs)]
-    if args.session:  # the standalone ops' kernels at every H of the GPU tests and the --model bench
+    if args.gpu_suite:  # the standalone ops' kernels at every H of the GPU tests and the --model bench
         from mhc_cute.kernels import collapse, post
 
         from test_ops import GPU_HS as OP_HS

@@ -2,7 +2,7 @@
 initcheck), over a grid that reaches every kernel shape; a table (case x tool: errors), exit status 1 on any
 finding.
 
-    bash .devbundle/gpu.sh python bench/sanitize.py --shard 1/4 --json $OUT/sanitize-1.json
+    python bench/sanitize.py --shard 1/4 --json $OUT/sanitize-1.json
     python bench/sanitize.py --list                      # the cases (no GPU needed)
     python bench/sanitize.py --merge a.json b.json ...   # one table from the shards' results (no GPU needed)
     MHC_CUTE_KERNEL_CACHE=/tmp/kc python bench/sanitize.py --precompile-only   # compile ahead (no GPU needed)
@@ -26,7 +26,7 @@ fault leaves the CUDA context unusable) or hangs past ``--timeout`` marks its ca
 for the rest. Memcheck and initcheck run with torch's caching allocator off (every tensor its own allocation, so
 an access past a tensor's end is out of bounds and unwritten bytes are uninitialised), except the graph cases,
 whose capture needs the allocator's private pool. ``--budget`` stops launching processes in time to print the
-table within one device call; the pairs not run are listed and the exit status is 2.
+table within a time-limited run; the pairs not run are listed and the exit status is 2.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 MS = (1, 3, 17, 130, 1031)
 HS = (512, 4096, 5120, 7168)
 SM_COUNT = 132  # the SM count the explicit tactics are derived for (H100/H200 SXM); valid on any GPU
-DEFAULT_KERNEL_CACHE = "/tmp/mhc-kcache"  # bench/device_session.sh's
+DEFAULT_KERNEL_CACHE = "/tmp/mhc-kcache"  # bench/gpu_run.sh's
 ERROR_EXITCODE = 99
 BEGIN, END = "@@sanitize-begin", "@@sanitize-end"
 FATAL_EXIT = 3  # a worker whose CUDA context is no longer usable

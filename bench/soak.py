@@ -2,7 +2,7 @@
 streams and CUDA graphs, each checked against the float64 contract (``mhc_cute.accuracy``); exit status 1 on any
 failure, each with a command that reproduces it.
 
-    bash .devbundle/gpu.sh python bench/soak.py --seconds 540 --seed 1
+    python bench/soak.py --seconds 540 --seed 1
     python bench/soak.py --seconds 40          # no GPU: the torch backend and Triton's interpreter, small shapes
     python bench/soak.py --replay '{"op": "mhc_fused_hc", ...}'   # one call again, as a failure printed it
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from . import backends, reference
-from .problem import ALIGN_BYTES, Flattening, aligned
+from .problem import ALIGN_BYTES, Flattening, aligned, fail as _fail, not_requiring_grad, overlap
 from .reference import HC_MULT, N_MIXES
 from .signatures import RecentSignatures
 
@@ -142,10 +142,6 @@ def _head_as_seam(residual, head_fn, head_scale, head_base, norm_weight, rms_eps
 
 # --- validation -------------------------------------------------------------------------------------------------
 
-def _fail(op: str, name: str, expected: str, got) -> None:
-    raise ValueError(f"{op}: `{name}` must be {expected}; got {got}")
-
-
 class _Checker:
     """Argument checks of one op: every error names the op and the argument."""
 
@@ -175,9 +171,7 @@ class _Checker:
         if tuple(t.shape) not in shapes:
             _fail(self.op, name, "of shape " + " or ".join(str(list(s)) for s in shapes), list(t.shape))
         if torch.is_grad_enabled() and t.requires_grad:
-            _fail(self.op, name, "a tensor that does not require grad (the op is inference-only, with no backward: "
-                  f"call it under torch.inference_mode() or torch.no_grad(), or pass {name}.detach())",
-                  "requires_grad=True")
+            _fail(self.op, name, not_requiring_grad(name), "requires_grad=True")
         self.tensors.append((name, t))
         return t
 
@@ -216,7 +210,7 @@ class _Checker:
             _fail(self.op, "out", f"{ALIGN_BYTES}-byte aligned", f"data_ptr % {ALIGN_BYTES} == {p % ALIGN_BYTES}")
         for name, t in self.tensors:
             q, k = t.data_ptr(), t.nbytes
-            if n and k and q < p + n and p < q + k:
+            if overlap(p, n, q, k):
                 _fail(self.op, "out", f"a buffer that shares no memory with {name}", "overlapping memory")
 
 

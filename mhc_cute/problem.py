@@ -117,8 +117,24 @@ FORMS = ("regular", "no_post", "broadcast")  # the seam forms: with a post, with
 PRECISIONS = ("fp32", "tf32")
 
 
+def fail(op: str, name: str, expected: str, got) -> None:
+    """The error every op gives for a bad argument: the op, the argument, what it must be, what it is."""
+    raise ValueError(f"{op}: `{name}` must be {expected}; got {got}")
+
+
 def _fail(name: str, expected: str, got) -> None:
-    raise ValueError(f"mhc_fused_hc: `{name}` must be {expected}; got {got}")
+    fail("mhc_fused_hc", name, expected, got)
+
+
+def not_requiring_grad(name: str) -> str:
+    """What an input requiring grad must be instead (every op is inference-only)."""
+    return ("a tensor that does not require grad (the op is inference-only, with no backward: call it under "
+            f"torch.inference_mode() or torch.no_grad(), or pass {name}.detach())")
+
+
+def overlap(p: int, n: int, q: int, k: int) -> bool:
+    """Whether the byte ranges [p, p + n) and [q, q + k) share a byte."""
+    return bool(n and k and q < p + n and p < q + k)
 
 
 def _as_delayed(e: ValueError) -> ValueError:
@@ -181,8 +197,7 @@ def check_no_grad(tensors) -> None:
     it costs."""
     for name, t in zip(INPUT_NAMES + ("pre_mix_prev",), tensors):
         if getattr(t, "requires_grad", False):  # a non-tensor is validate()'s to name
-            _fail(name, "a tensor that does not require grad (the op is inference-only, with no backward: call it "
-                  f"under torch.inference_mode() or torch.no_grad(), or pass {name}.detach())", "requires_grad=True")
+            _fail(name, not_requiring_grad(name), "requires_grad=True")
 
 
 _OUT_VALIDATED: dict[tuple, tuple] = {}  # out= signature -> the flat shape to view each buffer as (None: as it is)
@@ -267,7 +282,7 @@ def check_out_memory(out: MhcFusedHcOutput, inputs) -> None:
     for i, (p, n) in enumerate(outs):
         for j in range(i + 1, len(spans)):
             q, k = spans[j]
-            if n and k and q < p + n and p < q + k:
+            if overlap(p, n, q, k):
                 _fail(OUT_NAMES[i], f"a buffer that shares no memory with {names[j]}", "overlapping memory")
 
 

@@ -878,16 +878,16 @@ def test_the_default_tactic_of_a_seam_without_post(monkeypatch):
         assert tactic.path == "half_fma"
 
 
-def test_session_specs_cover_the_forms_of_every_kernel_path():
-    """``bench/precompile.py --session`` lists both entry forms of every CuTe path beside the regular form, and every
+def test_gpu_suite_specs_cover_the_forms_of_every_kernel_path():
+    """``bench/precompile.py --gpu-suite`` lists both entry forms of every CuTe path beside the regular form, and every
     spec it lists names a problem its compile worker builds."""
     from conftest import bench_script
 
     from mhc_cute.kernels import spec_problem
 
     with bench_script("precompile.py") as precompile:
-        fma, mma = precompile.session_specs(132)
-        delayed_fma, delayed_mma = precompile.delayed_session_specs(132)
+        fma, mma = precompile.gpu_suite_specs(132)
+        delayed_fma, delayed_mma = precompile.delayed_gpu_suite_specs(132)
     fma, mma = fma + delayed_fma, mma + delayed_mma
     for specs, paths in ((fma, tac.FMA_PATHS), (mma, tac.MMA_PATHS)):
         for form in ("no_post", "broadcast"):

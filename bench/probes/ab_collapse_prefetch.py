@@ -2,7 +2,7 @@
 that loads it in the second pass (``kernels.collapse``: ``prefetch_norm``), per H and M, CUDA-graph replay with the
 inputs rotated out of L2, in alternating rounds; and which one ``run_collapse`` picks (by H).
 
-    bash .devbundle/gpu.sh python bench/probes/ab_collapse_prefetch.py --hidden 7168 5120 --m 1 32 132 264 2048 8192
+    python bench/probes/ab_collapse_prefetch.py --hidden 7168 5120 --m 1 32 132 264 2048 8192
 
 Lines: ``H M prefetch_us no_prefetch_us no/pre picked floor%_best``.
 """

@@ -1,6 +1,6 @@
 """Timing of the Triton backend for whichever ``mhc_cute`` is first on the Python path: the default tactics over
 a grid of (H, M), optionally followed by explicit candidate tactics. Run it alternately for two trees in one
-device call to compare versions (see bench/probes/ab_versions.py for the set-up), or once with ``--sweep`` to compare
+GPU run to compare versions (see bench/probes/ab_versions.py for the set-up), or once with ``--sweep`` to compare
 tactics. CUDA-graph replay over rotated input sets (mhc_cute.benchmark), median µs per call over
 ``--rounds`` rounds; points with M <= ``--check-max-m`` are also checked once against the float64 contract,
 after the timing.

@@ -1,7 +1,7 @@
 """Before/after timing of two versions of the package in one device run: `backend="auto"` (the shipped table's
 pick, so each version runs its own kernels with the same tactic names), or a point's own tactic, over a grid of
 (H, M, norm), for whichever ``mhc_cute`` is first on the Python path. Run it alternately for the two trees, in
-separate processes of one device call, and compare the medians line by line (machines differ by up to 9% for the
+separate processes of one GPU run, and compare the medians line by line (machines differ by up to 9% for the
 same kernel, so only numbers from one call compare).
 
     git archive HEAD mhc_cute | tar -x -C /tmp/old          # the version to compare against

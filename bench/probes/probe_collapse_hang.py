@@ -13,7 +13,7 @@ the last step reached and how the child ended. Variants:
 - ``no-reduce``: no CTA reduction (each warp normalises by its own sum: wrong values, the same memory traffic);
 - ``no-norm``: the kernel without the norm (ran before).
 
-    bash .devbundle/gpu.sh python bench/probes/probe_collapse_hang.py --m 3 --hidden 7168 --norm bfloat16
+    python bench/probes/probe_collapse_hang.py --m 3 --hidden 7168 --norm bfloat16
 """
 
 import argparse

@@ -4,8 +4,8 @@ seam's best may not be its best. Times every candidate ``mhc-cute tune`` would t
 (``autotune.candidate_tactics``; default paths E/F, for decode sizes), CUDA-graph replay with the inputs rotated out
 of L2, beside ``auto``.
 
-    bash .devbundle/gpu.sh python bench/probes/probe_delayed_tactics.py --hidden 7168 5120 --m 32
-    bash .devbundle/gpu.sh python bench/probes/probe_delayed_tactics.py --paths half_mma all_mma --m 2048 8192
+    python bench/probes/probe_delayed_tactics.py --hidden 7168 5120 --m 32
+    python bench/probes/probe_delayed_tactics.py --paths half_mma all_mma --m 2048 8192
     python bench/probes/probe_delayed_tactics.py --precompile --hidden 7168 5120 --m 32   # on the CPU, with
                                                                                          # $MHC_CUTE_KERNEL_CACHE set
 

@@ -1,19 +1,17 @@
 #!/usr/bin/env bash
-# One batched GPU run (run from the repository root on the GPU machine, under .devbundle/gpu.sh):
-# unpack kernels precompiled on a CPU machine (`bench/precompile.py --session`, packed as .kcarry/kcache.tar.xz),
-# compile what is missing in parallel (the same --session set, then Triton's test and bench configurations), run
+# One batched GPU run (from the repository root on the GPU machine):
+# unpack kernels precompiled on a CPU machine (`bench/precompile.py --gpu-suite`, packed as .kcarry/kcache.tar.xz),
+# compile what is missing in parallel (the same --gpu-suite set, then Triton's test and bench configurations), run
 # the GPU tests listed in $TESTS (pytest node ids or files, one per line; default: every gpu test) in 8 xdist workers
 # ($PYTEST_ARGS; at most three large-M tests at once, tests/conftest.py), then `mhc-cute bench`.
 # Everything is logged under $OUT. Each stage has its own time limit (WARM_S, TEST_S, BENCH_S seconds; 0 skips the
 # stage) so that one slow stage cannot eat the rest. Off unless given a time: PROBE_S (the collapse hang probe),
-# SAN_S (the sanitizer sweep, 4 tools x 3 shards at once), SOAK_S (the soak; with SOAK_BG=1 it runs on past this call,
-# which a 10-minute soak needs, and a later call's SOAK_WAIT_S collects it).
+# SAN_S (the sanitizer sweep, 4 tools x 3 shards at once), SOAK_S (the soak; with SOAK_BG=1 it runs on past this
+# script, and a later run's SOAK_WAIT_S collects it).
 #
-# Where one command is limited to 10 minutes, run the tests and the bench as separate calls while the machine stays
-# warm (the peers staged in between). The suite has grown past one call (3921 tests; with -n 8 it reached 83% in
-# 470 s on the H200, 2026-12-04): run it over two calls, the second with TESTS_REST=1 (the tests the first did not
-# reach), then the bench (docs/developer.md):
-#   BENCH_S=0 TEST_S=560 ...   then   WARM_S=0 TESTS_REST=1 BENCH_S=0 ...   then (stage the peers)   WARM_S=0 TEST_S=0 BENCH_S=570 ...
+# Where a command's time is limited, split the stages over runs (docs/developer.md): the tests with TESTS_REST=1
+# take up the tests a previous run did not reach:
+#   BENCH_S=0 TEST_S=560 ...   then   WARM_S=0 TESTS_REST=1 BENCH_S=0 ...   then   WARM_S=0 TEST_S=0 BENCH_S=570 ...
 set -u
 OUT=${OUT:-/tmp/mhc-out}
 mkdir -p "$OUT"
@@ -25,7 +23,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 t0=$(date +%s)
 
 [ "${WARM_S:-300}" = 0 ] || {
-timeout "${WARM_S:-300}" python bench/precompile.py --session --workers 16 2>&1 | grep -v -i warn | tail -2
+timeout "${WARM_S:-300}" python bench/precompile.py --gpu-suite --workers 16 2>&1 | grep -v -i warn | tail -2
 timeout 120 python bench/sanitize.py --precompile-only --workers 16 2>&1 | grep -v -i warn | tail -2  # the sweep's
 timeout 90 python - <<'EOF_PY' 2>&1 | tail -1
 import sys
