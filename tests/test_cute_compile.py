@@ -826,7 +826,8 @@ def test_the_fma_broadcast_launch_passes_the_summed_weight_and_the_quartered_tac
     monkeypatch.setattr(fma, "compiled_fma", lambda tactic, problem, out: seen.append(tactic) or (lambda *a: None))
     monkeypatch.setattr(kernels, "sm_count", lambda index: 132)
     problem = spec_problem(7168, "fp32", None, None, "broadcast")
-    launch = fma.prepare_half_fma(problem, "half_fma:k112:t1:n6:w256:s1:b1:flat", problem.empty_outputs())
+    launch = fma.prepare_half_fma(problem, tac.parse_tactic("half_fma:k112:t1:n6:w256:s1:b1:flat"),
+                                    problem.empty_outputs())
     assert seen == [tac.parse_tactic("half_fma:k28:t1:n6:w256:s1:b1:flat")]
     fn = torch.randn(24, 4 * 7168)
     assert torch.equal(launch.weight(fn), broadcast_fn(fn)) and launch.weight(fn) is launch.weight(fn)

@@ -29,6 +29,7 @@ from cutlass import Float32  # noqa: E402
 
 from mhc_cute import benchmark as mb, selector, tactics as tac  # noqa: E402
 from mhc_cute.kernels import CompiledKernels, fma, spec_problem  # noqa: E402
+from mhc_cute.tactics import SUMSQ_COL  # noqa: E402
 
 SKIPPABLE = ("weights", "post", "reduce")
 VARIANTS = ((), ("weights",), ("post",), ("reduce",), ("weights", "post"), ("weights", "post", "reduce"))
@@ -74,7 +75,7 @@ class PhaseProbe(fma.FmaFusedHc):
                     if m0 + t < mPartials.shape[1]:
                         for i in cutlass.range_constexpr(self.tile_n):
                             mPartials[split, m0 + t, group * self.tile_n + i] = acc[t, i]
-                        mPartials[split, m0 + t, fma.SUMSQ_COL] = sumsq[t]
+                        mPartials[split, m0 + t, SUMSQ_COL] = sumsq[t]
         else:
             fma.FmaFusedHc.write_partials(self, m0, split, acc, sumsq, sRed, mPartials)
 

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 
 # mhc_cute.kernels first: it sets the DSL's target architecture before cutlass is imported
 from mhc_cute.kernels import compile_kernel, fake_buffer, fake_tensors, mma, scalar_args  # noqa: E402
+from mhc_cute.kernels import device_utils as du  # noqa: E402
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
@@ -42,10 +43,10 @@ class CopyOnlyKernel(mma.MmaFusedHcKernel):
         quad = lane % 4
         row0 = wg * 64 + (wg_tid // 32) * 16 + lane // 4
         rows = (row0, row0 + 8)
-        out = cute.make_rmem_tensor((mma.VEC,), BFloat16)
+        out = cute.make_rmem_tensor((du.VEC_BF16,), BFloat16)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for i in cutlass.range(n_blk, unroll=1):
-            vec_idx = (blk_begin + i) * (MMA_BLOCK_H // mma.VEC) + quad
+            vec_idx = (blk_begin + i) * (MMA_BLOCK_H // du.VEC_BF16) + quad
             ab_pipeline.consumer_wait(state)
             for j in cutlass.range_constexpr(HC_MULT):
                 for r in cutlass.range_constexpr(2):

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 # mhc_cute.kernels first: it sets the DSL's target architecture before cutlass is imported
-from mhc_cute.kernels import mma  # noqa: E402
+from mhc_cute.kernels import device_utils as du, mma  # noqa: E402
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
@@ -175,7 +175,7 @@ class WideBoxKernel(mma.MmaFusedHcKernel):
             if sub == 0:
                 raw_pipeline.consumer_wait(raw_state)
             w_pipeline.consumer_wait(w_state)
-            self.project_block(ctx, tiled_mma, sX, sRes, raw_state.index, sub * (BLOCK_H // mma.VEC) + ctx.quad,
+            self.project_block(ctx, tiled_mma, sX, sRes, raw_state.index, sub * (BLOCK_H // du.VEC_BF16) + ctx.quad,
                                w_state.index, mResOut, blk_begin + i, m_tile, m_total)
             w_pipeline.consumer_release(w_state)
             w_state.advance()

@@ -291,15 +291,8 @@ class BigFusePhase:
             for r in cutlass.range_constexpr(self.rounds):
                 gtid, valid, tc = self.round_token(r, m0, mLayerIn.shape[0])
                 if valid:
-                    mean_sq = storage.mixes[tc, X1_SUMSQ_COL] * Float32(1.0 / self.hidden)
-                    r_norm = du.rsqrt(mean_sq + scalars.norm_eps)
-                    row_out = du.token_row(mLayerIn, m0 + tc)
-                    if cutlass.const_expr(self.batches <= 2):
-                        for b in cutlass.range_constexpr(self.batches):
-                            self.normalise_batch(b, gtid, r_norm, mNormW, row_out, None, norm_w)
-                    else:
-                        for b in cutlass.range(self.batches, unroll=1):
-                            self.normalise_batch(b, gtid, r_norm, mNormW, row_out, None, None)
+                    self.normalise_row(gtid, storage.mixes[tc, X1_SUMSQ_COL], scalars.norm_eps, mNormW,
+                                       du.token_row(mLayerIn, m0 + tc), None, norm_w)
         if cutlass.const_expr(not self.sinkhorn_warp):
             self.sinkhorn(storage, m0, mCombOut, scalars)
 
@@ -357,13 +350,7 @@ class BigFusePhase:
             if cutlass.const_expr(self.norm_dtype is not None):
                 total = self.group_sum(sumsq, storage.scratch, group)
                 if valid:
-                    r_norm = du.rsqrt(total * Float32(1.0 / self.hidden) + scalars.norm_eps)
-                    if cutlass.const_expr(self.batches <= 2):
-                        for b in cutlass.range_constexpr(self.batches):
-                            self.normalise_batch(b, gtid, r_norm, mNormW, row_out, rounded, norm_w)
-                    else:
-                        for b in cutlass.range(self.batches, unroll=1):
-                            self.normalise_batch(b, gtid, r_norm, mNormW, row_out, rounded, None)
+                    self.normalise_row(gtid, total, scalars.norm_eps, mNormW, row_out, rounded, norm_w)
 
         if cutlass.const_expr(self.sinkhorn_last):
             self.post_gates(storage, m0, mPostOut, scalars)
@@ -418,6 +405,18 @@ class BigFusePhase:
             if o < self.octets:
                 cute.autovec_copy(cute.local_tile(mNormW, (du.VEC_BF16,), (o,)), w[u, None])
         return w
+
+    @cute.jit
+    def normalise_row(self, gtid, sum_sq: Float32, norm_eps: Float32, mNormW: cute.Tensor, row_out, rounded, norm_w):
+        """The norm's second pass over this thread's part of a row whose sum of squares is ``sum_sq``: r =
+        rsqrt(mean + eps), then ``normalise_batch`` on every batch (unrolled up to two; ``norm_w`` as there)."""
+        r_norm = du.rsqrt(sum_sq * Float32(1.0 / self.hidden) + norm_eps)
+        if cutlass.const_expr(self.batches <= 2):
+            for b in cutlass.range_constexpr(self.batches):
+                self.normalise_batch(b, gtid, r_norm, mNormW, row_out, rounded, norm_w)
+        else:
+            for b in cutlass.range(self.batches, unroll=1):
+                self.normalise_batch(b, gtid, r_norm, mNormW, row_out, rounded, None)
 
     @cute.jit
     def normalise_batch(self, b, gtid, r_norm: Float32, mNormW: cute.Tensor, row_out, rounded, norm_w):

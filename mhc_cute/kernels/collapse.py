@@ -81,10 +81,7 @@ class CollapseKernel:
         for b in cutlass.range_constexpr(phase.batches):
             sumsq = phase.collapse_batch(b, tidx, valid, batches[b], pre, row_out, rounded, sumsq)
         if cutlass.const_expr(self.norm_dtype is not None):
-            total = phase.group_sum(sumsq, scratch, 0)
-            r_norm = du.rsqrt(total * Float32(1.0 / self.hidden) + norm_eps)
-            for b in cutlass.range_constexpr(phase.batches):
-                phase.normalise_batch(b, tidx, r_norm, mNormW, row_out, rounded, norm_w)
+            phase.normalise_row(tidx, phase.group_sum(sumsq, scratch, 0), norm_eps, mNormW, row_out, rounded, norm_w)
 
 
 _compiled = CompiledKernels("mhc_collapse", "collapse.py")
