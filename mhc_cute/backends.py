@@ -42,7 +42,7 @@ class Backend:
 
     def load(self):
         """The backend's ``prepare``."""
-        return _load_entry(self.entry)
+        return load_entry(self.entry)
 
 
 # paths E/F's broadcast entry: H / 4 in whole 64-position chunks (``tactics.fma_broadcast_tactic``)
@@ -112,7 +112,8 @@ def checked_tactic(backend: str, tactic):
 
 
 @functools.lru_cache(maxsize=None)
-def _load_entry(entry: str):
+def load_entry(entry: str):
+    """The function an entry ("module:function") names, imported on first use."""
     module, func = entry.split(":")
     return getattr(importlib.import_module(module), func)
 

@@ -454,7 +454,7 @@ def op_host_times(op: str, m: int, hidden: int, device) -> HostTimes:
     inputs = make_op_inputs(op, m, hidden, device=device, norm=op != "mhc_post")
     with torch.inference_mode():
         call_op(op, inputs)
-    plan = ops._RECENT[op].entries[0].plan
+    plan = ops.last_plan(op)
     flat = plan.flatten(tuple(inputs.values()))  # the op's tensor arguments, in its order
 
     def bare(_s):

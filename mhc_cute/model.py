@@ -26,7 +26,10 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from . import reference
-from .problem import Scalars
+from .api import mhc_fused_hc, mhc_fused_hc_delayed
+from .backends import BACKENDS
+from .ops import OP_BACKENDS, mhc_collapse, mhc_head, mhc_post
+from .problem import V41_SCALARS, Scalars
 from .reference import HC_MULT
 
 Sublayer = Callable[[torch.Tensor], torch.Tensor]
@@ -50,7 +53,6 @@ class HeadWeights(NamedTuple):
 
 
 V4_SCALARS = Scalars()  # every seam's scalars: V4's defaults, and V4.1-Flash's
-V41_SCALARS = Scalars(rms_eps=1e-20, norm_eps=1e-20)
 
 
 def _check_model(weights: Sequence[SublayerWeights], sublayers: Sequence[Sublayer]) -> None:
@@ -62,16 +64,12 @@ def _check_model(weights: Sequence[SublayerWeights], sublayers: Sequence[Sublaye
 def _op_backend(op: str, backend: str) -> str:
     """The standalone op's backend for a model run on the seam backend ``backend``: the same name where the op has
     it ("torch", "triton"), else its own choice."""
-    from .ops import OP_BACKENDS
-
     return backend if backend in OP_BACKENDS[op] else "auto"
 
 
 def _entry_backend(backend: str, hidden: int) -> str:
     """The broadcast entry's backend on a model run on ``backend``: ``backend`` where it runs that form at this H
     (paths E/F need H % 256 == 0), else ``"auto"``."""
-    from .backends import BACKENDS
-
     fits = backend not in BACKENDS or hidden % BACKENDS[backend].h_multiple_for("broadcast") == 0
     return backend if fits else "auto"
 
@@ -82,9 +80,6 @@ def mhc_forward_v4(embedding: torch.Tensor, weights: Sequence[SublayerWeights], 
     head's input ``[..., H]`` bf16 out (``mhc_head`` with ``head.norm_weight`` as the final RMSNorm; ``hc_head``'s
     RMS eps is ``scalars.norm_eps``, as in DeepSeek's reference). ``backend``: the seams' (``mhc_fused_hc``; the entry
     runs on auto where the backend cannot run the broadcast entry at this H)."""
-    from .api import mhc_fused_hc
-    from .ops import mhc_head, mhc_post
-
     _check_model(weights, sublayers)
     seam_kw = scalars._asdict()
     w = weights[0]
@@ -109,20 +104,16 @@ def mhc_forward_v41(embedding: torch.Tensor, weights: Sequence[SublayerWeights],
     RMSNorm). ``engram``: {layer index: callable on the streams} (V4.1-Flash: layers 1 and 14), run between the
     standalone post and the attention seam of that layer. ``backend``: the seams' (``mhc_fused_hc_delayed``; the
     entry runs on auto where the backend cannot run the broadcast entry at this H)."""
-    from .api import mhc_fused_hc_delayed
-    from .ops import mhc_collapse, mhc_post
-
     _check_model(weights, sublayers)
     engram = engram or {}
     seam_kw = scalars._asdict()
     post_backend = _op_backend("mhc_post", backend)
-    regular = no_post = backend
     broadcast = _entry_backend(backend, embedding.shape[-1])
     w = weights[0]
     if 0 in engram:  # the Engram reads the 4 streams: they exist before the first seam
         residual = engram[0](embedding.unsqueeze(-2).expand(*embedding.shape[:-1], HC_MULT, embedding.shape[-1]))
         seam = mhc_fused_hc_delayed(None, residual, None, None, None, w.fn, w.hc_scale, w.hc_base,
-                                    norm_weight=w.norm_weight, backend=no_post, **seam_kw)
+                                    norm_weight=w.norm_weight, backend=backend, **seam_kw)
     else:  # broadcast entry, identity gates
         seam = mhc_fused_hc_delayed(None, embedding, None, None, None, w.fn, w.hc_scale, w.hc_base,
                                     norm_weight=w.norm_weight, backend=broadcast, **seam_kw)
@@ -132,10 +123,10 @@ def mhc_forward_v41(embedding: torch.Tensor, weights: Sequence[SublayerWeights],
         if i % 2 == 0 and layer in engram:  # Engram seam: standalone post, Engram, seam without post
             residual = mhc_post(y, seam.residual_cur, seam.post_mix_cur, seam.comb_mix_cur, backend=post_backend)
             seam = mhc_fused_hc_delayed(None, engram[layer](residual), None, None, seam.pre_mix_cur, w.fn,
-                                        w.hc_scale, w.hc_base, norm_weight=w.norm_weight, backend=no_post, **seam_kw)
+                                        w.hc_scale, w.hc_base, norm_weight=w.norm_weight, backend=backend, **seam_kw)
         else:
             seam = mhc_fused_hc_delayed(y, seam.residual_cur, seam.post_mix_cur, seam.comb_mix_cur, seam.pre_mix_cur,
-                                        w.fn, w.hc_scale, w.hc_base, norm_weight=w.norm_weight, backend=regular,
+                                        w.fn, w.hc_scale, w.hc_base, norm_weight=w.norm_weight, backend=backend,
                                         **seam_kw)
         y = sublayers[i](seam.layer_input)
     residual = mhc_post(y, seam.residual_cur, seam.post_mix_cur, seam.comb_mix_cur, backend=post_backend)

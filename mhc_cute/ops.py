@@ -16,9 +16,11 @@ from typing import NamedTuple
 import torch
 
 from . import backends, reference
-from .problem import ALIGN_BYTES, Flattening, aligned, fail as _fail, not_requiring_grad, overlap
+from .api import planned_launch
+from .problem import ALIGN_BYTES, Flattening, Scalars, aligned, fail as _fail, not_requiring_grad, overlap
 from .reference import HC_MULT, N_MIXES
 from .signatures import RecentSignatures
+from .weights import prepared
 
 BF16, F32 = (torch.bfloat16,), (torch.float32,)
 
@@ -95,7 +97,7 @@ def _dispatch(op: str, backend: str, device: torch.device, hidden: int, m: int, 
     """Run ``backend`` (resolved) on the flat ``args`` into the flat ``out``; nothing to do for M = 0."""
     if m == 0:
         return out
-    run = backends._load_entry(_resolve(op, backend, device, hidden).entry)
+    run = backends.load_entry(_resolve(op, backend, device, hidden).entry)
     backends.call_on(device.index if device.type == "cuda" else None, run, *args, out)
     return out
 
@@ -124,10 +126,6 @@ def _head_as_seam(residual, head_fn, head_scale, head_base, norm_weight, rms_eps
     are then the head's, written into ``out`` as its ``layer_input`` (no copy). Its post gates and Sinkhorn are
     computed on zero mixes into scratch and dropped (a few hundred bytes a token beside 10H). The inputs are flat and
     aligned and the buffers fresh, so the seam's launch is called directly, without an ``out=`` call's checks."""
-    from .api import planned_launch
-    from .problem import Scalars
-    from .weights import prepared
-
     fn = prepared(head_fn, "head_fn_as_24_rows", lambda f: torch.cat([f, f.new_zeros(N_MIXES - HC_MULT, f.shape[1])]))
     scale = prepared(head_scale, "head_scale_as_3", lambda t: t.reshape(1).expand(3).contiguous())
     base = prepared(head_base, "head_base_as_24", lambda b: torch.cat([b, b.new_zeros(N_MIXES - HC_MULT)]))
@@ -136,8 +134,7 @@ def _head_as_seam(residual, head_fn, head_scale, head_base, norm_weight, rms_eps
              residual.new_empty(m, HC_MULT, HC_MULT, dtype=torch.float32))
     inputs = (None, residual, None, None, fn, scale, base, norm_weight, None)
     launch = planned_launch(inputs, tuple(Scalars(rms_eps=rms_eps, hc_pre_eps=hc_eps, norm_eps=norm_eps)))
-    if launch is not None:
-        launch(inputs, (None, *mixes, out))
+    launch(inputs, (None, *mixes, out))  # M > 0 here (``_dispatch``)
 
 
 # --- validation -------------------------------------------------------------------------------------------------
@@ -243,6 +240,11 @@ class _OpPlan:
 _RECENT = {op: RecentSignatures() for op in OP_BACKENDS}
 
 
+def last_plan(op: str):
+    """The plan of ``op``'s most recent call signature (its checks and backend resolved; ``benchmark``'s floor)."""
+    return _RECENT[op].entries[0].plan
+
+
 def _fast(op: str, tensors: tuple, rest: tuple, out):
     """The plan of a recent signature of ``op`` for this call, or None (``out=`` and tracing take the full path, and
     so does an input that requires grad with grad mode on, for its error)."""
@@ -260,7 +262,7 @@ def _remember(op: str, c: "_Checker", tensors: tuple, rest: tuple, flat: tuple, 
     """Keep the plan of a call just checked in full (fresh output of ``shape``, eager)."""
     if out is not None or torch.compiler.is_compiling():
         return
-    run = backends._load_entry(_resolve(op, backend, c.device, c.hidden).entry) if c.m else None
+    run = backends.load_entry(_resolve(op, backend, c.device, c.hidden).entry) if c.m else None
     shape = None if len(c.lead) == 1 else shape
     _RECENT[op].remember(tensors, rest, _OpPlan(tensors, flat, scalars, alloc, shape, run, c.device))
 

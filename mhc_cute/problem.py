@@ -41,6 +41,9 @@ class Scalars(NamedTuple):
         return self._asdict()
 
 
+V41_SCALARS = Scalars(rms_eps=1e-20, norm_eps=1e-20)  # DeepSeek-V4.1-Flash's (mhc_fused_hc_delayed's defaults)
+
+
 class Problem(NamedTuple):
     """Contiguous flattened operands: ``x [M, H]``, ``residual [M, 4, H]``, ``post_mix [M, 4]``,
     ``comb_mix [M, 4, 4]``, ``fn [24, 4H]``, ``hc_scale [3]``, ``hc_base [24]``, ``norm_weight [H] | None``;

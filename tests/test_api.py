@@ -387,13 +387,13 @@ def test_a_tactic_reaches_the_backend_eagerly_and_under_torch_compile(monkeypatc
     from mhc_cute.triton.configs import TritonTactic
 
     seen = []
-    load = backends._load_entry
+    load = backends.load_entry
 
     def spy(entry):
         prepare = load(entry)
         return lambda p, t, o: seen.append(t) or prepare(p, t, o)
 
-    monkeypatch.setattr(backends, "_load_entry", spy)
+    monkeypatch.setattr(backends, "load_entry", spy)
     monkeypatch.setattr(api, "_PLANS", {})
     monkeypatch.setattr(api, "_RECENT", {False: api.RecentSignatures(), True: api.RecentSignatures()})
     tactic = TritonTactic(1, 32, 2, 4)

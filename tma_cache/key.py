@@ -240,13 +240,6 @@ class DescriptorKey:
     def element_size(self) -> int:
         return _ELEMENT_SIZE[self.data_type]
 
-    @property
-    def box_bytes(self) -> int:
-        n = self.element_size
-        for b, e in zip(self.box_dim, self.element_strides):
-            n *= -(-b // e)
-        return n
-
     def as_tuple(self) -> tuple:
         return (
             self.device, int(self.data_type), self.global_address, self.global_dim,

@@ -63,10 +63,6 @@ class TmaTileCopy:
         if swizzle and row_bytes != 128:
             raise ValueError(f"swizzled tile rows must be 128 bytes, got {row_bytes}")
 
-    @property
-    def descriptor_swizzle(self) -> Swizzle:
-        return Swizzle.B128 if self.swizzle else Swizzle.NONE
-
     def _smem_layout(self):
         if self.swizzle:
             atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
