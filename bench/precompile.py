@@ -70,10 +70,10 @@ def delayed_gpu_suite_specs(sm_count):
     hiddens = sorted(set(GPU_HS) | {4096, 5120, 7168})
     paths = tactics.FMA_PATHS + tactics.MMA_PATHS
     fma, mma = specs_for(paths, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count, ("carried", "identity"))
-    # the entry forms (tests/test_delayed.py's variants): without post V4's and V4.1's carried, the broadcast entry
-    # V4's and V4.1's with the identity
-    no_post = specs_for(paths, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count, (None, "carried"), "no_post")
-    broadcast = specs_for(paths, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count, (None, "identity"),
+    # the entry forms (tests/test_delayed.py's variants): V4's and V4.1's with either gates
+    no_post = specs_for(paths, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count, (None, "carried", "identity"),
+                        "no_post")
+    broadcast = specs_for(paths, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count, (None, "carried", "identity"),
                           "broadcast")
     return fma + no_post[0] + broadcast[0], mma + no_post[1] + broadcast[1]
 

@@ -10,16 +10,12 @@ import math
 import torch
 
 from . import reference
-from .api import _dispatch
-from .problem import MhcFusedHcDelayedOutput, MhcFusedHcOutput, Problem, Scalars
+from .api import _dispatch, mhc_fused_hc, mhc_fused_hc_delayed
+from .problem import FORMS, V41_SCALARS, MhcFusedHcDelayedOutput, MhcFusedHcOutput, Problem, Scalars
 from .reference import HC_MULT
 
 BF16_MANTISSA_BITS = 7
 FP32_SUM_ULPS = 8
-
-
-FORMS = ("regular", "no_post", "broadcast")  # the seam forms (SPEC "The op family")
-V41_SCALARS = Scalars(rms_eps=1e-20, norm_eps=1e-20)  # the delayed seam's defaults
 
 
 def make_inputs(m: int, h: int, *, seed: int = 0, device="cpu", norm: bool = False, lead=None,
@@ -30,6 +26,8 @@ def make_inputs(m: int, h: int, *, seed: int = 0, device="cpu", norm: bool = Fal
     ``"broadcast"`` (no post, ``residual_prev [..., H]``). ``pre``: None for ``mhc_fused_hc``'s arguments, else the
     delayed seam's ``pre_mix_prev``: ``"carried"`` (gates as a previous seam returns them) or ``"identity"`` (None).
     """
+    if form not in FORMS or pre not in (None, "carried", "identity"):
+        raise ValueError(f"make_inputs: form {form!r} (one of {FORMS}), pre {pre!r} (None, 'carried' or 'identity')")
     g = torch.Generator().manual_seed(seed)
     lead = (m,) if lead is None else tuple(lead)
     m = math.prod(lead)
@@ -58,12 +56,21 @@ def make_inputs(m: int, h: int, *, seed: int = 0, device="cpu", norm: bool = Fal
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
 
 
+def form_of(inputs: dict) -> str:
+    """The seam form of a call's arguments: ``residual_prev [..., 4, H]`` without ``x_prev`` is the streams (no
+    post), any other shape the broadcast entry's embedding."""
+    if inputs["x_prev"] is not None:
+        return "regular"
+    res = inputs["residual_prev"]
+    return "no_post" if res.dim() >= 3 and res.shape[-2] == HC_MULT else "broadcast"
+
+
 def problem_of(inputs: dict, precision: str = "fp32", **scalars) -> Problem:
     """The flat problem of ``make_inputs``'s arguments: the delayed seam's (V4.1 scalars unless given) when they
     have ``pre_mix_prev``."""
     h = inputs["fn"].shape[1] // 4
     res = inputs["residual_prev"]
-    broadcast = inputs["x_prev"] is None and (res.dim() < 3 or res.shape[-2] != 4)
+    broadcast = form_of(inputs) == "broadcast"
     m = res.numel() // (h if broadcast else 4 * h)
     delayed = "pre_mix_prev" in inputs
 
@@ -81,17 +88,49 @@ def problem_of(inputs: dict, precision: str = "fp32", **scalars) -> Problem:
     )
 
 
-def poisoned_outputs(problem: Problem) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
-    """Output buffers filled with NaN, so that an element a kernel fails to write fails the check."""
+def poisoned_outputs(problem: Problem, lead=None) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
+    """Output buffers filled with NaN, so that an element a kernel fails to write fails the check: the flat ones a
+    backend writes, or with ``lead`` those a call with these leading dims takes as ``out=`` (no post: residual_cur
+    None)."""
     out = problem.empty_outputs()
     for t in out:
         if t is not None:
             t.fill_(float("nan"))
+    if lead is not None:
+        out = type(out)(*(None if t is None else t.view(*lead, *t.shape[1:]) for t in out))
     return out
 
 
 def run_backend(problem: Problem, backend: str, tactic=None) -> MhcFusedHcOutput:
     return _dispatch(problem, backend, tactic, poisoned_outputs(problem))
+
+
+def call_seam(inputs: dict, backend: str = "auto", **kw):
+    """The seam whose arguments ``inputs`` are (``make_inputs``'s: the delayed seam when they have
+    ``pre_mix_prev``), called on ``backend``."""
+    return (mhc_fused_hc_delayed if "pre_mix_prev" in inputs else mhc_fused_hc)(**inputs, backend=backend, **kw)
+
+
+def flat_outputs(out, inputs: dict):
+    """What a public seam call on ``inputs`` (``make_inputs``'s, any leading dims) returned (``out``), flattened as
+    ``check_outputs`` reads it; without a post ``residual_cur`` must be ``residual_prev`` itself (None here: the
+    kernels write no residual)."""
+    if form_of(inputs) == "no_post":
+        assert out.residual_cur is inputs["residual_prev"], "residual_cur: not residual_prev itself (no post)"
+        out = out._replace(residual_cur=None)
+    h = out.layer_input.shape[-1]
+    m = out.layer_input.numel() // h
+    return type(out)(*(None if t is None else t.reshape(m, *t.shape[t.dim() - d:])
+                       for t, d in zip(out, (2, 2, 2, 1, 1))))
+
+
+def check_call(out, inputs: dict, backend: str = "torch", precision: str = "fp32", **scalars) -> dict:
+    """``check_outputs`` for what a public seam call on ``inputs`` (``make_inputs``'s, any leading dims) returned
+    (``out``; ``scalars``: the call's, as for ``problem_of``), at ``backend``'s tolerances (``"auto"``: the loosest
+    it may resolve to); without a post ``residual_cur`` must be ``residual_prev`` itself."""
+    backend = "half_mma" if backend == "auto" else backend
+    return check_outputs(flat_outputs(out, inputs), problem_of(inputs, precision, **scalars),
+                         **tolerances(backend, precision))
 
 
 def normwise(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -275,13 +314,14 @@ def tolerances(backend: str, precision: str) -> dict:
     return dict(mix_tol=1e-5)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bits of a bf16 or fp32 tensor (int16 or int32), for bitwise comparisons that see NaN payloads."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
 
 
 def same_bits(a: MhcFusedHcOutput, b: MhcFusedHcOutput) -> bool:
     """Whether two sets of outputs are bit-for-bit identical (None, an unwritten residual, matches None)."""
-    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(_bits(x), _bits(y)))
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(bits(x), bits(y)))
                for x, y in zip(a, b))
 
 
@@ -294,25 +334,57 @@ def gpu_nan(dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(dtype)
 
 
-def check_poisoned_token(out: MhcFusedHcOutput, clean: MhcFusedHcOutput, problem: Problem, token: int) -> None:
+def check_poisoned_token(out, clean, problem: Problem, token: int) -> None:
     """The non-finite policy for a NaN or infinity in the activations of one token (``x``, ``residual``,
-    ``post_mix`` or ``comb_mix`` of ``problem``, flattened), against ``clean``, the same call without it: every other
-    token's outputs are ``clean``'s bit for bit; the token's ``residual_cur`` is the fp32 FMA chain of SPEC step 1
-    (NaN exactly where the chain gives NaN, the same bits elsewhere, infinities included), and as its RMS and
-    projection then see a non-finite value, its ``post_mix_cur``, ``comb_mix_cur`` and ``layer_input`` are NaN.
+    ``post_mix``, ``comb_mix`` or the delayed seam's carried ``pre_mix`` of ``problem``, flattened; any seam form), on
+    the flat outputs ``out`` (no post: ``residual_cur`` None) against ``clean``, the same call without it: every other
+    token's outputs are ``clean``'s bit for bit; the token's ``residual_cur`` is the fp32 FMA chain of SPEC step 1 (the
+    entry forms: the streams as given, 4 copies of the embedding) with NaN exactly where the chain gives NaN, the same
+    bits elsewhere, infinities included. Where that value is non-finite, its RMS and projection see it: the token's
+    gates (``post_mix_cur``, ``comb_mix_cur``, ``pre_mix_cur``) are NaN, and so is ``mhc_fused_hc``'s ``layer_input``
+    (its collapse takes those gates). The delayed seam's ``layer_input`` is its collapse with the carried gates as
+    IEEE arithmetic gives it: NaN where the fp32 FMA chain of the collapse is NaN, the chain's bits elsewhere; with the
+    norm the row's rms is not finite, and each element is NaN or the fp32 reference's value (a zero or an infinity).
     Raises AssertionError naming what is off."""
-    others = torch.arange(problem.m, device=problem.x.device) != token
+    others = torch.arange(problem.m, device=problem.residual.device) != token
     for name, a, b in zip(out._fields, out, clean):
-        assert torch.equal(_bits(a[others]), _bits(b[others])), f"{name}: a token other than {token} changed"
+        if a is None and b is None:  # no post: residual_cur not written
+            continue
+        assert torch.equal(bits(a[others]), bits(b[others])), f"{name}: a token other than {token} changed"
     one = slice(token, token + 1)
-    want = reference.post(problem.x[one], problem.residual[one], problem.post_mix[one], problem.comb_mix[one])[0]
-    got = out.residual_cur[token]
+
+    def row(t):
+        return None if t is None else t[one]
+
+    want = reference.streams(row(problem.x), problem.residual[one], row(problem.post_mix), row(problem.comb_mix))
+    pre = row(problem.pre_mix) if problem.delayed else None
+    streams_finite = bool(torch.isfinite(want).all())
+    assert not streams_finite or (pre is not None and not torch.isfinite(pre).all()), \
+        "the poisoned value reaches no output (not a non-finite input?)"
+    if out.residual_cur is not None:
+        _check_nonfinite_row("residual_cur", out.residual_cur[token], want[0])
+    if not streams_finite:
+        gates = ("post_mix_cur", "comb_mix_cur") + (("pre_mix_cur",) if problem.delayed else ("layer_input",))
+        for name in gates:
+            assert getattr(out, name)[token].isnan().all(), f"{name}: not NaN in the poisoned token {token}"
+    if problem.delayed:
+        li = reference.collapse_carried(want, pre)
+        if problem.norm_weight is not None:
+            li = reference.rms_norm(li, problem.norm_weight, problem.scalars.norm_eps, torch.float32)
+        if problem.norm_weight is None:
+            _check_nonfinite_row("layer_input", out.layer_input[token], li[0])
+        else:  # the rms of a non-finite row: rsqrt(inf) is 0 in torch, NaN after the kernels' Newton step
+            got, want = out.layer_input[token], li[0]
+            assert got[want.isnan()].isnan().all(), "layer_input: not NaN where the reference gives NaN"
+            keep = ~got.isnan()
+            assert torch.equal(got[keep], want[keep]), "layer_input: neither NaN nor the reference's value"
+
+
+def _check_nonfinite_row(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """``got``: NaN exactly where ``want`` is, elsewhere ``want``'s bits."""
     nan = want.isnan()
-    assert not torch.isfinite(want).all(), "the poisoned value does not reach residual_cur (not a non-finite input?)"
-    assert torch.equal(got.isnan(), nan), "residual_cur: NaN elsewhere than where the fp32 FMA chain gives NaN"
-    assert torch.equal(_bits(got[~nan]), _bits(want[~nan])), "residual_cur: differs from the fp32 FMA chain"
-    for name in ("post_mix_cur", "comb_mix_cur", "layer_input"):
-        assert getattr(out, name)[token].isnan().all(), f"{name}: not NaN in the poisoned token {token}"
+    assert torch.equal(got.isnan(), nan), f"{name}: NaN elsewhere than where the reference gives NaN"
+    assert torch.equal(bits(got[~nan]), bits(want[~nan])), f"{name}: differs from the reference where it is not NaN"
 
 
 def check_backend(problem: Problem, backend: str, tactic=None) -> dict:
@@ -444,5 +516,5 @@ def check_op(op: str, inputs: dict, backend: str, **scalars) -> dict:
     first = call_op(op, inputs, backend, op_output_like(op, inputs), **scalars)
     errs = check_op_output(op, first, inputs, **op_tolerances(op, backend), **scalars)
     again = call_op(op, inputs, backend, op_output_like(op, inputs), **scalars)
-    assert torch.equal(_bits(first), _bits(again)), f"{op}: output differs between two runs"
+    assert torch.equal(bits(first), bits(again)), f"{op}: output differs between two runs"
     return errs

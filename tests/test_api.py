@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+from helpers import KERNEL_BACKENDS, fresh_plans, misaligned
 
-from mhc_cute.accuracy import check_outputs, make_inputs, problem_of, run_backend
-from mhc_cute import MhcFusedHcOutput, mhc_fused_hc, reference
-from mhc_cute.signatures import RecentSignatures
+from mhc_cute.accuracy import (
+    check_call, check_outputs, make_inputs, poisoned_outputs, problem_of, run_backend, tolerances,
+)
+from mhc_cute import MhcFusedHcOutput, backends, mhc_fused_hc, reference
 
 
 def call(inputs, **kw):
@@ -76,10 +78,7 @@ def test_sinkhorn_one_repeat_is_softmax_then_columns():
 @pytest.mark.parametrize("norm", [False, True])
 def test_auto_on_cpu_matches_float64(norm):
     inp = make_inputs(9, 256, norm=norm, seed=3)
-    out = call(inp)
-    problem = problem_of(inp)
-    flat = MhcFusedHcOutput(out.residual_cur, out.post_mix_cur, out.comb_mix_cur, out.layer_input)
-    check_outputs(flat, problem)
+    check_call(call(inp), inp)
 
 
 def test_norm_changes_only_layer_input():
@@ -166,16 +165,11 @@ def test_run_backend_writes_every_element():
 
 # --- out=: the caller's output buffers ----------------------------------------------------------------------
 
-def _buffers(like):
-    """Output buffers of the shapes and dtypes of ``like``, filled with garbage (every element must be written)."""
-    return tuple(torch.full_like(t, float("nan")) for t in like)
-
-
 @pytest.mark.parametrize("lead", [(5,), (2, 3)])
 def test_out_buffers_are_written_and_returned(lead):
     inp = make_inputs(math.prod(lead), 64, seed=4, norm=True, lead=lead)
     want = call(inp)
-    bufs = _buffers(want)
+    bufs = poisoned_outputs(problem_of(inp), lead)
     got = call(inp, out=bufs)
     assert isinstance(got, MhcFusedHcOutput)
     for g, b, w in zip(got, bufs, want):
@@ -195,26 +189,19 @@ def test_out_accepts_the_flat_mix_shapes():
 
 def test_out_with_zero_tokens():
     inp = make_inputs(0, 64, lead=(0,))
-    bufs = _buffers(call(inp))
+    bufs = poisoned_outputs(problem_of(inp), (0,))
     assert all(g is b for g, b in zip(call(inp, out=bufs), bufs))
 
 
 def test_out_under_torch_compile():
     inp = make_inputs(6, 64, seed=6, norm=True, lead=(2, 3))
     want = call(inp)
-    bufs = _buffers(want)
+    bufs = poisoned_outputs(problem_of(inp), (2, 3))
     got = torch.compile(lambda i, o: mhc_fused_hc(**i, out=o), fullgraph=True, backend="eager")(inp, bufs)
     assert all(g is b for g, b in zip(got, bufs)) and all(torch.equal(b, w) for b, w in zip(bufs, want))
-    bufs = _buffers(want)
+    bufs = poisoned_outputs(problem_of(inp), (2, 3))
     doubled = torch.compile(lambda i, o: mhc_fused_hc(**i, out=o).layer_input * 2, fullgraph=True)(inp, bufs)
     assert torch.equal(doubled, want.layer_input * 2) and all(torch.equal(b, w) for b, w in zip(bufs, want))
-
-
-def _misaligned(t):
-    """``t``'s shape and dtype at a base 2 bytes past a 16-byte boundary."""
-    raw = torch.empty(t.numel() * t.element_size() + 16, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % 16 + 2
-    return raw[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
 
 
 BAD_OUT_CASES = {
@@ -225,7 +212,7 @@ BAD_OUT_CASES = {
     "tokens": (lambda o, i: (o[0], o[1][:2]) + o[2:], "out.post_mix_cur"),
     "device": (lambda o, i: o[:2] + (torch.empty(3, 4, 4, device="meta"), o[3]), "out.comb_mix_cur"),
     "non-contiguous": (lambda o, i: o[:3] + (torch.empty(64, 3, dtype=torch.bfloat16).t(),), "out.layer_input"),
-    "misaligned": (lambda o, i: o[:3] + (_misaligned(o[3]),), "out.layer_input"),
+    "misaligned": (lambda o, i: o[:3] + (misaligned(o[3]),), "out.layer_input"),
     "overlaps an output": (lambda o, i: o[:3] + (o[0].view(-1)[:3 * 64].view(3, 64),), "out.residual_cur"),
     "overlaps an input": (lambda o, i: o[:3] + (i["x_prev"],), "out.layer_input"),
     "overlaps the weight": (lambda o, i: (o[0], i["fn"].view(-1)[:12].view(3, 4, 1)) + o[2:], "out.post_mix_cur"),
@@ -236,7 +223,7 @@ BAD_OUT_CASES = {
 def test_bad_out_names_the_buffer(case):
     make_bad, name = BAD_OUT_CASES[case]
     inp = make_inputs(3, 64, seed=8, norm=True)
-    bufs = _buffers(call(inp))
+    bufs = poisoned_outputs(problem_of(inp), (3,))
     before = {k: v.clone() for k, v in inp.items() if isinstance(v, torch.Tensor)}
     with pytest.raises(ValueError, match=f"`{name}`"):
         call(inp, out=make_bad(bufs, inp))
@@ -283,14 +270,25 @@ BAD_CASES = {
     "norm shape": (lambda i: _bad(i, norm_weight=torch.ones(63).bfloat16()), "norm_weight"),
     "norm dtype": (lambda i: _bad(i, norm_weight=torch.ones(64).half()), "norm_weight"),
     "device": (lambda i: _bad(i, hc_base=torch.ones(24, device="meta")), "hc_base"),
+    "x_prev 0-dim": (lambda i: _bad(i, x_prev=torch.tensor(1.0).bfloat16()), "x_prev"),
+    "H == 0": (lambda i: _bad(i, x_prev=i["x_prev"][:, :0]), "x_prev"),
+    # without a post (x_prev None) the call's leading dims, H and device are residual_prev's
+    "residual not tensor, no post": (lambda i: _bad(_no_post(i), residual_prev=[1.0]), "residual_prev"),
+    "residual 0-dim, no post": (lambda i: _bad(_no_post(i), residual_prev=torch.tensor(1.0).bfloat16()),
+                                "residual_prev"),
+    "H == 0, no post": (lambda i: _bad(_no_post(i), residual_prev=i["residual_prev"][..., :0]), "residual_prev"),
 }
+
+
+def _no_post(inp):
+    return _bad(inp, x_prev=None, post_mix_prev=None, comb_mix_prev=None)
 
 
 @pytest.mark.parametrize("case", list(BAD_CASES))
 def test_bad_input_names_the_argument(case):
     make_bad, name = BAD_CASES[case]
     inp = make_inputs(3, 64, norm=True)
-    with pytest.raises(ValueError, match=f"`{name}`"):
+    with pytest.raises(ValueError, match=rf"^mhc_fused_hc: `{name}` must be"):
         call(make_bad(inp))
 
 
@@ -366,7 +364,7 @@ def test_a_tactic_the_backend_cannot_run_is_refused(backend, tactic, message):
 
 
 def test_tactic_names_read_back():
-    from mhc_cute import backends, tactics
+    from mhc_cute import tactics
     from mhc_cute.triton.configs import TABLES, TritonTactic
 
     for table in TABLES:
@@ -383,7 +381,6 @@ def test_tactic_names_read_back():
 def test_a_tactic_reaches_the_backend_eagerly_and_under_torch_compile(monkeypatch):
     """``tactic`` (an object or its name) is what the backend runs, in eager calls and through the custom ops."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from mhc_cute import api, backends
     from mhc_cute.triton.configs import TritonTactic
 
     seen = []
@@ -394,8 +391,7 @@ def test_a_tactic_reaches_the_backend_eagerly_and_under_torch_compile(monkeypatc
         return lambda p, t, o: seen.append(t) or prepare(p, t, o)
 
     monkeypatch.setattr(backends, "load_entry", spy)
-    monkeypatch.setattr(api, "_PLANS", {})
-    monkeypatch.setattr(api, "_RECENT", {False: api.RecentSignatures(), True: api.RecentSignatures()})
+    fresh_plans(monkeypatch)
     tactic = TritonTactic(1, 32, 2, 4)
     inp = make_inputs(2, 64)
     want = call(inp, backend="triton", tactic=tactic)
@@ -407,20 +403,18 @@ def test_a_tactic_reaches_the_backend_eagerly_and_under_torch_compile(monkeypatc
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
-@pytest.mark.parametrize("backend", ["half_fma", "all_fma", "half_mma", "all_mma"])
-def test_cute_backend_on_cpu_is_unavailable(backend):
-    with pytest.raises(RuntimeError, match=f"backend '{backend}' is unavailable.*available here"):
+@pytest.mark.parametrize("backend", [b for b in KERNEL_BACKENDS if backends.BACKENDS[b].kind == "cute"])
+def test_cute_backend_on_cpu_tensors_is_unavailable(backend):
+    with pytest.raises(RuntimeError, match=f"backend '{backend}' is unavailable on cpu.*available here"):
         call(make_inputs(2, 64), backend=backend)
 
 
-def test_kernel_backend_needs_h_multiple_of_64():
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton backend runs on CPU tensors only under TRITON_INTERPRET=1")
-    with pytest.raises(ValueError, match="H % 64"):
-        call(make_inputs(2, 96), backend="triton")
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kernel_backend_needs_h_multiple_of_64(backend, monkeypatch):
+    """Checked before anything runs (so on any machine: the backend's availability is faked)."""
+    monkeypatch.setattr(backends, "unavailable_reason", lambda name, device: None)
+    with pytest.raises(ValueError, match=rf"^mhc_fused_hc: backend '{backend}' needs H % 64 == 0; got H = 96"):
+        call(make_inputs(2, 96), backend=backend)
 
 
 def test_misaligned_inputs_are_copied_not_misread():
@@ -451,13 +445,7 @@ def test_validation_cache_does_not_hide_errors():
 def test_a_signature_is_checked_and_prepared_once(monkeypatch):
     """Later calls of a signature reuse its plan (the host time of an eager call), with fresh outputs each time; a new
     shape or scalar is a new signature, checked in full."""
-    from mhc_cute import api
-
-    made = []
-    new_plan = api._new_plan
-    monkeypatch.setattr(api, "_PLANS", {})
-    monkeypatch.setattr(api, "_RECENT", {False: RecentSignatures(), True: RecentSignatures()})
-    monkeypatch.setattr(api, "_new_plan", lambda *args: made.append(args) or new_plan(*args))
+    made = fresh_plans(monkeypatch)
     inp = make_inputs(3, 64, seed=12, norm=True)
     first = call(inp)
     again = [call(inp) for _ in range(3)]
@@ -477,33 +465,33 @@ def test_a_recent_signature_is_found_without_its_key(monkeypatch):
     from mhc_cute import api, signatures
 
     assert signatures.TensorGuards is not None  # this torch has the check: eager calls take the short path
-    made = []
-    new_plan = api._new_plan
-    monkeypatch.setattr(api, "_PLANS", {})
-    monkeypatch.setattr(api, "_RECENT", {False: RecentSignatures(), True: RecentSignatures()})
-    monkeypatch.setattr(api, "_new_plan", lambda *args: made.append(args) or new_plan(*args))
+    made = fresh_plans(monkeypatch)
     inp = make_inputs(3, 64, seed=14)
     first = call(inp)
     api._PLANS.clear()  # only the recent plans remain
     same = call({k: None if v is None else v.clone() for k, v in inp.items()})
     assert len(made) == 1 and all(torch.equal(a, b) for a, b in zip(first, same))
-    changed = [
-        {**inp, "x_prev": inp["x_prev"][:2]},  # shape (a bad one: the checks name it)
-        {**inp, "post_mix_prev": inp["post_mix_prev"].double()},  # dtype (bad)
+    refused = [  # (a bad call, the argument its error names)
+        ({**inp, "x_prev": inp["x_prev"][:2]}, "residual_prev"),  # shape: no longer x_prev's leading dims
+        ({**inp, "post_mix_prev": inp["post_mix_prev"].double()}, "post_mix_prev"),  # dtype
+        ({**inp, "residual_prev": inp["residual_prev"].to("meta")}, "residual_prev"),  # device
+    ]
+    for i, (other, name) in enumerate(refused):
+        with pytest.raises(ValueError, match=rf"^mhc_fused_hc: `{name}` must be"):
+            call(other)
+        assert len(made) == 2 + i, i
+    accepted = [
         {**inp, "x_prev": inp["x_prev"].t().contiguous().t()},  # strides
-        {**inp, "residual_prev": inp["residual_prev"].to("meta")},  # device (bad)
         {**inp, "norm_weight": torch.ones(64, dtype=torch.bfloat16)},  # a tensor where None was
     ]
-    for i, other in enumerate(changed):
-        try:
-            call(other)
-        except (ValueError, RuntimeError):
-            pass
-        assert len(made) == 2 + i, i
+    for i, other in enumerate(accepted):
+        check_call(call(other), other)
+        assert len(made) == 2 + len(refused) + i, i
     call(inp, rms_eps=1e-5)
     call(inp, precision="tf32")
     call(inp, backend="torch")
-    assert len(made) == 2 + len(changed) + 2  # auto on the CPU is the reference: its plan was made just now
+    # auto on the CPU is the reference: its plan was made just now
+    assert len(made) == 2 + len(refused) + len(accepted) + 2
 
 
 def test_plans_follow_the_selector(monkeypatch):
@@ -527,8 +515,7 @@ def test_plans_follow_the_selector(monkeypatch):
 def test_plans_are_bounded(monkeypatch):
     from mhc_cute import api
 
-    monkeypatch.setattr(api, "_PLANS", {})
-    monkeypatch.setattr(api, "_RECENT", {False: RecentSignatures(), True: RecentSignatures()})
+    fresh_plans(monkeypatch)
     monkeypatch.setattr(api, "MAX_PLANS", 2)
     outs = [call(make_inputs(m, 64)) for m in (1, 2, 3)]
     assert len(api._PLANS) == 2 and [next(iter(key)) for key in api._PLANS] == [(2, 64), (3, 64)]  # x's shape first
@@ -569,3 +556,26 @@ def test_accuracy_check_catches_errors(norm):
                            ("comb_mix_cur", mix_err, "comb_mix_cur"), ("post_mix_cur", mix_err, "post_mix_cur")):
         with pytest.raises(AssertionError, match=msg):
             check_outputs(broken(field, fn), problem)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_accuracy_check_catches_errors_at_tf32(norm):
+    """At ``precision="tf32"`` the check of layer_input is normwise (``tolerances``: ``li_normwise``), not per element:
+    it still fails a layer_input 10% off in one token of 8, or with two tokens swapped, an unwritten (NaN) element, and
+    a 1e-2 mix error."""
+    problem = problem_of(make_inputs(8, 256, norm=norm, seed=5), "tf32")
+    tol = tolerances("half_mma", "tf32")
+    assert tol.get("li_normwise") == 1e-2
+    good = run_backend(problem, "torch")
+    check_outputs(good, problem, **tol)
+    li = good.layer_input
+    one_token = li.clone()
+    one_token[3] = (one_token[3].float() * 1.1).bfloat16()
+    unwritten = li.clone()
+    unwritten[5, 7] = float("nan")
+    for bad, msg in ((one_token, "layer_input normwise"), (li[[1, 0, *range(2, 8)]], "layer_input normwise"),
+                     (unwritten, "layer_input: non-finite")):
+        with pytest.raises(AssertionError, match=msg):
+            check_outputs(good._replace(layer_input=bad), problem, **tol)
+    with pytest.raises(AssertionError, match="comb_mix_cur normwise"):
+        check_outputs(good._replace(comb_mix_cur=good.comb_mix_cur * (1 + 1e-2)), problem, **tol)

@@ -4,23 +4,17 @@ import contextlib
 
 import pytest
 import torch
+from helpers import CPU_BACKENDS, KERNEL_BACKENDS, SEAM_BACKENDS, skip_unless_available
 
 from mhc_cute.accuracy import check_backend, make_inputs, problem_of
-from mhc_cute import backends, mhc_fused_hc
+from mhc_cute import mhc_fused_hc
 
-KERNEL_BACKENDS = ["triton", "half_fma", "all_fma", "half_mma", "all_mma"]
 GPU_MS = [1, 2, 3, 16, 17, 64, 100, 256, 1000, 4096, 8192]
 GPU_HS = [512, 4096, 5120, 7168]
 
 
-def _skip_if_unavailable(backend, device):
-    why = backends.unavailable_reason(backend, torch.device(device))
-    if why is not None:
-        pytest.skip(f"{backend} unavailable: {why}")
-
-
 def _run_and_check(backend, m, h, norm, device, precision="fp32", seed=0):
-    _skip_if_unavailable(backend, device)
+    skip_unless_available(backend, device)
     check_backend(problem_of(make_inputs(m, h, seed=seed + m + h, device=device, norm=norm), precision), backend)
 
 
@@ -42,7 +36,7 @@ def test_triton_interpreter_cpu(m, h, norm):
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("h", GPU_HS)
 @pytest.mark.parametrize("m", GPU_MS)
-@pytest.mark.parametrize("backend", ["torch"] + KERNEL_BACKENDS)
+@pytest.mark.parametrize("backend", SEAM_BACKENDS)
 def test_gpu_backend(backend, m, h, norm):
     _run_and_check(backend, m, h, norm, "cuda")
 
@@ -63,7 +57,7 @@ def _check_caller_contexts(backend, h, device):
     may load its weights) called in and out of it; calls under bf16 autocast or with TF32 matmuls allowed (neither may
     lower the projection's precision), and with another default dtype or device (nothing internal may follow them);
     and the float64 contract for the inference tensors."""
-    _skip_if_unavailable(backend, device)
+    skip_unless_available(backend, device)
     inputs = make_inputs(17, h, seed=5, device=device, norm=True)
     with torch.inference_mode():
         frozen = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
@@ -85,13 +79,13 @@ def _check_caller_contexts(backend, h, device):
     check_backend(problem_of(frozen, "fp32"), backend)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_caller_contexts_cpu(backend):
     _check_caller_contexts(backend, 256, "cpu")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["torch"] + KERNEL_BACKENDS)
+@pytest.mark.parametrize("backend", SEAM_BACKENDS)
 def test_gpu_caller_contexts(backend):
     _check_caller_contexts(backend, 4096, "cuda")
 
@@ -173,14 +167,14 @@ def test_gpu_fma_warp_mma(path, which, m, h, norm):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("backend", ["torch"] + KERNEL_BACKENDS)
+@pytest.mark.parametrize("backend", SEAM_BACKENDS)
 def test_gpu_saturated_gates(backend, norm):
     """Mixes far outside the sigmoid's range (|hc_base| of 100-300): gates of 0 and 1 (in fp32 1 + exp(-x)
     overflows to inf), a one-hot comb softmax; every output finite and within the float64 contract."""
     inputs = make_inputs(17, 4096, seed=11, device="cuda", norm=norm)
     signs = torch.tensor([1.0, -1.0] * 12, device="cuda")
     inputs["hc_base"] = signs * torch.linspace(100.0, 300.0, 24, device="cuda")
-    _skip_if_unavailable(backend, "cuda")
+    skip_unless_available(backend, "cuda")
     check_backend(problem_of(inputs, "fp32"), backend)
 
 
@@ -220,7 +214,7 @@ def test_gpu_offsets_past_int32(backend, first_past, norm):
     contract. A 32-bit offset wraps there (negative addresses: a fault, or another row's data)."""
     from mhc_cute.accuracy import check_outputs, run_backend, tolerances
 
-    _skip_if_unavailable(backend, "cuda")
+    skip_unless_available(backend, "cuda")
     # bytes: inputs and outputs (20 per token and H position) and the checks' temporaries
     need = (first_past + LARGE_ROWS_PAST) * LARGE_H * 25
     torch.cuda.empty_cache()  # what earlier tests left in torch's caching allocator counts as used

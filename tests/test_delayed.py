@@ -3,35 +3,34 @@ CPU: the float64 contract per backend and variant, the API's promises, validatio
 
 import pytest
 import torch
+from helpers import (
+    SEAM_BACKENDS, SEAM_VARIANTS, backend_params, compile_outside_interpreter, fresh_plans, skip_unless_available,
+    variant_id,
+)
 
-from mhc_cute import MhcFusedHcDelayedOutput, backends, mhc_fused_hc, mhc_fused_hc_delayed, reference
-from mhc_cute.accuracy import check_backend, check_outputs, make_inputs, problem_of, run_backend
-from mhc_cute.signatures import RecentSignatures
+from mhc_cute import backends, mhc_fused_hc, mhc_fused_hc_delayed, reference
+from mhc_cute.accuracy import (
+    call_seam, check_backend, check_call, check_outputs, make_inputs, normwise, poisoned_outputs,
+    problem_of, run_backend,
+)
 
-# (op, form, pre): the seam variants. pre None: mhc_fused_hc; "carried" / "identity": the delayed seam's
-# pre_mix_prev given / None. The V4.1 entry is the broadcast form with the identity.
-VARIANTS = [
-    ("fused_hc", "no_post", None),
-    ("fused_hc", "broadcast", None),
-    ("fused_hc_delayed", "regular", "carried"),
-    ("fused_hc_delayed", "regular", "identity"),
-    ("fused_hc_delayed", "no_post", "carried"),
-    ("fused_hc_delayed", "broadcast", "identity"),
-]
-VARIANT_IDS = [f"{op}-{form}-{pre}" for op, form, pre in VARIANTS]
-
-
-def seam(inputs, **kw):
-    """The op that ``inputs`` (from ``make_inputs``) are arguments of."""
-    return (mhc_fused_hc_delayed if "pre_mix_prev" in inputs else mhc_fused_hc)(**inputs, **kw)
+# (op, form, pre): every seam variant (helpers.SEAM_VARIANTS) but mhc_fused_hc's regular form, which has the suites
+# of tests/test_correctness.py and test_api.py
+VARIANTS = [v for v in SEAM_VARIANTS if v[:2] != ("fused_hc", "regular")]
+VARIANT_IDS = [variant_id(v) for v in VARIANTS]
 
 
 def check_variant(backend, m, h, form, pre, norm, device="cpu", seed=0):
-    why = backends.unavailable_reason(backend, torch.device(device))
-    if why is not None:
-        pytest.skip(f"{backend} unavailable: {why}")
+    skip_unless_available(backend, device)
     inputs = make_inputs(m, h, seed=seed + m + h, device=device, norm=norm, form=form, pre=pre)
     check_backend(problem_of(inputs), backend)
+
+
+def test_variants_are_every_form_of_both_seams():
+    assert len(VARIANTS) == len(set(VARIANTS)) == 2 + 3 * 2
+    for op, form, pre in VARIANTS:
+        problem = problem_of(make_inputs(2, 64, form=form, pre=pre))
+        assert (problem.op, problem.form, problem.delayed and problem.pre_mix is None) == (op, form, pre == "identity")
 
 
 @pytest.mark.parametrize("norm", [False, True])
@@ -49,36 +48,43 @@ def test_torch_backend_delayed_v41_width_cpu(form, pre):
 
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("form", ["regular", "broadcast"])
-def test_residual_and_gates_match_the_v4_seam(form, norm):
-    """The delayed seam's residual_cur is bit-identical to mhc_fused_hc's; its post and comb gates are the V4
-    seam's (same rms_eps); its pre_mix_cur is the V4 seam's pre gate (sigmoid + eps of the same mixes)."""
-    inputs = make_inputs(9, 128, seed=4, norm=norm, form=form)
-    v4 = mhc_fused_hc(**inputs, rms_eps=1e-20, norm_eps=1e-20)
-    d = mhc_fused_hc_delayed(**inputs, pre_mix_prev=None)
+@pytest.mark.parametrize("backend,device", backend_params())
+def test_residual_and_gates_match_the_v4_seam(backend, device, form, norm):
+    """On each backend the delayed seam's residual_cur is bit-identical to mhc_fused_hc's, and both seams' gates
+    (the delayed seam's post and comb the V4 seam's at V4.1's scalars, its pre_mix_cur the V4 seam's pre gate) and
+    layer_input meet the float64 contract."""
+    skip_unless_available(backend, device)
+    inputs = make_inputs(5, 64 if device == "cpu" else 512, seed=4, device=device, norm=norm, form=form,
+                         pre="carried" if form == "regular" else "identity")
+    v4_inputs = {k: v for k, v in inputs.items() if k != "pre_mix_prev"}
+    v41 = dict(rms_eps=1e-20, norm_eps=1e-20)
+    v4 = mhc_fused_hc(**v4_inputs, backend=backend, **v41)
+    d = mhc_fused_hc_delayed(**inputs, backend=backend)
     assert torch.equal(v4.residual_cur.view(torch.int16), d.residual_cur.view(torch.int16))
-    for a, b in ((v4.post_mix_cur, d.post_mix_cur), (v4.comb_mix_cur, d.comb_mix_cur)):
-        assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= 1e-5
-    problem = problem_of(inputs, rms_eps=1e-20, norm_eps=1e-20)
-    pre, _, _ = reference.gates(v4.residual_cur.reshape(9, 4, 128), inputs["fn"], inputs["hc_scale"],
-                                inputs["hc_base"], broadcast=problem.broadcast, rms_eps=1e-20, hc_pre_eps=1e-6,
-                                hc_sinkhorn_eps=1e-6, hc_post_mult_value=2.0, sinkhorn_repeat=20)
-    assert torch.equal(d.pre_mix_cur, pre)
+    check_call(v4, v4_inputs, backend, **v41)
+    check_call(d, inputs, backend)
 
 
-def test_identity_pre_collapses_to_stream_zero():
-    inputs = make_inputs(7, 64, seed=2, pre="identity")
-    out = mhc_fused_hc_delayed(**inputs)
+@pytest.mark.parametrize("backend,device", backend_params())
+def test_identity_pre_collapses_to_stream_zero(backend, device):
+    skip_unless_available(backend, device)
+    inputs = make_inputs(7, 64 if device == "cpu" else 512, seed=2, device=device, pre="identity")
+    out = mhc_fused_hc_delayed(**inputs, backend=backend)
+    check_call(out, inputs, backend)
     assert torch.equal(out.layer_input.view(torch.int16), out.residual_cur[:, 0].view(torch.int16))
-    one_hot = torch.tensor([1.0, 0.0, 0.0, 0.0]).expand(7, 4).contiguous()
-    explicit = mhc_fused_hc_delayed(**{**inputs, "pre_mix_prev": one_hot})
+    one_hot = torch.tensor([1.0, 0.0, 0.0, 0.0], device=device).expand(7, 4).contiguous()
+    explicit = mhc_fused_hc_delayed(**{**inputs, "pre_mix_prev": one_hot}, backend=backend)
     assert torch.equal(explicit.layer_input.view(torch.int16), out.layer_input.view(torch.int16))
 
 
-def test_collapse_uses_the_carried_gates_not_its_own():
-    inputs = make_inputs(5, 64, seed=3, pre="carried")
-    out = mhc_fused_hc_delayed(**inputs)
-    want = reference.collapse_carried(out.residual_cur, inputs["pre_mix_prev"])
-    assert torch.equal(out.layer_input.view(torch.int16), want.view(torch.int16))
+@pytest.mark.parametrize("backend,device", backend_params())
+def test_collapse_uses_the_carried_gates_not_its_own(backend, device):
+    """layer_input (no norm) is the fp32 FMA chain of the collapse of residual_cur with pre_mix_prev, bit for bit
+    (``check_call``), which the collapse with the seam's own gates is not."""
+    skip_unless_available(backend, device)
+    inputs = make_inputs(5, 64 if device == "cpu" else 512, seed=3, device=device, pre="carried")
+    out = mhc_fused_hc_delayed(**inputs, backend=backend)
+    check_call(out, inputs, backend)
     own = reference.collapse_carried(out.residual_cur, out.pre_mix_cur)
     assert not torch.equal(out.layer_input, own)
 
@@ -109,7 +115,7 @@ def test_broadcast_entry_writes_four_copies_and_projects_over_h():
     # the same seam on the 4 copies given as streams (no post): the same gates up to the fp32 rounding of fn_b
     streams = mhc_fused_hc_delayed(**{**inputs, "residual_prev": e[:, None].expand(-1, 4, -1).contiguous()})
     for a, b in zip(out[1:], streams[1:]):
-        assert ((a.double() - b.double()).norm() / b.double().norm()).item() <= 1e-6
+        assert normwise(a, b) <= 1e-6
     # identity pre with the norm: layer_input is RMSNorm(e) itself
     w = torch.ones(64).bfloat16()
     normed = mhc_fused_hc_delayed(**{**inputs, "norm_weight": w})
@@ -145,12 +151,7 @@ def test_chained_seams_carry_pre_mix_cur(norm):
                         pre_mix_prev=prev.pre_mix_cur)
         out = mhc_fused_hc_delayed(**args, **kw)
         assert out.pre_mix_cur.shape == (*lead, 4) and out.layer_input.shape == (*lead, h)
-        problem = problem_of({**args, **kw})
-        flat = MhcFusedHcDelayedOutput(
-            None if args["x_prev"] is None and i else out.residual_cur.reshape(-1, 4, h),
-            out.post_mix_cur.reshape(-1, 4, 1), out.comb_mix_cur.reshape(-1, 4, 4), out.layer_input.reshape(-1, h),
-            out.pre_mix_cur.reshape(-1, 4))
-        check_outputs(flat, problem)
+        check_call(out, {**args, **kw})
         prev = out
 
 
@@ -158,7 +159,7 @@ def test_chained_seams_carry_pre_mix_cur(norm):
 @pytest.mark.parametrize("lead", [(0,), (2, 0), (0, 3)])
 def test_zero_tokens(op, form, pre, lead):
     inputs = make_inputs(1, 64, lead=lead, form=form, pre=pre)
-    out = seam(inputs)
+    out = call_seam(inputs)
     assert out.layer_input.shape == (*lead, 64) and out.comb_mix_cur.shape == (*lead, 4, 4)
     if form == "no_post":
         assert out.residual_cur is inputs["residual_prev"]
@@ -169,28 +170,20 @@ def test_zero_tokens(op, form, pre, lead):
 @pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
 def test_leading_dims_match_flat_calls(op, form, pre):
     inputs = make_inputs(1, 64, lead=(2, 3), seed=8, form=form, pre=pre, norm=True)
-    got = seam(inputs)
+    got = call_seam(inputs)
     flat = {k: (v.reshape(6, *v.shape[2:]) if isinstance(v, torch.Tensor) and k not in ("fn", "hc_scale", "hc_base",
             "norm_weight") else v) for k, v in inputs.items()}
-    want = seam(flat)
+    want = call_seam(flat)
     for name, a, b in zip(got._fields, got, want):
         assert torch.equal(a.reshape(b.shape), b), name
-
-
-def _out_buffers(inputs, form, delayed, lead=(5,), h=64):
-    bufs = [None if form == "no_post" else torch.empty(*lead, 4, h, dtype=torch.bfloat16),
-            torch.empty(*lead, 4, 1), torch.empty(*lead, 4, 4), torch.empty(*lead, h, dtype=torch.bfloat16)]
-    if delayed:
-        bufs.append(torch.empty(*lead, 4))
-    return bufs
 
 
 @pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
 def test_out_buffers_are_written_and_returned(op, form, pre):
     inputs = make_inputs(5, 64, seed=10, form=form, pre=pre, norm=True)
-    want = seam(inputs)
-    bufs = _out_buffers(inputs, form, pre is not None)
-    got = seam(inputs, out=bufs)
+    want = call_seam(inputs)
+    bufs = poisoned_outputs(problem_of(inputs), (5,))
+    got = call_seam(inputs, out=bufs)
     for name, a, b, buf in zip(got._fields, got, want, bufs):
         assert torch.equal(a, b), name
         if buf is not None:
@@ -201,34 +194,32 @@ def test_out_buffers_are_written_and_returned(op, form, pre):
 
 def test_out_without_post_refuses_a_residual_buffer():
     inputs = make_inputs(5, 64, form="no_post", pre="carried")
-    bufs = _out_buffers(inputs, "regular", True)
+    bufs = poisoned_outputs(problem_of(make_inputs(5, 64, pre="carried")), (5,))
+    assert bufs.residual_cur is not None
     with pytest.raises(ValueError, match=r"mhc_fused_hc_delayed: `out.residual_cur` must be None"):
         mhc_fused_hc_delayed(**inputs, out=bufs)
 
 
 def test_delayed_out_needs_five_buffers():
     inputs = make_inputs(5, 64, pre="carried")
+    bufs = poisoned_outputs(problem_of(inputs), (5,))
     with pytest.raises(ValueError, match=r"`out` must be a tuple of 5 tensors"):
-        mhc_fused_hc_delayed(**inputs, out=_out_buffers(inputs, "regular", False))
-    bufs = _out_buffers(inputs, "regular", True)
-    bufs[4] = torch.empty(5, 3)
+        mhc_fused_hc_delayed(**inputs, out=bufs[:4])
     with pytest.raises(ValueError, match=r"`out.pre_mix_cur` must be of shape \[5, 4\] or \[5, 4, 1\]"):
-        mhc_fused_hc_delayed(**inputs, out=bufs)
-    bufs = _out_buffers(inputs, "regular", True)
-    bufs[4] = inputs["pre_mix_prev"]
+        mhc_fused_hc_delayed(**inputs, out=bufs._replace(pre_mix_cur=torch.empty(5, 3)))
     with pytest.raises(ValueError, match=r"`out.pre_mix_cur` must be a buffer that shares no memory with pre_mix"):
-        mhc_fused_hc_delayed(**inputs, out=bufs)
+        mhc_fused_hc_delayed(**inputs, out=bufs._replace(pre_mix_cur=inputs["pre_mix_prev"]))
 
 
 @pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
 def test_torch_compile_fullgraph(op, form, pre):
     inputs = make_inputs(3, 64, seed=11, form=form, pre=pre, norm=True, lead=(3,))
-    want = seam(inputs)
-    got = torch.compile(lambda **kw: seam(kw), fullgraph=True, backend="eager")(**inputs)
+    want = call_seam(inputs)
+    got = torch.compile(lambda **kw: call_seam(kw), fullgraph=True, backend="eager")(**inputs)
     for name, a, b in zip(want._fields, got, want):
         assert torch.equal(a, b), name
-    bufs = _out_buffers(inputs, form, pre is not None, lead=(3,))
-    got = torch.compile(lambda i, o: seam(i, out=o), fullgraph=True, backend="eager")(inputs, bufs)
+    bufs = poisoned_outputs(problem_of(inputs), (3,))
+    got = torch.compile(lambda i, o: call_seam(i, out=o), fullgraph=True, backend="eager")(inputs, bufs)
     for name, a, b in zip(want._fields, got, want):
         assert torch.equal(a, b), name
 
@@ -293,6 +284,21 @@ BAD = [
                                 residual_prev=torch.ones(5, 32, dtype=torch.bfloat16)), "fn", r"of shape \[24, 128\]"),
     ("pre_mix lead", dict(x_prev=None, post_mix_prev=None, comb_mix_prev=None,
                           residual_prev=torch.ones(6, 4, 64, dtype=torch.bfloat16)), "pre_mix_prev", r"\[6, 4\]"),
+    ("residual not a tensor", dict(x_prev=None, post_mix_prev=None, comb_mix_prev=None, residual_prev=[1.0]),
+     "residual_prev", "a torch.Tensor"),
+    ("fn shape", dict(fn=torch.ones(24, 255)), "fn", r"of shape \[24, 256\]"),
+    ("fn dtype", dict(fn=torch.ones(24, 256, dtype=torch.bfloat16)), "fn", "torch.float32"),
+    ("hc_scale shape", dict(hc_scale=torch.ones(4)), "hc_scale", r"of shape \[3\]"),
+    ("hc_base dtype", dict(hc_base=torch.ones(24, dtype=torch.float64)), "hc_base", "torch.float32"),
+    ("hc_base device", dict(hc_base=torch.ones(24, device="meta")), "hc_base", r"on the same device as x_prev"),
+    ("norm_weight shape", dict(norm_weight=torch.ones(63, dtype=torch.bfloat16)), "norm_weight", r"of shape \[64\]"),
+    ("norm_weight dtype", dict(norm_weight=torch.ones(64, dtype=torch.float16)), "norm_weight", "torch.bfloat16"),
+    ("rms_eps", dict(rms_eps=0.0), "rms_eps", "> 0"),
+    ("hc_pre_eps", dict(hc_pre_eps=float("nan")), "hc_pre_eps", "a finite float"),
+    ("hc_sinkhorn_eps", dict(hc_sinkhorn_eps=-1.0), "hc_sinkhorn_eps", ">= 0"),
+    ("norm_eps", dict(norm_eps=float("inf")), "norm_eps", "a finite float"),
+    ("sinkhorn_repeat", dict(sinkhorn_repeat=0), "sinkhorn_repeat", "an int >= 1"),
+    ("precision", dict(precision="bf16"), "precision", "one of"),
 ]
 
 
@@ -306,7 +312,7 @@ def test_bad_input_names_the_argument(case):
 
 def test_v4_seam_refuses_carried_gates_and_half_posts():
     inputs = make_inputs(5, 64)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'pre_mix_prev'"):
         mhc_fused_hc(**inputs, pre_mix_prev=torch.ones(5, 4))
     with pytest.raises(ValueError, match=r"^mhc_fused_hc: `comb_mix_prev` must be None when x_prev is None"):
         mhc_fused_hc(**{**inputs, "x_prev": None, "post_mix_prev": None})
@@ -382,11 +388,11 @@ def test_auto_takes_the_v4_seams_pick_for_the_delayed_seam(monkeypatch):
 def test_out_under_torch_compile_with_changing_m(pre):
     """A compiled caller that passes out= at several M: torch.compile makes M symbolic from the second size on,
     and the out= checks must still accept the buffers."""
-    compiled = torch.compile(lambda i, o: seam(i, out=o), fullgraph=True, backend="eager")
+    compiled = torch.compile(lambda i, o: call_seam(i, out=o), fullgraph=True, backend="eager")
     for m in (3, 5, 7):
         inputs = make_inputs(m, 64, seed=m, pre=pre)
-        got = compiled(inputs, _out_buffers(inputs, "regular", pre is not None, lead=(m,)))
-        assert torch.equal(got.layer_input, seam(inputs).layer_input)
+        got = compiled(inputs, poisoned_outputs(problem_of(inputs), (m,)))
+        assert torch.equal(got.layer_input, call_seam(inputs).layer_input)
 
 
 @pytest.mark.parametrize("norm", [False, True])
@@ -398,15 +404,17 @@ def test_triton_interpreter_variants_cpu(op, form, pre, m, h, norm):
 
 
 # with the norm, every flag of the kernels at least once (the interpreter takes seconds per case)
-@pytest.mark.parametrize("op,form,pre,norm", [(*VARIANTS[i], True) for i in (0, 2, 5)],
-                         ids=[VARIANT_IDS[i] for i in (0, 2, 5)])
+DOT_VARIANTS = [("fused_hc", "no_post", None), ("fused_hc_delayed", "regular", "carried"),
+                ("fused_hc_delayed", "broadcast", "identity")]
+
+
+@pytest.mark.parametrize("op,form,pre,norm", [(*v, True) for v in DOT_VARIANTS],
+                         ids=[variant_id(v) for v in DOT_VARIANTS])
 def test_triton_interpreter_dot_and_chunks_cpu(op, form, pre, norm):
     """The tensor-core projection (16-token blocks, over H for the broadcast entry) and the per-chunk launches."""
     from mhc_cute.triton.configs import TritonTactic
 
-    why = backends.unavailable_reason("triton", torch.device("cpu"))
-    if why is not None:
-        pytest.skip(why)
+    skip_unless_available("triton")
     problem = problem_of(make_inputs(17, 128, seed=31, norm=norm, form=form, pre=pre))
     for tactic in (TritonTactic(16, 64, 2, 4, reduce_block_t=4, reduce_block_h=64),
                    TritonTactic(2, 32, 3, 4, reduce_block_t=2, reduce_block_h=64, chunk_m=8)):
@@ -420,6 +428,7 @@ target = aot.TARGETS["sm90"]
 for m in (1, 1 << 20):
     t = configs.select_tactic("sm90", 132, m, 5120)
     for form in (dict(DELAYED=True, HAS_NORM=True), dict(DELAYED=True, IDENTITY=True), dict(HAS_POST=False),
+                 dict(HAS_POST=False, DELAYED=True, IDENTITY=True), dict(HAS_POST=False, BROADCAST=True, DELAYED=True),
                  dict(HAS_POST=False, BROADCAST=True, DELAYED=True, IDENTITY=True, HAS_NORM=True)):
         aot.compile_main(t, target, form)
     aot.compile_reduce(t, 5120, True, target, delayed=True)
@@ -431,16 +440,7 @@ print("compiled")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile and run the kernels")
 def test_triton_variants_compile_for_hopper():
     """The delayed seam's and the entry forms' kernels compile for sm90 outside the interpreter."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", _TRITON_COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+    compile_outside_interpreter(_TRITON_COMPILE)
 
 
 # --- on the GPU: every backend of the delayed seam and the entry forms ------------------------------------------
@@ -449,7 +449,7 @@ GPU_MS = [1, 2, 3, 16, 17, 64, 100, 1000, 8192]
 GPU_HS = [512, 4096, 5120, 7168]
 
 
-GPU_CASES = [(backend, op, form, pre) for op, form, pre in VARIANTS for backend in backends.BACKENDS]
+GPU_CASES = [(backend, op, form, pre) for op, form, pre in VARIANTS for backend in SEAM_BACKENDS]
 
 
 @pytest.mark.gpu
@@ -464,44 +464,42 @@ def test_gpu_variants(backend, op, form, pre, m, h, norm):
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("m", [1, 17, 4096])
-@pytest.mark.parametrize("backend", list(backends.BACKENDS) + ["auto"])
+@pytest.mark.parametrize("backend", SEAM_BACKENDS + ["auto"])
 def test_gpu_residual_bitwise_equal_to_the_v4_seam(backend, m, norm):
     inputs = make_inputs(m, 5120, seed=m, device="cuda", norm=norm, pre="carried")
-    if backend != "auto" and backends.unavailable_reason(backend, torch.device("cuda")) is not None:
-        pytest.skip(f"{backend} unavailable")
+    skip_unless_available(backend, "cuda")
     d = mhc_fused_hc_delayed(**inputs, backend=backend)
     v4 = mhc_fused_hc(**{k: v for k, v in inputs.items() if k != "pre_mix_prev"})
     assert torch.equal(d.residual_cur.view(torch.int16), v4.residual_cur.view(torch.int16))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", list(backends.BACKENDS) + ["auto"])
+@pytest.mark.parametrize("backend", SEAM_BACKENDS + ["auto"])
 @pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
 def test_gpu_graph_capture_and_side_stream(backend, op, form, pre):
     """Captured in a CUDA graph with static out= buffers, replayed on new inputs copied in place, and run on a
     side stream: the same bits as eager calls."""
-    if backend != "auto" and backends.unavailable_reason(backend, torch.device("cuda")) is not None:
-        pytest.skip(f"{backend} unavailable")
+    skip_unless_available(backend, "cuda")
     static = make_inputs(33, 4096, seed=1, device="cuda", norm=True, form=form, pre=pre)
-    bufs = [None if t is None else t.cuda() for t in _out_buffers(static, form, pre is not None, lead=(33,), h=4096)]
-    seam(static, backend=backend, out=bufs)  # warm (compile, prepare the weight) outside the capture
+    bufs = poisoned_outputs(problem_of(static), (33,))
+    call_seam(static, backend=backend, out=bufs)  # warm (compile, prepare the weight) outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        seam(static, backend=backend, out=bufs)
+        call_seam(static, backend=backend, out=bufs)
     fresh = make_inputs(33, 4096, seed=2, device="cuda", norm=True, form=form, pre=pre)
     for k, v in fresh.items():
         if isinstance(v, torch.Tensor) and k not in ("fn", "hc_scale", "hc_base", "norm_weight"):
             static[k].copy_(v)
     graph.replay()
-    want = seam(static, backend=backend)
+    want = call_seam(static, backend=backend)
     for name, a, b in zip(want._fields, bufs, want):
         if a is not None:
             assert torch.equal(a, b), name
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        got = seam(static, backend=backend)
+        got = call_seam(static, backend=backend)
     torch.cuda.current_stream().wait_stream(side)
     for name, a, b in zip(want._fields, got, want):
         assert torch.equal(a, b), name
@@ -511,15 +509,9 @@ def test_gpu_graph_capture_and_side_stream(backend, op, form, pre):
 def test_every_variant_is_planned_once(op, form, pre, monkeypatch):
     """Every op and form goes through the API's plans: later calls of a signature reuse its plan (same results, fresh
     outputs; without a post residual_cur stays residual_prev itself)."""
-    from mhc_cute import api
-
-    made = []
-    new_plan = api._new_plan
-    monkeypatch.setattr(api, "_PLANS", {})
-    monkeypatch.setattr(api, "_RECENT", {False: RecentSignatures(), True: RecentSignatures()})
-    monkeypatch.setattr(api, "_new_plan", lambda *args: made.append(args) or new_plan(*args))
+    made = fresh_plans(monkeypatch)
     inputs = make_inputs(3, 64, seed=21, form=form, pre=pre)
-    first, again = seam(inputs), seam(inputs)
+    first, again = call_seam(inputs), call_seam(inputs)
     assert len(made) == 1
     for a, b in zip(first, again):
         if form == "no_post" and a is first.residual_cur:

@@ -7,19 +7,12 @@ import threading
 
 import pytest
 import torch
+from helpers import ACTIVATIONS, KERNEL_BACKENDS, skip_unless_available
 
-from mhc_cute.accuracy import check_outputs, make_inputs, problem_of, same_bits, tolerances
-from mhc_cute import MhcFusedHcOutput, backends, mhc_fused_hc
+from mhc_cute.accuracy import check_outputs, make_inputs, poisoned_outputs, problem_of, same_bits, tolerances
+from mhc_cute import MhcFusedHcOutput, mhc_fused_hc
 
 pytestmark = pytest.mark.gpu
-PATHS = ["triton", "half_fma", "all_fma", "half_mma", "all_mma"]
-ACTIVATIONS = ("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev")
-
-
-def _need(backend):
-    why = backends.unavailable_reason(backend, torch.device("cuda"))
-    if why is not None:
-        pytest.skip(f"{backend} unavailable: {why}")
 
 
 def _capture(work):
@@ -36,9 +29,9 @@ def _capture(work):
 
 
 @pytest.mark.parametrize("m", [3, 200])
-@pytest.mark.parametrize("backend", PATHS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_graph_replay_equals_eager(backend, m):
-    _need(backend)
+    skip_unless_available(backend, "cuda")
     inp = make_inputs(m, 4096, seed=11, device="cuda", norm=True)
     eager = mhc_fused_hc(**inp, backend=backend)
     graph, captured = _capture(lambda: mhc_fused_hc(**inp, backend=backend))
@@ -49,17 +42,17 @@ def test_graph_replay_equals_eager(backend, m):
 
 
 @pytest.mark.parametrize("m", [3, 200])
-@pytest.mark.parametrize("backend", PATHS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_static_out_buffers_in_a_graph(backend, m):
     """``out=``: the caller's buffers, written eagerly and by a graph replayed on new activations (static buffers,
     as an engine's graphs keep them; the weights stay, as a layer's do: a graph keeps the prepared form of ``fn``
     it was captured with), bit-identical to fresh outputs; every element written (buffers start as NaN)."""
-    _need(backend)
+    skip_unless_available(backend, "cuda")
     weights = {k: v for k, v in make_inputs(m, 4096, seed=20, device="cuda", norm=True).items() if k not in ACTIVATIONS}
     sets = [{**weights, **{k: v for k, v in make_inputs(m, 4096, seed=21 + i, device="cuda").items()
                            if k in ACTIVATIONS}} for i in range(3)]
     fresh = [mhc_fused_hc(**s, backend=backend) for s in sets]
-    bufs = tuple(torch.full_like(t, float("nan")) for t in fresh[0])
+    bufs = poisoned_outputs(problem_of(sets[0]))
     got = mhc_fused_hc(**sets[0], backend=backend, out=bufs)
     assert all(g is b for g, b in zip(got, bufs)) and same_bits(got, fresh[0])
     static = {k: sets[0][k].clone() for k in ACTIVATIONS}
@@ -74,10 +67,10 @@ def test_static_out_buffers_in_a_graph(backend, m):
         assert same_bits(MhcFusedHcOutput(*bufs), want)
 
 
-@pytest.mark.parametrize("backend", PATHS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_three_chained_layers_in_one_graph(backend):
     """Each call's outputs feed the next, each layer with its own weights, as consecutive layers do."""
-    _need(backend)
+    skip_unless_available(backend, "cuda")
     m, h = 5, 4096
     layers = [make_inputs(m, h, seed=100 + i, device="cuda", norm=True) for i in range(3)]
     first = {k: layers[0][k] for k in ("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev")}
@@ -107,13 +100,13 @@ def test_three_chained_layers_in_one_graph(backend):
 
 
 @pytest.mark.parametrize("m", [5, 300])
-@pytest.mark.parametrize("backend", PATHS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_directly_chained_calls(backend, m):
     """Each call's outputs are the next call's inputs with no other kernel between them, so a call's kernel 1
     (launched with PDL, its weights loaded before it waits) starts while the previous call's big fuse runs: eager
     and in a graph, bit-identical to the same chain with the stream drained after every call. The graph is
     replayed on fresh first-layer inputs each time, so a read of a stale input would show."""
-    _need(backend)
+    skip_unless_available(backend, "cuda")
     h = 4096
     layers = [make_inputs(m, h, seed=200 + i, device="cuda", norm=bool(i % 2)) for i in range(6)]
     keys = ("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev")
@@ -149,9 +142,9 @@ def test_directly_chained_calls(backend, m):
             assert same_bits(w, c), f"replay on seed {seed}: layer {i} differs"
 
 
-@pytest.mark.parametrize("backend", PATHS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_two_streams_concurrently(backend):
-    _need(backend)
+    skip_unless_available(backend, "cuda")
     inputs = [make_inputs(64, 4096, seed=20 + i, device="cuda", norm=bool(i)) for i in range(2)]
     want = [mhc_fused_hc(**inp, backend=backend) for inp in inputs]
     torch.cuda.synchronize()
@@ -168,9 +161,9 @@ def test_two_streams_concurrently(backend):
             assert same_bits(got[i][rep], want[i]), f"stream {i} call {rep} differs"
 
 
-@pytest.mark.parametrize("backend", PATHS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_two_host_threads(backend):
-    _need(backend)
+    skip_unless_available(backend, "cuda")
     inputs = [make_inputs(17, 4096, seed=30 + i, device="cuda") for i in range(2)]
     want = [mhc_fused_hc(**inp, backend=backend) for inp in inputs]
     torch.cuda.synchronize()
@@ -197,13 +190,13 @@ def test_two_host_threads(backend):
     assert not errors, errors
 
 
-@pytest.mark.parametrize("backend", PATHS)
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_inputs_on_another_gpu(backend):
     """Inputs on one GPU while another is current: the op runs on the inputs' device (Triton and the TVM-FFI launches
     use the current device), meets the float64 contract there, and leaves the current device as it was."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
-    _need(backend)
+    skip_unless_available(backend, "cuda")
     for current, target in ((0, 1), (1, 0)):
         with torch.cuda.device(current):
             inputs = make_inputs(100, 4096, seed=40 + target, device=f"cuda:{target}", norm=True)

@@ -2,7 +2,9 @@
 and tokens stay independent.
 
 * a NaN or infinity in one token's activations: ``accuracy.check_poisoned_token`` (the other tokens' outputs bit for
-  bit those of a clean call; the token's ``residual_cur`` the fp32 FMA chain; its mixes and ``layer_input`` NaN);
+  bit those of a clean call; the token's ``residual_cur`` the fp32 FMA chain; its mixes and ``layer_input`` NaN; the
+  delayed seam's ``layer_input`` its collapse with the carried gates as IEEE arithmetic gives it), in every form of
+  both seams (the carried gates ``pre_mix_prev`` poisoned too);
 * a NaN in a weight reaches every token, in exactly the outputs that depend on it (the others keep their bits);
 * an infinite weight saturates as IEEE says: the same NaN and infinity pattern as the torch reference.
 
@@ -10,15 +12,22 @@ NaN is written as a GPU computes it (``accuracy.gpu_nan``: a rounding done on th
 an infinity, where the quiet NaN torch writes survives).
 """
 
+import itertools
+
 import pytest
 import torch
+from helpers import (
+    ACTIVATIONS, CPU_BACKENDS, KERNEL_BACKENDS, SEAM_BACKENDS, SEAM_VARIANTS, skip_unless_available, variant_id,
+)
 
-from mhc_cute import backends, mhc_fused_hc
-from mhc_cute.accuracy import check_poisoned_token, gpu_nan, make_inputs, problem_of
+from mhc_cute.accuracy import (
+    bits, call_seam, check_poisoned_token, flat_outputs, gpu_nan, make_inputs, problem_of,
+)
 
-KERNEL_BACKENDS = ["triton", "half_fma", "all_fma", "half_mma", "all_mma"]
-ACTIVATIONS = ("x_prev", "residual_prev", "post_mix_prev", "comb_mix_prev")
-AT = {"x_prev": (37,), "residual_prev": (2, 37), "post_mix_prev": (1, 0), "comb_mix_prev": (3, 1)}  # in a token
+# where in a token each per-token input is poisoned (the broadcast entry's residual_prev: the embedding, [M, H])
+AT = {"x_prev": (37,), "residual_prev": (2, 37), "post_mix_prev": (1, 0), "comb_mix_prev": (3, 1),
+      "pre_mix_prev": (1,)}
+AT_EMBEDDING = (37,)
 
 
 def poison(inputs: dict, name: str, index: tuple, value: str) -> dict:
@@ -29,44 +38,97 @@ def poison(inputs: dict, name: str, index: tuple, value: str) -> dict:
     return dict(inputs, **{name: t})
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
-
-
 def run(backend, inputs, tactic=None):
-    return mhc_fused_hc(**inputs, backend=backend, tactic=tactic)
-
-
-def _skip_if_unavailable(backend, device):
-    why = backends.unavailable_reason(backend, torch.device(device))
-    if why is not None:
-        pytest.skip(f"{backend} unavailable: {why}")
+    """The seam ``inputs`` are arguments of, on ``backend``: its outputs flat (no post: residual_cur None)."""
+    return flat_outputs(call_seam(inputs, backend, tactic=tactic), inputs)
 
 
 # --- one token -----------------------------------------------------------------------------------------------------
 
-def check_token(backend, m, h, device, name, cases, norm=True, tactic=None):
-    """For each (value, token) of ``cases``: that value at ``AT[name]`` of the token, against a clean call."""
-    _skip_if_unavailable(backend, device)
-    inputs = make_inputs(m, h, seed=m + h, device=device, norm=norm)
+def check_token(backend, m, h, device, cases, norm=True, tactic=None, variant=SEAM_VARIANTS[0]):
+    """For each (name, value, token) of ``cases``: that value at ``AT[name]`` of the token, against a clean call, in
+    seam ``variant`` ((op, form, pre), ``helpers.SEAM_VARIANTS``)."""
+    skip_unless_available(backend, device)
+    _, form, pre = variant
+    inputs = make_inputs(m, h, seed=m + h, device=device, norm=norm, form=form, pre=pre)
     clean = run(backend, inputs, tactic)
-    for value, token in cases:
-        bad = poison(inputs, name, (token, *AT[name]), value)
+    for name, value, token in cases:
+        at = AT_EMBEDDING if name == "residual_prev" and form == "broadcast" else AT[name]
+        bad = poison(inputs, name, (token, *at), value)
         try:
             check_poisoned_token(run(backend, bad, tactic), clean, problem_of(bad), token)
         except AssertionError as e:
-            raise AssertionError(f"{name}[{token}, {AT[name]}] = {value}: {e}") from None
+            raise AssertionError(f"{variant_id(variant)}: {name}[{token}, {at}] = {value}: {e}") from None
+
+
+def variant_cases(variant, tokens) -> list:
+    """(name, value, token): each per-token input of seam ``variant`` poisoned once, the values and ``tokens`` in
+    turn."""
+    _, form, pre = variant
+    names = (ACTIVATIONS if form == "regular" else ("residual_prev",)) + (("pre_mix_prev",) if pre == "carried" else ())
+    return [(n, v, t) for n, v, t in zip(names, itertools.cycle(("nan", "inf", "-inf")), itertools.cycle(tokens))]
 
 
 @pytest.mark.parametrize("name", ACTIVATIONS)
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_token_cpu(backend, name):
-    check_token(backend, 3, 64, "cpu", name, [("nan", 1), ("inf", 2), ("-inf", 0)])
+    check_token(backend, 3, 64, "cpu", [(name, "nan", 1), (name, "inf", 2), (name, "-inf", 0)])
 
 
-def test_token_without_norm_cpu():
-    check_token("torch", 3, 64, "cpu", "residual_prev", [("nan", 1)], norm=False)
-    check_token("triton", 3, 64, "cpu", "x_prev", [("inf", 2)], norm=False)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_token_without_norm_cpu(backend):
+    check_token(backend, 3, 64, "cpu", [("residual_prev", "nan", 1), ("x_prev", "inf", 2)], norm=False)
+
+
+# the other forms of mhc_fused_hc and every form of the delayed seam (the regular mhc_fused_hc: above)
+VARIANTS = [v for v in SEAM_VARIANTS if v != SEAM_VARIANTS[0]]
+
+
+# the interpreter takes a second a case: one norm setting per variant on Triton (without it where the carried gates
+# make the delayed seam's layer_input a finite-where-it-can collapse, compared bit for bit)
+CPU_VARIANT_CASES = [(b, v, norm) for b in CPU_BACKENDS for v in VARIANTS for norm in (False, True)
+                     if b == "torch" or norm == (v[2] != "carried")]
+
+
+@pytest.mark.parametrize("backend,variant,norm", CPU_VARIANT_CASES,
+                         ids=[f"{b}-{variant_id(v)}-{norm}" for b, v, norm in CPU_VARIANT_CASES])
+def test_token_variants_cpu(backend, variant, norm):
+    check_token(backend, 3, 64, "cpu", variant_cases(variant, (1, 2, 0)), norm=norm, variant=variant)
+
+
+@pytest.mark.parametrize("variant", [SEAM_VARIANTS[0], ("fused_hc", "no_post", None),
+                                     ("fused_hc_delayed", "regular", "carried"),
+                                     ("fused_hc_delayed", "broadcast", "carried")], ids=variant_id)
+def test_the_token_check_fails_where_the_policy_does_not_hold(variant):
+    """``check_poisoned_token`` passes the reference's outputs and fails each kind of departure from the policy, so
+    that the checks above cannot pass vacuously."""
+    _, form, pre = variant
+    inputs = make_inputs(3, 64, seed=5, form=form, pre=pre)
+    clean = run("torch", inputs)
+    bad = poison(inputs, "residual_prev", (1, *(AT_EMBEDDING if form == "broadcast" else AT["residual_prev"])), "inf")
+    out, problem = run("torch", bad), problem_of(bad)
+    check_poisoned_token(out, clean, problem, 1)
+
+    def changed(name, index, value=None):
+        t = getattr(out, name).clone()
+        if value is None:
+            bits(t)[index] ^= 1
+        else:
+            t[index] = value
+        return out._replace(**{name: t})
+
+    departures = [(changed("post_mix_cur", (0, 2, 0)), "post_mix_cur: a token other than 1 changed"),
+                  (changed("comb_mix_cur", (1, 3, 2), 0.25), "comb_mix_cur: not NaN in the poisoned token 1")]
+    if out.residual_cur is not None:
+        departures.append((changed("residual_cur", (1, 0, 5)), "residual_cur: differs from the reference"))
+    if problem.delayed:
+        departures += [(changed("pre_mix_cur", (1, 0), 0.5), "pre_mix_cur: not NaN"),
+                       (changed("layer_input", (1, 5)), "layer_input: differs from the reference")]
+    else:
+        departures.append((changed("layer_input", (1, 5), 1.0), "layer_input: not NaN"))
+    for broken, message in departures:
+        with pytest.raises(AssertionError, match=message):
+            check_poisoned_token(broken, clean, problem, 1)
 
 
 # --- weights ---------------------------------------------------------------------------------------------------------
@@ -88,7 +150,7 @@ WEIGHT_NAN_CASES = [
 
 
 def check_weight_nan(backend, m, h, device, tactic=None):
-    _skip_if_unavailable(backend, device)
+    skip_unless_available(backend, device)
     inputs = make_inputs(m, h, seed=m + h + 1, device=device, norm=True)
     clean = run(backend, inputs, tactic)
     for (weight, index), nan_at in WEIGHT_NAN_CASES:
@@ -103,7 +165,7 @@ def check_weight_nan(backend, m, h, device, tactic=None):
             assert kept, f"{where}: changed where it does not depend on it"
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_weight_nan_cpu(backend):
     check_weight_nan(backend, 2, 64, "cpu")
 
@@ -123,7 +185,7 @@ WEIGHT_INF_CASES = [
 
 
 def check_weight_inf(backend, m, h, device, tactic=None):
-    _skip_if_unavailable(backend, device)
+    skip_unless_available(backend, device)
     inputs = make_inputs(m, h, seed=m + h + 2, device=device, norm=True)
     clean = run(backend, inputs, tactic)
     for weight, index, value, changes in WEIGHT_INF_CASES:
@@ -187,14 +249,24 @@ GPU_POINTS = [(17, 4096), (130, 5120)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ACTIVATIONS)
 @pytest.mark.parametrize("m,h", GPU_POINTS)
-@pytest.mark.parametrize("backend", ["torch"] + KERNEL_BACKENDS)
+@pytest.mark.parametrize("backend", SEAM_BACKENDS)
 def test_token_gpu(backend, m, h, name):
-    check_token(backend, m, h, "cuda", name, [("nan", m // 2), ("inf", m - 1), ("-inf", 0), ("nan", m - 1)])
+    check_token(backend, m, h, "cuda", [(name, "nan", m // 2), (name, "inf", m - 1), (name, "-inf", 0),
+                                        (name, "nan", m - 1)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+@pytest.mark.parametrize("m,h", GPU_POINTS)
+@pytest.mark.parametrize("backend", SEAM_BACKENDS)
+def test_token_variants_gpu(backend, m, h, variant, norm):
+    check_token(backend, m, h, "cuda", variant_cases(variant, (m // 2, m - 1, 0)), norm=norm, variant=variant)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,h", GPU_POINTS)
-@pytest.mark.parametrize("backend", ["torch"] + KERNEL_BACKENDS)
+@pytest.mark.parametrize("backend", SEAM_BACKENDS)
 def test_weight_nan_gpu(backend, m, h):
     check_weight_nan(backend, m, h, "cuda")
 
@@ -223,7 +295,8 @@ def _explicit_tactics():
 @pytest.mark.parametrize("m", [3, 130])
 @pytest.mark.parametrize("tactic", _explicit_tactics(), ids=lambda t: t.name)
 def test_explicit_tactics_gpu(tactic, m):
-    check_token(tactic.path, m, 4096, "cuda", "residual_prev", [("nan", m - 1), ("inf", 0)], tactic=tactic)
+    check_token(tactic.path, m, 4096, "cuda", [("residual_prev", "nan", m - 1), ("residual_prev", "inf", 0)],
+                tactic=tactic)
     check_weight_nan(tactic.path, m, 4096, "cuda", tactic)
     check_weight_inf(tactic.path, m, 4096, "cuda", tactic)
 

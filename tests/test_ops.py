@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from helpers import OP_CPU_CASES, OP_GPU_CASES, misaligned, skip_unless_op_available
 
 import mhc_cute
 from mhc_cute import mhc_collapse, mhc_fused_hc, mhc_head, mhc_post, ops
@@ -16,30 +17,21 @@ GPU_MS = [1, 2, 3, 16, 17, 64, 100, 1000, 4096, 8192, 100_003]
 GPU_HS = [512, 4096, 5120, 7168]
 
 
-def _skip_if_unavailable(op, backend, device):
-    why = ops.unavailable_reason(op, backend, torch.device(device))
-    if why is not None:
-        pytest.skip(f"{op} on {backend} unavailable: {why}")
-
-
 def _run_and_check(op, backend, m, h, norm, device, lead=None):
-    _skip_if_unavailable(op, backend, device)
+    skip_unless_op_available(op, backend, device)
     inputs = make_op_inputs(op, m, h, seed=m + h, device=device, norm=norm, lead=lead)
     check_op(op, inputs, backend)
 
 
-def _op_backends(op, kinds):
-    return [(op, b) for b, spec in ops.OP_BACKENDS[op].items() if spec.kind in kinds]
-
-
-CPU_CASES = [c for op in STANDALONE_OPS for c in _op_backends(op, ("reference", "triton"))]
-GPU_CASES = [(op, b) for op in STANDALONE_OPS for b in ops.OP_BACKENDS[op]]
+# what the contract check reports for an output off by more than it allows
+CHECK_FAILURE = {"mhc_post": r"mhc_post: \d+ elements differ bitwise",
+                 "mhc_collapse": r"layer_input: \d+ elements beyond", "mhc_head": r"layer_input: \d+ elements beyond"}
 
 
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("h", [64, 256])
 @pytest.mark.parametrize("m", [1, 3, 17])
-@pytest.mark.parametrize("op,backend", CPU_CASES)
+@pytest.mark.parametrize("op,backend", OP_CPU_CASES)
 def test_cpu_backends(op, backend, m, h, norm):
     if op == "mhc_post" and norm:
         pytest.skip("mhc_post has no norm")
@@ -76,7 +68,7 @@ def test_check_in_row_chunks(monkeypatch):
         out = call_op(op, inputs, "torch")
         check_op_output(op, out, inputs)
         out.view(-1)[-1] = out.view(-1)[-1] * 1.5
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError, match=CHECK_FAILURE[op]):
             check_op_output(op, out, inputs)
 
 
@@ -90,7 +82,7 @@ def test_torch_backend_model_sizes(op):
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("h", GPU_HS)
 @pytest.mark.parametrize("m", GPU_MS)
-@pytest.mark.parametrize("op,backend", GPU_CASES)
+@pytest.mark.parametrize("op,backend", OP_GPU_CASES)
 def test_gpu_backends(op, backend, m, h, norm):
     if op == "mhc_post" and norm:
         pytest.skip("mhc_post has no norm")
@@ -100,13 +92,10 @@ def test_gpu_backends(op, backend, m, h, norm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", STANDALONE_OPS)
-def test_gpu_past_2_31_elements(op):
+@pytest.mark.parametrize("op,backend", [(op, b) for op, b in OP_GPU_CASES if b != "torch"])
+def test_gpu_past_2_31_elements(op, backend):
     """Offsets past 2^31 elements (residual [M, 4, H] at M = 74,899, H = 7168): 64-bit row offsets."""
-    m, h = 75_000, 7168
-    for backend in ops.available(op, torch.device("cuda")):
-        if backend != "torch":
-            _run_and_check(op, backend, m, h, op != "mhc_post", "cuda")
+    _run_and_check(op, backend, 75_000, 7168, op != "mhc_post", "cuda")
 
 
 # --- the ops against the seams ------------------------------------------------------------------------------------
@@ -229,12 +218,6 @@ def test_exported():
 
 # --- bad input --------------------------------------------------------------------------------------------------
 
-def _misaligned(t):
-    raw = torch.empty(t.numel() * t.element_size() + 16, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % 16 + 2
-    return raw[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-
-
 BAD_INPUTS = {
     "mhc_post": {
         "x not a tensor": (lambda i: dict(i, x=1.0), "x"),
@@ -245,6 +228,7 @@ BAD_INPUTS = {
         "post_mix shape": (lambda i: dict(i, post_mix=i["post_mix"].reshape(3, 2, 2)), "post_mix"),
         "comb_mix shape": (lambda i: dict(i, comb_mix=i["comb_mix"][:, :3]), "comb_mix"),
         "comb_mix device": (lambda i: dict(i, comb_mix=torch.empty(3, 4, 4, device="meta")), "comb_mix"),
+        "residual not a tensor": (lambda i: dict(i, residual=None), "residual"),
     },
     "mhc_collapse": {
         "residual 1-D": (lambda i: dict(i, residual=i["residual"][0, 0]), "residual"),
@@ -253,6 +237,9 @@ BAD_INPUTS = {
         "pre_mix dtype": (lambda i: dict(i, pre_mix=i["pre_mix"].bfloat16()), "pre_mix"),
         "norm_weight shape": (lambda i: dict(i, norm_weight=i["norm_weight"][:32]), "norm_weight"),
         "norm_eps": (lambda i: dict(i, norm_eps=0.0), "norm_eps"),
+        "pre_mix not a tensor": (lambda i: dict(i, pre_mix=None), "pre_mix"),
+        "pre_mix device": (lambda i: dict(i, pre_mix=torch.empty(3, 4, device="meta")), "pre_mix"),
+        "norm_weight device": (lambda i: dict(i, norm_weight=torch.ones(64, device="meta")), "norm_weight"),
     },
     "mhc_head": {
         "residual shape": (lambda i: dict(i, residual=i["residual"][:, :2]), "residual"),
@@ -263,6 +250,8 @@ BAD_INPUTS = {
         "norm_weight dtype": (lambda i: dict(i, norm_weight=i["norm_weight"].half()), "norm_weight"),
         "rms_eps": (lambda i: dict(i, rms_eps=-1.0), "rms_eps"),
         "hc_eps": (lambda i: dict(i, hc_eps=float("nan")), "hc_eps"),
+        "head_fn not a tensor": (lambda i: dict(i, head_fn=None), "head_fn"),
+        "head_base device": (lambda i: dict(i, head_base=torch.ones(4, device="meta")), "head_base"),
     },
 }
 BAD_CASES = [(op, case) for op, cases in BAD_INPUTS.items() for case in cases]
@@ -272,7 +261,7 @@ BAD_CASES = [(op, case) for op, cases in BAD_INPUTS.items() for case in cases]
 def test_bad_input_names_the_argument(op, case):
     make_bad, name = BAD_INPUTS[op][case]
     inputs = make_bad(make_op_inputs(op, 3, 64, norm=True if op != "mhc_post" else False))
-    with pytest.raises(ValueError, match=f"{op}: `{name}`"):
+    with pytest.raises(ValueError, match=f"^{op}: `{name}` must be"):
         call_op(op, inputs)
 
 
@@ -282,7 +271,7 @@ BAD_OUT = {
     "shape": lambda o, i: o[..., :32],
     "device": lambda o, i: torch.empty(o.shape, dtype=o.dtype, device="meta"),
     "non-contiguous": lambda o, i: o.transpose(0, -1).contiguous().transpose(0, -1),
-    "misaligned": lambda o, i: _misaligned(o),
+    "misaligned": lambda o, i: misaligned(o),
     "overlaps an input": lambda o, i: i["residual"].view(-1)[:o.numel()].view(o.shape),
 }
 
@@ -310,20 +299,24 @@ def test_inputs_requiring_grad_are_refused(op):
         call_op(op, inputs)
 
 
-def test_unknown_and_unavailable_backends():
+def test_unknown_and_unavailable_backends(monkeypatch):
     inputs = make_op_inputs("mhc_head", 2, 64)
     with pytest.raises(ValueError, match="unknown backend 'half_fma'"):
         mhc_head(**inputs, backend="half_fma")
-    if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="unavailable"):
-            mhc_post(**make_op_inputs("mhc_post", 2, 64), backend="cute")
+    monkeypatch.setattr(ops, "unavailable_reason", lambda op, name, device: "no GPU here" if name == "cute" else None)
+    with pytest.raises(RuntimeError, match=r"^mhc_post: backend 'cute' is unavailable on cpu \(no GPU here\); "
+                                           r"available here: \['auto', 'triton', 'torch'\]"):
+        mhc_post(**make_op_inputs("mhc_post", 2, 64), backend="cute")
 
 
-def test_cute_needs_h_multiple_of_8():
-    if ops.unavailable_reason("mhc_post", "cute", torch.device("cuda" if torch.cuda.is_available() else "cpu")):
-        pytest.skip("no CuTe here")
-    with pytest.raises(ValueError, match="H % 8"):
-        mhc_post(**make_op_inputs("mhc_post", 2, 60, device="cuda"), backend="cute")
+@pytest.mark.parametrize("op,backend", [(op, b) for op, b in OP_GPU_CASES if ops.OP_BACKENDS[op][b].h_multiple > 1])
+def test_backend_h_multiple(op, backend, monkeypatch):
+    """A backend that tiles H refuses another H before anything runs (so on any machine: availability faked)."""
+    monkeypatch.setattr(ops, "unavailable_reason", lambda op, name, device: None)
+    mult = ops.OP_BACKENDS[op][backend].h_multiple
+    h = 64 + mult // 2
+    with pytest.raises(ValueError, match=rf"^{op}: backend '{backend}' needs H % {mult} == 0; got H = {h}"):
+        call_op(op, make_op_inputs(op, 2, h), backend)
 
 
 # --- the checker can fail ---------------------------------------------------------------------------------------
@@ -336,7 +329,7 @@ def test_checker_catches_a_one_ulp_error(op):
     bad = out.clone()
     bits = bad.view(torch.int16).view(-1)
     bits[5] += 2  # two bf16 ulps off in one element
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=CHECK_FAILURE[op]):
         check_op_output(op, bad, inputs)
     bad = out.clone()
     bad.view(-1)[0] = float("nan")
@@ -361,7 +354,7 @@ def test_norm_check_allows_the_row_shift_of_an_outlier_flip():
     assert x[0, 0].item() == -304.0
     valid = (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-20)).bfloat16()
     check_op_output("mhc_collapse", valid, inputs)
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=CHECK_FAILURE["mhc_collapse"]):
         check_op_output("mhc_collapse", (valid.double() * 1.03).bfloat16(), inputs)
 
 
@@ -390,7 +383,7 @@ def test_a_recent_signature_skips_the_full_checks(op, monkeypatch):
     assert len(checks) == 1
     assert torch.equal(first, again) and first.data_ptr() != again.data_ptr() and again.shape == first.shape
     first_arg = "x" if op == "mhc_post" else "residual"
-    moved = _misaligned(inputs[first_arg])
+    moved = misaligned(inputs[first_arg])
     moved.copy_(inputs[first_arg])
     assert torch.equal(call_op(op, dict(inputs, **{first_arg: moved})), first) and len(checks) == 1
     good = make_op_inputs(op, 3, 64, norm=op != "mhc_post")

@@ -1,5 +1,6 @@
 """Tactics as data: validity rules, names, defaults (CPU only)."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -41,7 +42,7 @@ def test_name_round_trip(t):
 
 
 def test_parse_rejects_garbage():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown tactic name 'all_fma:k1'"):
         tac.parse_tactic("all_fma:k1")
 
 
@@ -71,7 +72,7 @@ def test_parse_rejects_garbage():
 def test_invalid(t, h, why):
     reason = t.invalid_reason(h)
     assert reason is not None and why in reason
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"^invalid tactic {re.escape(t.name)} for H = {h}: "):
         t.check(h)
 
 

@@ -142,7 +142,7 @@ def test_capacity_default_and_configurable():
     assert len(c) == 10 and c.evictions == 120
     # the 10 most recent survive
     assert [k[2] for k in c.keys()] == [0x1000_0000 + 256 * i for i in range(120, 130)]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
         c.set_capacity(0)
 
 

@@ -5,12 +5,14 @@ defaults do not at small H: several K blocks per split, uneven splits, the dot p
 tail, multi-tile reduce (two-pass norm).
 """
 
+import math
 import types
 
 import pytest
 import torch
+from helpers import compile_outside_interpreter
 
-from mhc_cute.accuracy import check_outputs, make_inputs, problem_of, run_backend
+from mhc_cute.accuracy import check_call, check_outputs, make_inputs, poisoned_outputs, problem_of, run_backend
 from mhc_cute import backends
 from mhc_cute.api import mhc_fused_hc
 from mhc_cute.triton import configs
@@ -86,7 +88,8 @@ def test_fit_clamps_to_h():
 @pytest.mark.parametrize("bad", [dict(block_m=3), dict(block_h=8), dict(split_k=0), dict(reduce_block_h=1000)])
 def test_tactic_validation(bad):
     kw = dict(block_m=4, block_h=64, split_k=2, num_warps=4) | bad
-    with pytest.raises(ValueError):
+    (field,) = bad
+    with pytest.raises(ValueError, match=rf"^TritonTactic\b.*\b{field}\b"):
         TritonTactic(**kw)
 
 
@@ -209,21 +212,28 @@ def test_interpreter_other_scalars():
 
 
 @interpreter
-@pytest.mark.parametrize("lead", [(0,), (2, 0), (2, 3)])
-def test_interpreter_through_the_api(lead):
-    inputs = make_inputs(0, 64, seed=1, lead=lead)
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("lead", [(5,), (2, 3)])
+def test_interpreter_through_the_api(lead, norm):
+    """Every output of a public call on the Triton backend against the float64 contract."""
+    inputs = make_inputs(math.prod(lead), 64, seed=1, lead=lead, norm=norm)
     out = mhc_fused_hc(**inputs, backend="triton")
-    ref = mhc_fused_hc(**inputs, backend="torch")
     assert out.residual_cur.shape == (*lead, 4, 64) and out.layer_input.shape == (*lead, 64)
-    assert torch.equal(out.residual_cur.view(torch.int16), ref.residual_cur.view(torch.int16))
-    torch.testing.assert_close(out.comb_mix_cur, ref.comb_mix_cur, rtol=1e-5, atol=1e-6)
+    check_call(out, inputs, "triton")
+
+
+@interpreter
+@pytest.mark.parametrize("lead", [(0,), (2, 0)])
+def test_interpreter_through_the_api_without_tokens(lead):
+    out = mhc_fused_hc(**make_inputs(0, 64, seed=1, lead=lead), backend="triton")
+    assert [tuple(t.shape) for t in out] == [(*lead, 4, 64), (*lead, 4, 1), (*lead, 4, 4), (*lead, 64)]
 
 
 @interpreter
 def test_interpreter_writes_the_callers_buffers():
     inputs = make_inputs(6, 64, seed=2, norm=True, lead=(2, 3))
     want = mhc_fused_hc(**inputs, backend="triton")
-    bufs = tuple(torch.full_like(t, float("nan")) for t in want)
+    bufs = poisoned_outputs(problem_of(inputs), (2, 3))
     got = mhc_fused_hc(**inputs, backend="triton", out=bufs)
     for g, b, w in zip(got, bufs, want):
         assert g is b and torch.equal(b, w)
@@ -254,15 +264,7 @@ print("compiled")
 def test_kernels_compile_for_hopper_and_amd():
     """Compile the smallest- and largest-M tactics for sm90, gfx950 and gfx942 on this CPU (Triton's own
     compilers), outside the interpreter; the FMA chain must reach the ISA as fused multiply-adds."""
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]
+    compile_outside_interpreter(_COMPILE_SCRIPT)
 
 
 # --- the prepared weight ----------------------------------------------------------------------------------------
