@@ -10,7 +10,7 @@ import math
 import torch
 
 from . import reference
-from .api import _dispatch, mhc_fused_hc, mhc_fused_hc_delayed
+from .api import mhc_fused_hc, mhc_fused_hc_delayed, run_once
 from .problem import FORMS, V41_SCALARS, MhcFusedHcDelayedOutput, MhcFusedHcOutput, Problem, Scalars
 from .reference import HC_MULT
 
@@ -102,7 +102,7 @@ def poisoned_outputs(problem: Problem, lead=None) -> MhcFusedHcOutput | MhcFused
 
 
 def run_backend(problem: Problem, backend: str, tactic=None) -> MhcFusedHcOutput:
-    return _dispatch(problem, backend, tactic, poisoned_outputs(problem))
+    return run_once(problem, backend, tactic, poisoned_outputs(problem))
 
 
 def call_seam(inputs: dict, backend: str = "auto", **kw):

@@ -89,7 +89,7 @@ def _on_device(device: torch.device, fn, *args):
     return backends.call_on(device.index if device.type == "cuda" else None, fn, *args)
 
 
-def _dispatch(problem: Problem, backend: str, tactic=None, out=None) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
+def run_once(problem: Problem, backend: str, tactic=None, out=None) -> MhcFusedHcOutput | MhcFusedHcDelayedOutput:
     """Run ``backend`` once on the flattened problem, writing into ``out`` (fresh buffers when None); no plan is
     kept (the accuracy checks' entry)."""
     if out is None:
