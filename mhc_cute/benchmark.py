@@ -31,7 +31,14 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from . import ops
+from .accuracy import call_op, make_op_inputs, op_inputs_of, problem_of
+from .api import mhc_fused_hc, mhc_fused_hc_delayed, prepared_launch
+from .kernels.launch import OUTPUT_ARGS, PRE_MIX_CUR_ARG, KernelLaunch
+from .model import HeadWeights, SublayerWeights, mhc_forward_v4, mhc_forward_v41
 from .problem import MhcFusedHcOutput
+from .reference import sinkhorn
+from .selector import SELECTOR
 from .version import dist_version
 
 BENCH_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # the default grid of M
@@ -130,8 +137,6 @@ def rotated_sets(m: int, hidden: int, device, norm: bool = False) -> list[dict]:
 
 def make_sets(m: int, hidden: int, n: int, device, norm: bool, seed: int = 0) -> list[dict]:
     """``n`` independent input + weight sets (random, never zeros)."""
-    from .reference import sinkhorn
-
     g = torch.Generator(device=device).manual_seed(seed)
     sets = []
     for _ in range(n):
@@ -356,9 +361,6 @@ def host_floor_call(s: dict, backend: str = "auto", precision: str = "fp32") -> 
     ``pre_mix_prev``) and the call's compiled kernels launched through TVM-FFI with every other argument prepared
     once (weight, scratch, scalars). ``backend``'s choice (auto: the selector's) for this signature; a backend
     without compiled kernels (the reference, Triton) is its prepared launch instead. The call returns the outputs."""
-    from .accuracy import problem_of
-    from .api import prepared_launch
-    from .kernels.launch import OUTPUT_ARGS, PRE_MIX_CUR_ARG, KernelLaunch
 
     with torch.inference_mode():
         problem = problem_of(s, precision)
@@ -396,7 +398,6 @@ def compiled_call(precision: str = "fp32", delayed: bool = False) -> Callable[[d
     """``mhc_fused_hc(backend="auto")`` (``delayed``: ``mhc_fused_hc_delayed``) inside a function compiled by
     ``torch.compile`` (inductor, static shapes, no CUDA graphs): the call goes through the custom op (``api``), whose
     per-call host cost ``host_us_per_call`` measures."""
-    from .api import mhc_fused_hc, mhc_fused_hc_delayed
 
     op = mhc_fused_hc_delayed if delayed else mhc_fused_hc
     compiled = torch.compile(lambda s: op(**s, backend="auto", precision=precision), fullgraph=True, dynamic=False)
@@ -426,8 +427,6 @@ def host_times(m: int, hidden: int, device, norm: bool, precision: str = "fp32",
                compiled: bool = False, delayed: bool = False) -> HostTimes:
     """Host time per eager call of ``auto`` at (M, H) beside its floor (``host_floor_call``), and optionally through
     ``torch.compile`` (``compiled_call``); ``delayed``: of ``mhc_fused_hc_delayed`` with carried gates."""
-    from .api import mhc_fused_hc_delayed
-    from .selector import SELECTOR
 
     sets = make_sets(m, hidden, 1, device, norm)
     s = with_carried_gates(sets)[0] if delayed else sets[0]
@@ -448,8 +447,6 @@ def op_host_times(op: str, m: int, hidden: int, device) -> HostTimes:
     """Host time per eager call of standalone ``op`` on ``auto`` at (M, H) (norm weight given where it takes one)
     beside its floor: the output allocated as the op does and its backend's entry called on the flat inputs with the
     scalars prepared once (the plan ``ops`` keeps for the signature, minus its per-call checks)."""
-    from . import ops
-    from .accuracy import call_op, make_op_inputs
 
     inputs = make_op_inputs(op, m, hidden, device=device, norm=op != "mhc_post")
     with torch.inference_mode():
@@ -488,7 +485,6 @@ def format_host_table(rows: list[tuple[int, int, HostTimes]], gpu: str, op: str 
 # --- what gets timed ------------------------------------------------------------------------------------------
 
 def mhc_cute_call(backend: str, precision: str = "fp32", tactic=None) -> Callable[[dict], MhcFusedHcOutput]:
-    from .api import mhc_fused_hc
 
     def call(s):
         return mhc_fused_hc(**s, backend=backend, precision=precision, tactic=tactic)
@@ -498,7 +494,6 @@ def mhc_cute_call(backend: str, precision: str = "fp32", tactic=None) -> Callabl
 def v4_auto(s: dict, precision: str = "fp32") -> MhcFusedHcOutput:
     """``mhc_fused_hc``'s ``auto`` on a set (its ``pre_mix_prev``, if any, left out): the comparison column of the
     delayed seam's and the standalone ops' benches."""
-    from .api import mhc_fused_hc
 
     return mhc_fused_hc(s["x_prev"], s["residual_prev"], s["post_mix_prev"], s["comb_mix_prev"], s["fn"],
                         s["hc_scale"], s["hc_base"], norm_weight=s["norm_weight"], precision=precision)
@@ -514,7 +509,6 @@ def beside_the_v4_seam(call_of: Callable[[str], Callable[[dict], object]], backe
 def delayed_calls(backends: list[str], precision: str = "fp32") -> dict[str, Callable[[dict], object]]:
     """``mhc-cute bench --delayed``: the delayed seam's ``auto`` and ``backends`` on sets with ``pre_mix_prev``
     (``with_carried_gates``), and ``mhc_fused_hc``'s ``auto`` on the same sets as the comparison column."""
-    from .api import mhc_fused_hc_delayed
 
     def delayed(backend):
         def call(s):
@@ -544,7 +538,6 @@ def form_calls(backends: list[str], delayed: bool, precision: str = "fp32") -> d
     """``mhc-cute bench --form``: the seam (``delayed``: ``mhc_fused_hc_delayed``) in an entry form, ``auto`` and
     ``backends`` on ``form_sets``, and ``mhc_fused_hc``'s ``auto`` on the regular seam's inputs as the comparison
     column (the SPEC's target: an entry form no slower than a seam)."""
-    from .api import mhc_fused_hc, mhc_fused_hc_delayed
 
     fn = mhc_fused_hc_delayed if delayed else mhc_fused_hc
 
@@ -559,7 +552,6 @@ def form_calls(backends: list[str], delayed: bool, precision: str = "fp32") -> d
 def op_sets(op: str, sets: list[dict]) -> list[dict]:
     """``sets`` (with carried gates) as a standalone op's inputs (``accuracy.op_inputs_of``) under ``"op"``, each
     beside its seam inputs under ``"seam"`` (the comparison column)."""
-    from .accuracy import op_inputs_of
 
     return [dict(op=op_inputs_of(op, s), seam=s) for s in sets]
 
@@ -568,7 +560,6 @@ def op_calls(op: str, backends: list[str]) -> dict[str, Callable[[dict], object]
     """``mhc-cute bench --op``: the standalone op's ``auto`` and ``backends`` on ``op_sets``, and ``mhc_fused_hc``'s
     ``auto`` on the same tokens as the comparison column (a seam moves about as many bytes as ``mhc_post`` or
     ``mhc_head``)."""
-    from . import ops
 
     fn = getattr(ops, op)
 
@@ -785,7 +776,6 @@ def model_floor_bytes(config: ModelConfig, m: int) -> int:
 def model_inputs(config: ModelConfig, m: int, device, seed: int = 0) -> dict:
     """Random inputs of one forward: the embedding, per-sublayer weights (each seam its own), precomputed sublayer
     outputs (distinct up to ``MODEL_OUTPUT_BYTES``, then reused cyclically), the head weights and the final norm."""
-    from .model import HeadWeights, SublayerWeights
 
     h, n = config.hidden, 2 * config.layers
     g = torch.Generator(device=device).manual_seed(seed)
@@ -810,7 +800,6 @@ def model_forward_calls(config: ModelConfig) -> dict[str, Callable[[dict], objec
     """The forwards timed for ``config``: mhc_cute's ``auto`` and ``torch`` (the reference, fp32) through
     ``mhc_cute.model``, and for V4 the same forward on DeepSeek's TileKernels (when importable): its ``mhc_post``,
     ``mhc_pre_big_fuse`` (no fused RMSNorm: it runs without the sublayer norms, favouring it) and ``mhc_head``."""
-    from .model import mhc_forward_v4, mhc_forward_v41
 
     def ours(backend):
         if config.delayed:

@@ -42,7 +42,7 @@ def test_the_host_floor_makes_the_compiled_call_a_plan_makes(monkeypatch, pre):
     scalars, in the same order (the delayed seam's too: ``pre`` its carried gates)."""
     import torch
 
-    from mhc_cute import api, tactics
+    from mhc_cute import tactics
     from mhc_cute.accuracy import make_inputs, problem_of
     from mhc_cute.kernels.launch import KernelLaunch
 
@@ -51,7 +51,7 @@ def test_the_host_floor_makes_the_compiled_call_a_plan_makes(monkeypatch, pre):
     def prepared_launch(problem, backend, tactic, out):
         tactic = tactics.default_fma_tactic("all_fma", problem.m, problem.hidden)
         return KernelLaunch(lambda *args: calls.append(args), problem, tactic, counters=1)
-    monkeypatch.setattr(api, "prepared_launch", prepared_launch)
+    monkeypatch.setattr(bm, "prepared_launch", prepared_launch)
     s = make_inputs(3, 64, seed=1, pre=pre)
     bm.host_floor_call(s)(s)
     problem = problem_of(s)
