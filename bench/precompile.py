@@ -8,8 +8,8 @@ same checkout (the file names carry a digest of the kernel sources and the CuTe 
 
 ``--tune`` compiles the candidates ``mhc-cute tune`` times at those M and H instead of the default tactics.
 
-``--gpu-suite`` compiles every variant a GPU run of the tests and the bench reaches (``bench/gpu_run.sh``'s warm stage runs
-it): the GPU tests' default tactics over their grid (fp32 and tf32) and their explicit tactics (the big-fuse
+``--gpu-suite`` compiles every variant a GPU run of the tests and the bench reaches (``bench/gpu_run.sh``'s warm stage
+runs it): the GPU tests' default tactics over their grid (fp32 and tf32) and their explicit tactics (the big-fuse
 shapes, the warp-MMA tactics), the bench grid's defaults and the shipped tables' tactics, with and without the norm;
 and the delayed seam's (``mhc_fused_hc_delayed``: tests/test_delayed.py's GPU grid and the bench grid, carried and
 identity gates, with and without the norm, and every CuTe path's entry forms, as the shipped picks in them;
@@ -132,7 +132,8 @@ def compile_jobs(jobs, workers: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpu-suite", action="store_true", help="every variant the GPU tests and the bench reach (no --m/--hidden)")
+    ap.add_argument("--gpu-suite", action="store_true",
+                    help="every variant the GPU tests and the bench reach (no --m/--hidden)")
     ap.add_argument("--delayed", action="store_true",
                     help="the delayed seam's variants: alone, or with --m/--hidden those of the default tactics there")
     ap.add_argument("--tune", action="store_true", help="the tuner's candidates at --m/--hidden, not the defaults")

@@ -25,7 +25,6 @@ from .reference import HC_MULT
 from .signatures import RecentSignatures
 
 
-
 def prepared_launch(problem: Problem, backend: str, tactic, out):
     """The prepared ``launch(inputs, out)`` (``backends``) of ``backend`` (``auto``: the selector's choice) for calls
     of ``problem``'s signature, or the error that says why it cannot run them."""
@@ -351,8 +350,8 @@ def _traced(tensors: tuple, scalars: tuple, backend: str, precision: str, tactic
 
 
 # The ops' inputs as the custom ops take them (flat tensors, then the scalars, the backend, the precision and the
-# tactic's name); one
-# schema for both forms of an op, the out= one first taking the buffers it writes (residual_cur None without post).
+# tactic's name); one schema for both forms of an op, the out= one first taking the buffers it writes (residual_cur
+# None without post).
 _OP_TENSORS = "Tensor? x, Tensor residual, Tensor? post_mix, Tensor? comb_mix, "
 _OP_REST = ("Tensor fn, Tensor hc_scale, Tensor hc_base, Tensor? norm_weight, float rms_eps, float hc_pre_eps, "
             "float hc_sinkhorn_eps, float hc_post_mult_value, int sinkhorn_repeat, float norm_eps, str backend, "

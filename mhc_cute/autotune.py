@@ -36,9 +36,9 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
     FMA paths the FFMA-projection tactic (``tactics.ffma_tactic``, the default itself outside 9 <= M <= 128) and its
     neighbours in split_k, tokens per CTA, big-fuse shape and the weight pipeline with wider post-map steps (where a
     CTA walks several chunks), and from M = 8 the projection on warp MMA (16 or 32 tokens per CTA, one chunk per
-    CTA, each big-fuse shape; 256 threads, or 128 with the FFMA tactic's chunk or one twice as wide), each of them whose grid is one wave also with ``one_per_sm`` toggled; only
-    valid ones. None stands for a backend without tactics of its own
-    (the reference, Triton's table)."""
+    CTA, each big-fuse shape; 256 threads, or 128 with the FFMA tactic's chunk or one twice as wide), each of them
+    whose grid is one wave also with ``one_per_sm`` toggled; only valid ones. None stands for a backend without
+    tactics of its own (the reference, Triton's table)."""
     if backend in tactics.FMA_PATHS:
         base = tactics.default_fma_tactic(backend, m, hidden, sm_count)
         ffma = tactics.ffma_tactic(backend, m, hidden, sm_count)  # the base itself, except where that is warp MMA

@@ -17,7 +17,9 @@ import torch
 
 from . import backends, reference
 from .api import planned_launch
-from .problem import ALIGN_BYTES, Flattening, Scalars, aligned, fail as _fail, not_requiring_grad, overlap
+from .problem import (
+    ALIGN_BYTES, Flattening, Scalars, aligned, check_scalar, fail as _fail, not_requiring_grad, overlap,
+)
 from .reference import HC_MULT, N_MIXES
 from .signatures import RecentSignatures
 from .weights import prepared
@@ -173,10 +175,7 @@ class _Checker:
         return t
 
     def scalar(self, name, v, *, positive: bool):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
-                v <= 0 if positive else v < 0):
-            _fail(self.op, name, "a finite float " + ("> 0" if positive else ">= 0"), repr(v))
-        return float(v)
+        return check_scalar(self.op, name, v, "> 0" if positive else ">= 0")
 
     def flat(self, t, *shape):
         """``t`` reshaped to the flat ``shape``, contiguous and 16-byte aligned (copied when it is not)."""

@@ -129,6 +129,15 @@ def _fail(name: str, expected: str, got) -> None:
     fail("mhc_fused_hc", name, expected, got)
 
 
+def check_scalar(op: str, name: str, v, bound: str | None = None) -> float:
+    """A scalar argument of ``op``: a finite float (not a bool), within ``bound`` (``"> 0"``, ``">= 0"`` or None)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        fail(op, name, "a finite float", repr(v))
+    if (bound == "> 0" and v <= 0) or (bound == ">= 0" and v < 0):
+        fail(op, name, bound, v)
+    return float(v)
+
+
 def not_requiring_grad(name: str) -> str:
     """What an input requiring grad must be instead (every op is inference-only)."""
     return ("a tensor that does not require grad (the op is inference-only, with no backward: call it under "
@@ -450,26 +459,15 @@ def _validate_all(
     _check_exact("hc_base", hc_base, f32, (N_MIXES,), dev, anchor)
     if norm_weight is not None:
         _check_exact("norm_weight", norm_weight, (torch.bfloat16, torch.float32), (h,), dev, anchor)
-    for name in ("rms_eps", "hc_pre_eps", "hc_sinkhorn_eps", "hc_post_mult_value", "norm_eps"):
-        v = getattr(scalars, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            _fail(name, "a finite float", repr(v))
-    for name in ("rms_eps", "norm_eps"):
-        if getattr(scalars, name) <= 0:
-            _fail(name, "> 0", getattr(scalars, name))
-    for name in ("hc_pre_eps", "hc_sinkhorn_eps"):
-        if getattr(scalars, name) < 0:
-            _fail(name, ">= 0", getattr(scalars, name))
+    bounds = dict(rms_eps="> 0", hc_pre_eps=">= 0", hc_sinkhorn_eps=">= 0", hc_post_mult_value=None, norm_eps="> 0")
+    floats = {name: check_scalar("mhc_fused_hc", name, getattr(scalars, name), bound) for name, bound in bounds.items()}
     rep = scalars.sinkhorn_repeat
     if isinstance(rep, bool) or not isinstance(rep, int) or rep < 1:
         _fail("sinkhorn_repeat", "an int >= 1", repr(rep))
     if precision not in PRECISIONS:
         _fail("precision", f"one of {PRECISIONS}", repr(precision))
 
-    checked = Scalars(
-        float(scalars.rms_eps), float(scalars.hc_pre_eps), float(scalars.hc_sinkhorn_eps),
-        float(scalars.hc_post_mult_value), int(rep), float(scalars.norm_eps),
-    )
+    checked = Scalars(**floats, sinkhorn_repeat=int(rep))
     problem = _flatten(x_prev, residual_prev, post_mix_prev, comb_mix_prev, fn, hc_scale, hc_base, norm_weight,
                        pre_mix_prev, lead, checked, precision, delayed, align)
     return problem, lead
