@@ -361,7 +361,6 @@ def host_floor_call(s: dict, backend: str = "auto", precision: str = "fp32") -> 
     ``pre_mix_prev``) and the call's compiled kernels launched through TVM-FFI with every other argument prepared
     once (weight, scratch, scalars). ``backend``'s choice (auto: the selector's) for this signature; a backend
     without compiled kernels (the reference, Triton) is its prepared launch instead. The call returns the outputs."""
-
     with torch.inference_mode():
         problem = problem_of(s, precision)
         m, h, dev = problem.m, problem.hidden, problem.residual.device
@@ -398,10 +397,7 @@ def compiled_call(precision: str = "fp32", delayed: bool = False) -> Callable[[d
     """``mhc_fused_hc(backend="auto")`` (``delayed``: ``mhc_fused_hc_delayed``) inside a function compiled by
     ``torch.compile`` (inductor, static shapes, no CUDA graphs): the call goes through the custom op (``api``), whose
     per-call host cost ``host_us_per_call`` measures."""
-
-    op = mhc_fused_hc_delayed if delayed else mhc_fused_hc
-    compiled = torch.compile(lambda s: op(**s, backend="auto", precision=precision), fullgraph=True, dynamic=False)
-    return compiled
+    return torch.compile(mhc_cute_call("auto", precision, delayed=delayed), fullgraph=True, dynamic=False)
 
 
 def tvm_ffi_tensor_path() -> str:
@@ -427,16 +423,11 @@ def host_times(m: int, hidden: int, device, norm: bool, precision: str = "fp32",
                compiled: bool = False, delayed: bool = False) -> HostTimes:
     """Host time per eager call of ``auto`` at (M, H) beside its floor (``host_floor_call``), and optionally through
     ``torch.compile`` (``compiled_call``); ``delayed``: of ``mhc_fused_hc_delayed`` with carried gates."""
-
     sets = make_sets(m, hidden, 1, device, norm)
     s = with_carried_gates(sets)[0] if delayed else sets[0]
     backend, tactic = SELECTOR.resolve(device, m, hidden, precision, norm)
     choice = f"{backend} {getattr(tactic, 'name', tactic) or '(default)'}"
-    if delayed:
-        def eager(s):
-            return mhc_fused_hc_delayed(**s, backend="auto", precision=precision)
-    else:
-        eager = mhc_cute_call("auto", precision)
+    eager = mhc_cute_call("auto", precision, delayed=delayed)
     times = HostTimes(host_us_per_call(eager, s), host_us_per_call(host_floor_call(s, "auto", precision), s), choice)
     if compiled:
         times = times._replace(compiled_us=host_us_per_call(compiled_call(precision, delayed), s))
@@ -447,7 +438,6 @@ def op_host_times(op: str, m: int, hidden: int, device) -> HostTimes:
     """Host time per eager call of standalone ``op`` on ``auto`` at (M, H) (norm weight given where it takes one)
     beside its floor: the output allocated as the op does and its backend's entry called on the flat inputs with the
     scalars prepared once (the plan ``ops`` keeps for the signature, minus its per-call checks)."""
-
     inputs = make_op_inputs(op, m, hidden, device=device, norm=op != "mhc_post")
     with torch.inference_mode():
         call_op(op, inputs)
@@ -484,17 +474,19 @@ def format_host_table(rows: list[tuple[int, int, HostTimes]], gpu: str, op: str 
 
 # --- what gets timed ------------------------------------------------------------------------------------------
 
-def mhc_cute_call(backend: str, precision: str = "fp32", tactic=None) -> Callable[[dict], MhcFusedHcOutput]:
+def mhc_cute_call(backend: str, precision: str = "fp32", tactic=None,
+                  delayed: bool = False) -> Callable[[dict], object]:
+    """A set's call of ``mhc_fused_hc`` (``delayed``: ``mhc_fused_hc_delayed``, on sets with ``pre_mix_prev``)."""
+    op = mhc_fused_hc_delayed if delayed else mhc_fused_hc
 
     def call(s):
-        return mhc_fused_hc(**s, backend=backend, precision=precision, tactic=tactic)
+        return op(**s, backend=backend, precision=precision, tactic=tactic)
     return call
 
 
 def v4_auto(s: dict, precision: str = "fp32") -> MhcFusedHcOutput:
     """``mhc_fused_hc``'s ``auto`` on a set (its ``pre_mix_prev``, if any, left out): the comparison column of the
     delayed seam's and the standalone ops' benches."""
-
     return mhc_fused_hc(s["x_prev"], s["residual_prev"], s["post_mix_prev"], s["comb_mix_prev"], s["fn"],
                         s["hc_scale"], s["hc_base"], norm_weight=s["norm_weight"], precision=precision)
 
@@ -509,13 +501,8 @@ def beside_the_v4_seam(call_of: Callable[[str], Callable[[dict], object]], backe
 def delayed_calls(backends: list[str], precision: str = "fp32") -> dict[str, Callable[[dict], object]]:
     """``mhc-cute bench --delayed``: the delayed seam's ``auto`` and ``backends`` on sets with ``pre_mix_prev``
     (``with_carried_gates``), and ``mhc_fused_hc``'s ``auto`` on the same sets as the comparison column."""
-
-    def delayed(backend):
-        def call(s):
-            return mhc_fused_hc_delayed(**s, backend=backend, precision=precision)
-        return call
-
-    return beside_the_v4_seam(delayed, backends, lambda s: v4_auto(s, precision))
+    return beside_the_v4_seam(lambda b: mhc_cute_call(b, precision, delayed=True), backends,
+                              lambda s: v4_auto(s, precision))
 
 
 def form_sets(form: str, sets: list[dict]) -> list[dict]:
@@ -538,7 +525,6 @@ def form_calls(backends: list[str], delayed: bool, precision: str = "fp32") -> d
     """``mhc-cute bench --form``: the seam (``delayed``: ``mhc_fused_hc_delayed``) in an entry form, ``auto`` and
     ``backends`` on ``form_sets``, and ``mhc_fused_hc``'s ``auto`` on the regular seam's inputs as the comparison
     column (the SPEC's target: an entry form no slower than a seam)."""
-
     fn = mhc_fused_hc_delayed if delayed else mhc_fused_hc
 
     def of(backend):
@@ -552,7 +538,6 @@ def form_calls(backends: list[str], delayed: bool, precision: str = "fp32") -> d
 def op_sets(op: str, sets: list[dict]) -> list[dict]:
     """``sets`` (with carried gates) as a standalone op's inputs (``accuracy.op_inputs_of``) under ``"op"``, each
     beside its seam inputs under ``"seam"`` (the comparison column)."""
-
     return [dict(op=op_inputs_of(op, s), seam=s) for s in sets]
 
 
@@ -560,7 +545,6 @@ def op_calls(op: str, backends: list[str]) -> dict[str, Callable[[dict], object]
     """``mhc-cute bench --op``: the standalone op's ``auto`` and ``backends`` on ``op_sets``, and ``mhc_fused_hc``'s
     ``auto`` on the same tokens as the comparison column (a seam moves about as many bytes as ``mhc_post`` or
     ``mhc_head``)."""
-
     fn = getattr(ops, op)
 
     def of(backend):
@@ -729,7 +713,6 @@ class ModelConfig(NamedTuple):
     """The mHC shape of a DeepSeek model: H, layers (2 sublayers each), Engram layers, V4.1's delayed seams.
     From the models' released configs: H (``docs/contract.md``), layers (V4-Pro 61, V4-Flash 43, V4.1-Flash 40) and
     V4.1-Flash's Engram layers {1, 14}."""
-
     hidden: int
     layers: int
     engram_layers: tuple = ()
@@ -776,7 +759,6 @@ def model_floor_bytes(config: ModelConfig, m: int) -> int:
 def model_inputs(config: ModelConfig, m: int, device, seed: int = 0) -> dict:
     """Random inputs of one forward: the embedding, per-sublayer weights (each seam its own), precomputed sublayer
     outputs (distinct up to ``MODEL_OUTPUT_BYTES``, then reused cyclically), the head weights and the final norm."""
-
     h, n = config.hidden, 2 * config.layers
     g = torch.Generator(device=device).manual_seed(seed)
 
@@ -800,7 +782,6 @@ def model_forward_calls(config: ModelConfig) -> dict[str, Callable[[dict], objec
     """The forwards timed for ``config``: mhc_cute's ``auto`` and ``torch`` (the reference, fp32) through
     ``mhc_cute.model``, and for V4 the same forward on DeepSeek's TileKernels (when importable): its ``mhc_post``,
     ``mhc_pre_big_fuse`` (no fused RMSNorm: it runs without the sublayer norms, favouring it) and ``mhc_head``."""
-
     def ours(backend):
         if config.delayed:
             return lambda s: mhc_forward_v41(s["embedding"], s["weights"], s["sublayers"], s["head"].norm_weight,
