@@ -141,7 +141,7 @@ class FmaTactic:
         if self.split_k < 1 or hidden % self.split_k:
             return f"split_k must divide H = {hidden}"
         if (hidden // self.split_k) % self.chunk_h:
-            return f"H / split_k = {hidden // max(self.split_k, 1)} must be a multiple of chunk_h = {self.chunk_h}"
+            return f"H / split_k = {hidden // self.split_k} must be a multiple of chunk_h = {self.chunk_h}"
         if self.warp_mma:
             if not 1 <= self.tokens_per_cta <= 2 * MMA_TILE_ROWS:
                 return f"tokens_per_cta must be in [1, {2 * MMA_TILE_ROWS}] with warp_mma"

@@ -68,9 +68,7 @@ class ClusterTailProbe:
         self.pad_bytes = max(0, smem_kb * 1024 - 4 * tokens * (ROW + GATES) - 64)
 
     @cute.jit
-    def __call__(self, mStamps: cute.Tensor, mChecks: cute.Tensor, mPartials: cute.Tensor, a0, a1, a2, a3,
-                 rounds: Int32, a5, stream):
-        # a0..a5: the six runtime scalars that mhc_cute.kernels.compile_kernel appends; a4 carries ``rounds``
+    def __call__(self, mStamps: cute.Tensor, mChecks: cute.Tensor, mPartials: cute.Tensor, rounds: Int32, stream):
         clusters = mStamps.shape[0] // (self.cluster * STAMPS)
         self.kernel(mStamps, mChecks, mPartials, rounds).launch(grid=[clusters * self.cluster, 1, 1],
                                                       block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
@@ -123,7 +121,7 @@ class ClusterTailProbe:
 
 def compiled(cluster: int, tokens: int, smem_kb: int):
     return compile_kernel(ClusterTailProbe(cluster, tokens, smem_kb), fake_buffer(Int32), fake_buffer(Float32),
-                          fake_buffer(Float32))
+                          fake_buffer(Float32), Int32(0))
 
 
 def expected_gate(seeds, cluster: int, tokens: int, threads: int, rounds: int) -> float:
@@ -183,7 +181,7 @@ def main() -> int:
                 stamps = torch.zeros(waves * cluster * STAMPS, dtype=torch.int32, device=dev)
                 checks = torch.full((waves * cluster,), float("nan"), device=dev)
                 try:
-                    fn(stamps, checks, seeds, 0.0, 0.0, 0.0, 0.0, 2000, 0.0)
+                    fn(stamps, checks, seeds, 2000)
                     torch.cuda.synchronize()
                 except Exception as e:
                     print(f"S={cluster:2d} T={tokens:2d} smem={smem_kb}KB: launch failed ({type(e).__name__}: "
@@ -197,7 +195,7 @@ def main() -> int:
                 stamps = torch.zeros(most * cluster * STAMPS, dtype=torch.int32, device=dev)
                 checks = torch.empty(most * cluster, device=dev)
                 times = {rounds: statistics.median(mb.launch_us(
-                    lambda: fn(stamps, checks, seeds, 0.0, 0.0, 0.0, 0.0, rounds, 0.0), args.reps))
+                    lambda: fn(stamps, checks, seeds, rounds), args.reps))
                     for rounds in (1, args.rounds)}
                 per = (times[args.rounds] - times[1]) / (args.rounds - 1)
                 print(f"S={cluster:2d} T={tokens:2d} smem={smem_kb}KB: {most:3d} clusters resident at once "

@@ -51,9 +51,7 @@ class GridBarrierProbe:
         self.lag = lag
 
     @cute.jit
-    def __call__(self, mCounter: cute.Tensor, mSrc: cute.Tensor, mDst: cute.Tensor, a0, a1, a2, a3, rounds: Int32,
-                 a5, stream):
-        # a0..a5: the six runtime scalars that mhc_cute.kernels.compile_kernel appends; a4 carries ``rounds``
+    def __call__(self, mCounter: cute.Tensor, mSrc: cute.Tensor, mDst: cute.Tensor, rounds: Int32, stream):
         self.kernel(mCounter, mSrc, mDst, rounds).launch(grid=[self.ctas, 1, 1], block=[self.threads + du.WARP, 1, 1],
                                                          stream=stream, cooperative=True)
 
@@ -139,7 +137,7 @@ class GridBarrierProbe:
 
 def compiled(ctas: int, threads: int, vectors: int, barriers: int, kind: str, lag: int = 0):
     return compile_kernel(GridBarrierProbe(ctas, threads, vectors, barriers, kind, lag), fake_buffer(Int32),
-                          fake_buffer(BFloat16), fake_buffer(BFloat16))
+                          fake_buffer(BFloat16), fake_buffer(BFloat16), Int32(0))
 
 
 def launch_us(fn, counter, src, dst, rounds: int, reps: int, expected: int) -> float:
@@ -149,7 +147,7 @@ def launch_us(fn, counter, src, dst, rounds: int, reps: int, expected: int) -> f
         counter.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(counter, src, dst, 0.0, 0.0, 0.0, 0.0, rounds, 0.0)
+        fn(counter, src, dst, rounds)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 # mhc_cute.kernels first: it sets the DSL's target architecture before cutlass is imported
-from mhc_cute.kernels import compile_kernel, fake_buffer, fake_tensors, mma, scalar_args  # noqa: E402
+from mhc_cute.kernels import compile_kernel, fake_buffer, fake_tensors, mma, scalar_args, seam_scalars  # noqa: E402
 from mhc_cute.kernels import device_utils as du  # noqa: E402
 
 import cutlass  # noqa: E402
@@ -68,7 +68,7 @@ def compile_variant(make_kernel, problem, out):
     weight, = fake_tensors(torch.empty(h // MMA_BLOCK_H, HC_MULT, kernel.n, MMA_BLOCK_H))
     scale, base = fake_tensors(problem.hc_scale, problem.hc_base, align=4)
     return compile_kernel(kernel, *tokens, weight, scale, base, None, *fake_tensors(*out, tokens=m),
-                          fake_buffer(Float32), fake_buffer(Int32), None, None)
+                          fake_buffer(Float32), fake_buffer(Int32), None, None, *seam_scalars())
 
 
 def launcher(tactic, problem, make_kernel):

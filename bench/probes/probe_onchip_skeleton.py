@@ -218,8 +218,7 @@ class OnchipSkeleton:
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mRc: cute.Tensor, mLi: cute.Tensor, mFn: cute.Tensor,
-                 a0, a1, a2, a3, a4, a5, stream):
-        # a0..a5: the six runtime scalars that mhc_cute.kernels.compile_kernel appends (unused)
+                 stream):
         m = mX.shape[0] // self.hidden
         x = cute.make_tensor(mX.iterator, du.row_major(m, self.hidden))
         res = cute.make_tensor(mRes.iterator, du.row_major(m, STREAMS * self.hidden))
@@ -1286,8 +1285,7 @@ def main() -> int:
                 rc = torch.full((m, STREAMS, h), float("nan"), device=dev).to(torch.bfloat16)
                 li = torch.full((m, h), float("nan"), device=dev).to(torch.bfloat16)
                 weight = prepared[ring] if sync == "project" and ring in prepared else fnd.view(-1)
-                launch = functools.partial(kernel, xd.view(-1), resd.view(-1), rc.view(-1), li.view(-1), weight,
-                                           0.0, 0.0, 0.0, 0.0, 0, 0.0)
+                launch = functools.partial(kernel, xd.view(-1), resd.view(-1), rc.view(-1), li.view(-1), weight)
                 launch()
                 torch.cuda.synchronize()
                 rows = torch.cat([torch.arange(0, m, 97), torch.arange(m - 2 * tokens, m)])  # a spread and the end

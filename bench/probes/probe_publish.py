@@ -53,9 +53,8 @@ class PublishProbe:
         self.arrivals = ctas * (WRITERS // du.WARP if mode == "warps" else 1)  # per round
 
     @cute.jit
-    def __call__(self, mCounters: cute.Tensor, mPayload: cute.Tensor, mSrc: cute.Tensor, mDst: cute.Tensor, a0, a1,
-                 a2, a3, rounds: Int32, a5, stream):
-        # a0..a5: the six runtime scalars that mhc_cute.kernels.compile_kernel appends; a4 carries ``rounds``
+    def __call__(self, mCounters: cute.Tensor, mPayload: cute.Tensor, mSrc: cute.Tensor, mDst: cute.Tensor,
+                 rounds: Int32, stream):
 
         @cute.struct
         class SharedStorage:
@@ -146,7 +145,7 @@ class PublishProbe:
 
 def compiled(ctas: int, bulk: int, mode: str):
     return compile_kernel(PublishProbe(ctas, bulk, mode), fake_buffer(Int32), fake_int32_ring(ctas),
-                          fake_buffer(BFloat16), fake_buffer(BFloat16))
+                          fake_buffer(BFloat16), fake_buffer(BFloat16), Int32(0))
 
 
 def fake_int32_ring(ctas: int):
@@ -178,7 +177,7 @@ def main() -> int:
                 payload.fill_(-1)
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                fn(counters, payload, src, dst, 0.0, 0.0, 0.0, 0.0, args.rounds, 0.0)
+                fn(counters, payload, src, dst, args.rounds)
                 b.record()
                 b.synchronize()
                 times.append(a.elapsed_time(b) * 1e3 / args.rounds)

@@ -2,10 +2,10 @@
 
 Modules: ``device_utils`` (device helpers), ``big_fuse`` (SPEC steps 2-7, standalone kernel and device
 phase), ``fma`` (paths E and F), ``mma`` and ``wgmma_tf32`` (paths B and D), ``post`` and ``collapse`` (the
-standalone ops), ``launch`` (the per-call launch of the seams' kernels, host code only). The helpers below build the fake tensors a kernel is compiled against,
-compile it for the TVM-FFI launch path and cache the result (``CompiledKernels``). CuTe DSL is imported
-lazily so that importing this package (as the backend registry does to find a backend) works on a machine
-without it.
+standalone ops), ``launch`` (the per-call launch of the seams' kernels, host code only). The helpers below build
+the fake tensors a kernel is compiled against, compile it for the TVM-FFI launch path and cache the result
+(``CompiledKernels``). CuTe DSL is imported lazily so that importing this package (as the backend registry does
+to find a backend) works on a machine without it.
 
 Compiling a variant takes seconds. With ``MHC_CUTE_KERNEL_CACHE=<dir>`` compiled kernels are also kept as
 object files in that directory and loaded from there (about a millisecond) by later processes; the file
@@ -94,15 +94,21 @@ def fake_buffer(dtype):
     return cute.runtime.make_fake_tensor(dtype, (cute.sym_int(),), (1,), assumed_align=16)
 
 
-def compile_kernel(kernel, *fake_args):
-    """``cute.compile`` for the TVM-FFI launch path: tensors, then the six runtime scalars, then the stream
-    (taken from torch's current stream at call time). Not thread-safe (CuTe DSL compilation is not)."""
-    import cutlass.cute as cute
+def seam_scalars() -> tuple:
+    """Fake runtime scalars of a seam kernel, in ``scalar_args`` order (the standalone ops take fewer)."""
     from cutlass import Float32, Int32
 
-    scalars = (Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0), Int32(0), Float32(0.0))
+    return (Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0), Int32(0), Float32(0.0))
+
+
+def compile_kernel(kernel, *fake_args):
+    """``cute.compile`` for the TVM-FFI launch path: the fake arguments (tensors, then the runtime scalars the
+    kernel takes), then the stream (taken from torch's current stream at call time). Not thread-safe (CuTe DSL
+    compilation is not)."""
+    import cutlass.cute as cute
+
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(kernel, *fake_args, *scalars, stream, options="--enable-tvm-ffi")
+    return cute.compile(kernel, *fake_args, stream, options="--enable-tvm-ffi")
 
 
 # modules outside this package whose code shapes a compiled kernel: the tactics' derived shapes and constants (the

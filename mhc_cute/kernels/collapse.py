@@ -18,7 +18,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import Float32, Int32  # noqa: E402
+from cutlass import Float32  # noqa: E402
 
 from ..tactics import HC_MULT  # noqa: E402
 from . import CompiledKernels, compile_in_processes, compile_kernel, cute_dtype, fake_tensors  # noqa: E402
@@ -51,9 +51,8 @@ class CollapseKernel:
         assert self.phase.batches <= 2  # compile-time batch indices below
 
     @cute.jit
-    def __call__(self, residual: cute.Tensor, pre_mix: cute.Tensor, norm_weight, out: cute.Tensor, rms_eps: Float32,
-                 hc_pre_eps: Float32, hc_sinkhorn_eps: Float32, hc_post_mult_value: Float32, sinkhorn_repeat: Int32,
-                 norm_eps: Float32, stream):
+    def __call__(self, residual: cute.Tensor, pre_mix: cute.Tensor, norm_weight, out: cute.Tensor, norm_eps: Float32,
+                 stream):
         m, h = residual.shape[0], self.hidden
         mRes = cute.make_tensor(residual.iterator, du.row_major(m, HC_MULT * h))
         mPre = cute.make_tensor(pre_mix.iterator, du.row_major(m, HC_MULT))
@@ -102,14 +101,14 @@ def compile_collapse(residual, pre_mix, norm_weight, out, prefetch_norm: bool = 
     kernel = CollapseKernel(residual.shape[2], norm_dtype, prefetch_norm)
     res, pre, out_t = fake_tensors(residual, pre_mix, out, tokens=m)
     (norm,) = fake_tensors(norm_weight)
-    return compile_kernel(kernel, res, pre, norm, out_t)
+    return compile_kernel(kernel, res, pre, norm, out_t, Float32(0.0))
 
 
 def run_collapse(residual, pre_mix, norm_weight, norm_eps, out) -> None:
     """``mhc_cute.ops`` backend entry: flat ``residual [M, 4, H]``, ``pre_mix [M, 4]``, ``norm_weight [H]`` or None
     into ``out [M, H]``."""
     fn = compiled_collapse(residual, pre_mix, norm_weight, out, prefetches_norm(residual.shape[2]))
-    fn(residual, pre_mix, norm_weight, out, 0.0, 0.0, 0.0, 0.0, 0, norm_eps)
+    fn(residual, pre_mix, norm_weight, out, norm_eps)
 
 
 def spec_operands(hidden: int, norm: str | None):

@@ -56,7 +56,7 @@ from .. import tactics as tac  # noqa: E402
 from ..tactics import HC_MULT, MMA_TILE_ROWS, N_MIXES, SUMSQ_COL, FmaTactic  # noqa: E402
 from . import (  # noqa: E402
     CompiledKernels, compile_in_processes, compile_kernel, delayed_mode, fake_buffer, fake_tensors,
-    norm_dtype_of, resolve_tactic, seam_fakes, spec_problem,
+    norm_dtype_of, resolve_tactic, seam_fakes, seam_scalars, spec_problem,
 )
 from ..weights import broadcast_weight  # noqa: E402
 from . import device_utils as du  # noqa: E402
@@ -563,7 +563,7 @@ def compile_fma(tactic: FmaTactic, problem, out, kernel_class=None):
     scale, base = fake_tensors(problem.hc_scale, problem.hc_base, align=4)  # read as scalars
     counters = fake_buffer(Int32) if tactic.path == "all_fma" else None
     return compile_kernel(kernel, *token_tensors, fn, scale, base, norm_weight, *outputs, fake_buffer(Float32),
-                          counters, *seam_fakes(problem, out, m))
+                          counters, *seam_fakes(problem, out, m), *seam_scalars())
 
 
 @functools.lru_cache(maxsize=4096)

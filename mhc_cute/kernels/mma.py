@@ -63,7 +63,7 @@ from ..weights import prepared  # noqa: E402
 from . import device_utils as du  # noqa: E402
 from . import (  # noqa: E402
     CompiledKernels, compile_in_processes, compile_kernel, delayed_mode, fake_buffer, fake_tensors,
-    norm_dtype_of, resolve_tactic, seam_fakes, spec_problem,
+    norm_dtype_of, resolve_tactic, seam_fakes, seam_scalars, spec_problem,
 )
 from .big_fuse import (  # noqa: E402
     X1_SUMSQ_COL, BigFusePhase, BigFuseScalars, flat_outputs, gate_rows, partials_view, standalone_big_fuse,
@@ -638,7 +638,7 @@ def compile_mma(tactic: MmaTactic, problem, out):
     weight, norm_weight = fake_tensors(weight, problem.norm_weight)
     scale, base = fake_tensors(problem.hc_scale, problem.hc_base, align=4)  # read as scalars
     return compile_kernel(kernel, *token_tensors, weight, scale, base, norm_weight, *outputs, fake_buffer(Float32),
-                          fake_buffer(Int32), *seam_fakes(problem, out, m))
+                          fake_buffer(Int32), *seam_fakes(problem, out, m), *seam_scalars())
 
 
 @functools.lru_cache(maxsize=4096)

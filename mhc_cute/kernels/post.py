@@ -13,7 +13,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import BFloat16, Float32, Int32  # noqa: E402
+from cutlass import BFloat16, Float32  # noqa: E402
 
 from ..tactics import HC_MULT  # noqa: E402
 from . import CompiledKernels, compile_in_processes, compile_kernel, fake_tensors  # noqa: E402
@@ -33,8 +33,7 @@ class PostKernel:
 
     @cute.jit
     def __call__(self, x: cute.Tensor, residual: cute.Tensor, post_mix: cute.Tensor, comb_mix: cute.Tensor,
-                 out: cute.Tensor, rms_eps: Float32, hc_pre_eps: Float32, hc_sinkhorn_eps: Float32,
-                 hc_post_mult_value: Float32, sinkhorn_repeat: Int32, norm_eps: Float32, stream):
+                 out: cute.Tensor, stream):
         m, h = x.shape[0], self.hidden
         mX = cute.make_tensor(x.iterator, du.row_major(m, h))
         mRes = cute.make_tensor(residual.iterator, du.row_major(m, HC_MULT * h))
@@ -96,7 +95,7 @@ def run_post(x, residual, post_mix, comb_mix, out) -> None:
     """``mhc_cute.ops`` backend entry: flat ``x [M, H]``, ``residual [M, 4, H]``, ``post_mix [M, 4]``,
     ``comb_mix [M, 4, 4]`` into ``out [M, 4, H]``."""
     fn = compiled_post(x.shape[1], x, residual, post_mix, comb_mix, out)
-    fn(x, residual, post_mix, comb_mix, out, 0.0, 0.0, 0.0, 0.0, 0, 0.0)
+    fn(x, residual, post_mix, comb_mix, out)
 
 
 def spec_operands(hidden: int):
