@@ -8,9 +8,12 @@ after the timing.
     PYTHONPATH=/tmp/old:$PYTHONPATH python bench/probes/ab_triton.py --tag old1
     python bench/probes/ab_triton.py --tag new1 --sweep reduce main
     python bench/probes/ab_triton.py --once 8192 7168      # a few eager calls, nothing timed (for ncu)
+
+``--delayed`` times V4.1's delayed seam (``mhc_fused_hc_delayed``, carried gates) instead of the V4 seam.
 """
 
 import argparse
+import functools
 import statistics
 import sys
 
@@ -62,6 +65,7 @@ def main() -> int:
     ap.add_argument("--check-max-m", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2, help="timings of each candidate (median reported)")
+    ap.add_argument("--delayed", action="store_true", help="the delayed seam (carried gates) instead")
     ap.add_argument("--once", type=int, nargs=2, metavar=("M", "H"), help="only a few eager calls (profiling)")
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -74,12 +78,15 @@ def main() -> int:
     for h in args.hidden:
         for m in args.m:
             sets = mb.rotated_sets(m, h, dev)
+            if args.delayed:
+                sets = mb.with_carried_gates(sets)
             cands = [None] + [t for name in args.sweep for t in SWEEPS[name] if m >= 1024]
             # Every candidate is timed in each of --rounds rounds (the order reversed every other round), and the
             # float64 checks run only after all the timing: a check between timings slows the candidates timed
             # right after it (docs/experiments.md).
+            call = functools.partial(mb.mhc_cute_call, "triton", delayed=args.delayed)
             times = mb.alternating_rounds(
-                {i: (lambda t=t, sets=sets: mb.time_graph(mb.mhc_cute_call("triton", tactic=t), sets, reps=args.reps))
+                {i: (lambda t=t, sets=sets: mb.time_graph(call(tactic=t), sets, reps=args.reps))
                  for i, t in enumerate(cands)}, args.rounds)
             for i, t in enumerate(cands):
                 if isinstance(times[i], Exception):  # a candidate that does not compile or launch: not fatal
