@@ -88,6 +88,7 @@ fi
 # -v: each test's outcome on its own line, which TESTS_REST=1 reads in the next call; a test past 300 s prints its
 # stacks and ends its worker (pytest-timeout, on the GPU image): a hang becomes a named failure, the others go on
 log=/tmp/mhc-tests-$(date +%s).log
+export MHC_CUTE_FAILURES="$OUT/failures.txt"  # each failure's traceback as it happens (tests/conftest.py)
 [ ${#sel[@]} -gt 0 ] && timeout "${TEST_S:-240}" python -m pytest -v -p no:cacheprovider --tb=line -rfE \
   ${PYTEST_ARGS:--n 8 --timeout 300 --timeout-method thread} "${sel[@]}" > "$log" 2>&1
 echo "tests rc=$? $(( $(date +%s) - t0 )) s: $(outcomes < "$log" | cut -d' ' -f1 | sort | uniq -c | xargs)"

@@ -31,6 +31,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """With ``$MHC_CUTE_FAILURES`` set, each failure is appended to that file as it happens (by the xdist controller
+    only, or the one process): a GPU run stopped at its time limit keeps the reasons pytest prints at the end."""
+    path = os.environ.get("MHC_CUTE_FAILURES")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as f:
+            f.write(f"== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 def _is_large(item) -> bool:
     params = getattr(getattr(item, "callspec", None), "params", {})
     return params.get("m", 0) >= LARGE_M or "2_31" in item.name
