@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One batched GPU run (from the repository root on the GPU machine):
-# unpack kernels precompiled on a CPU machine (`bench/precompile.py --gpu-suite`, packed as .kcarry/kcache.tar.xz),
+# unpack kernels precompiled on a CPU machine (`bench/precompile.py --gpu-suite`, packed as .kcarry/*.tar.xz),
 # compile what is missing in parallel (the same --gpu-suite set, then Triton's test and bench configurations), run
 # the GPU tests listed in $TESTS (pytest node ids or files, one per line; default: every gpu test) in 8 xdist workers
 # ($PYTEST_ARGS; at most three large-M tests at once, tests/conftest.py), then `mhc-cute bench`.
 # Everything is logged under $OUT. Each stage has its own time limit (WARM_S, TEST_S, BENCH_S seconds; 0 skips the
 # stage) so that one slow stage cannot eat the rest. Off unless given a time: PROBE_S (the collapse hang probe),
-# SAN_S (the sanitizer sweep, 4 tools x 3 shards at once), SOAK_S (the soak; with SOAK_BG=1 it runs on past this
+# SAN_S (the sanitizer sweep, 4 tools x 3 shards at once; SAN_BACKENDS: only these backends), SOAK_S (the soak; with SOAK_BG=1 it runs on past this
 # script, and a later run's SOAK_WAIT_S collects it).
 #
 # Where a command's time is limited, split the stages over runs (docs/developer.md): the tests with TESTS_REST=1
@@ -17,7 +17,7 @@ OUT=${OUT:-/tmp/mhc-out}
 mkdir -p "$OUT"
 export MHC_CUTE_KERNEL_CACHE=/tmp/mhc-kcache
 mkdir -p "$MHC_CUTE_KERNEL_CACHE"
-if [ -f .kcarry/kcache.tar.xz ]; then tar -C "$MHC_CUTE_KERNEL_CACHE" -xJf .kcarry/kcache.tar.xz; fi
+for f in .kcarry/*.tar.xz; do [ -f "$f" ] && tar -C "$MHC_CUTE_KERNEL_CACHE" -xJf "$f"; done  # one or several parts
 echo "kernels in cache: $(ls "$MHC_CUTE_KERNEL_CACHE" | wc -l)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 t0=$(date +%s)
@@ -48,6 +48,7 @@ mkdir -p /tmp/san; pids=
 for tool in check memcheck synccheck racecheck initcheck; do for sh in 1 2 3; do
   # "check": the unsanitized pass in processes of its own (in a tool's shard it ate that tool's budget on a loaded GPU)
   if [ $tool = check ]; then sel=(--tools ""); else sel=(--tools $tool --no-check); fi
+  [ -n "${SAN_BACKENDS:-}" ] && sel+=(--backends "$SAN_BACKENDS")
   python bench/sanitize.py "${sel[@]}" --shard $sh/3 --no-precompile --budget $(( SAN_S - 40 )) \
     --case-timeout 150 --timeout $(( SAN_S - 40 )) --json /tmp/san/${tool}_$sh.json > /tmp/san/${tool}_$sh.txt 2>&1 &
   pids="$pids $!"
