@@ -377,7 +377,9 @@ class MmaFusedHcKernel:
         if warp_idx == self.producer_warp:
             self.produce(ab_pipeline, tma_res, tma_mRes, tma_x, tma_mX, tma_w, tma_mB, sRes, sX, sW, m_tile,
                          blk_begin, n_blk)
-        else:
+        # two ifs, not if/else: compiled with the else branch, the consumer's main loop spilled registers and the
+        # kernel had 9-10% more instructions (sm_90a SASS, docs/experiments.md 2026-12-05)
+        if warp_idx < self.producer_warp:
             self.consume(ab_pipeline, tiled_mma, sRes, sX, sW, mPost, mComb, mPre, mResOut, flat[3], mPartials, tidx,
                          m_tile, split, blk_begin, n_blk)
 
