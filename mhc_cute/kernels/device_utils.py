@@ -263,11 +263,24 @@ def split_tf32(w: cute.Tensor, hi: cute.Tensor, lo: cute.Tensor):
 
 
 @cute.jit
+def widen_bf16x8(frag: cute.Tensor):
+    """The eight bf16 of the register tensor ``frag`` as an fp32 vector, exactly: per 32-bit pair the low half shifted
+    up and the high half masked, two integer instructions where the conversion takes three."""
+    pairs = cute.recast_tensor(frag, Int32)
+    wide = cute.make_rmem_tensor((VEC_BF16,), Float32)
+    bits = cute.recast_tensor(wide, Int32)
+    for i in cutlass.range_constexpr(VEC_BF16 // 2):
+        bits[2 * i] = pairs[i] << 16
+        bits[2 * i + 1] = pairs[i] & Int32(-65536)  # 0xffff0000
+    return wide.load()
+
+
+@cute.jit
 def load_bf16x8(src: cute.Tensor):
     """Eight contiguous bf16 (one 16-byte load; ``src`` must be 16-byte aligned) as an fp32 vector."""
     frag = cute.make_rmem_tensor((VEC_BF16,), BFloat16)
     cute.autovec_copy(src, frag)
-    return frag.load().to(Float32)
+    return widen_bf16x8(frag)
 
 
 @cute.jit

@@ -401,8 +401,8 @@ class FmaFusedHc:
                     if cutlass.const_expr(self.has_post or self.broadcast):
                         row_out = du.token_row(mResCur, m)
                     if cutlass.const_expr(self.has_post):
-                        xv = raw[r, 0, None].load().to(Float32)
-                    res = [raw[r, 1 + k, None].load().to(Float32) for k in range(HC_MULT)]
+                        xv = du.widen_bf16x8(raw[r, 0, None])
+                    res = [du.widen_bf16x8(raw[r, 1 + k, None]) for k in range(HC_MULT)]
                     streams = []
                     for j in cutlass.range_constexpr(HC_MULT):
                         if cutlass.const_expr(not self.has_post):

@@ -517,9 +517,9 @@ class MmaFusedHcKernel:
         vec_idx = blk * (BLOCK_H // du.VEC_BF16) + ctx.quad
         for r in cutlass.range_constexpr(2):
             if const_expr(self.has_post):
-                xv[r, None].store(self._vec(sX[(ctx.rows[r], None, si)], vec_in_row).load().to(Float32))
+                xv[r, None].store(du.load_bf16x8(self._vec(sX[(ctx.rows[r], None, si)], vec_in_row)))
             for k in cutlass.range_constexpr(self.in_streams):
-                rv[r, k, None].store(self._vec(sRes[(ctx.rows[r], k, None, si)], vec_in_row).load().to(Float32))
+                rv[r, k, None].store(du.load_bf16x8(self._vec(sRes[(ctx.rows[r], k, None, si)], vec_in_row)))
         for j in cutlass.range_constexpr(HC_MULT):
             for r in cutlass.range_constexpr(2):
                 if const_expr(not self.has_post and not self.broadcast):

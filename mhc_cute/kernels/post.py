@@ -67,8 +67,8 @@ class PostKernel:
         for k in cutlass.range_constexpr(HC_MULT):
             cute.autovec_copy(cute.local_tile(row_res, (du.VEC_BF16,), (k * self.octets + o,)), raw[1 + k, None])
         if task < m_total * self.octets:
-            xv = raw[0, None].load().to(Float32)
-            res = [raw[1 + k, None].load().to(Float32) for k in range(HC_MULT)]
+            xv = du.widen_bf16x8(raw[0, None])
+            res = [du.widen_bf16x8(raw[1 + k, None]) for k in range(HC_MULT)]
             row_out = du.token_row(mOut, m)
             for j in cutlass.range_constexpr(HC_MULT):
                 comb_col = [coefs[HC_MULT + HC_MULT * k + j] for k in range(HC_MULT)]
