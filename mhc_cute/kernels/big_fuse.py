@@ -378,9 +378,9 @@ class BigFusePhase:
             u = b * self.batch + i
             o = gtid + u * self.group_threads
             if valid & (o < self.octets):
-                li = res[i, 0, None].load().to(Float32) * pre[0]
+                li = du.widen_bf16x8(res[i, 0, None]) * pre[0]
                 for j in cutlass.range_constexpr(1, HC_MULT):
-                    li = li + res[i, j, None].load().to(Float32) * pre[j]
+                    li = li + du.widen_bf16x8(res[i, j, None]) * pre[j]
                 if cutlass.const_expr(self.norm_dtype is None or not self.keep_rounded):
                     li = du.store_bf16x8(cute.local_tile(row_out, (du.VEC_BF16,), (o,)), li)
                 else:  # keep_rounded: slots <= 8, so b (and u) are compile-time here
