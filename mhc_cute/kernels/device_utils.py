@@ -290,7 +290,7 @@ def store_bf16x8(dst: cute.Tensor, vals):
     frag = cute.make_rmem_tensor((VEC_BF16,), BFloat16)
     frag.store(vals.to(BFloat16))
     cute.autovec_copy(frag, dst)
-    return frag.load().to(Float32)
+    return widen_bf16x8(frag)
 
 
 @cute.jit
