@@ -95,15 +95,17 @@ from mhc_cute import tactics
 from mhc_cute.kernels import collapse, fma, mma, post, spec_problem
 kind, hidden = sys.argv[1], int(sys.argv[2])
 norm = sys.argv[3] if len(sys.argv) > 3 and sys.argv[3] != "none" else None
+delayed = sys.argv[4] if len(sys.argv) > 4 else None
 if kind == "collapse":
     collapse.compile_collapse(*collapse.spec_operands(hidden, norm))
 elif kind == "post":
     post.compile_post(hidden, *post.spec_operands(hidden))
 else:
-    problem = spec_problem(hidden, "fp32", norm)
+    problem = spec_problem(hidden, "fp32", norm, delayed)
     compile_fn = mma.compile_mma if kind.split(":")[0].endswith("_mma") else fma.compile_fma
     compile_fn(tactics.parse_tactic(kind), problem, problem.empty_outputs())
-"""  # argv: a tactic name (paths B/D/E/F), "collapse" or "post"; H; the norm dtype name or "none" (default)
+"""  # argv: a tactic name (paths B/D/E/F), "collapse" or "post"; H; the norm dtype name or "none" (default); the
+# delayed seam's gates ("carried", "identity"; default: mhc_fused_hc)
 
 def sass_functions(sass: str) -> dict:
     """``cuobjdump -sass`` text -> {kernel name: [opcode of each instruction, predicates dropped]}."""
@@ -182,6 +184,21 @@ def test_warp_mma_projection_sass(tmp_path, cuobjdump, dump_env):
     usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
     spills = re.findall(r"STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
     assert spills and all(s == ("0", "0") for s in spills), usage
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm, delayed", [("none", None), ("none", "carried"), ("bfloat16", "carried")])
+def test_mma_kernel1_spills_nothing(tmp_path, cuobjdump, dump_env, norm, delayed):
+    """Path B's kernel 1 at its large-M pick (H = 7168), both seams: nothing spilled at the 168 registers a 288-thread
+    CTA gets (before the widening and the two-``if`` role split, the delayed seam's main loop spilled:
+    docs/experiments.md, 2026-12-05)."""
+    args = ["half_mma:k64:m128:s3:flat", "7168", norm] + ([delayed] if delayed else [])
+    subprocess.run([sys.executable, "-c", _COMPILE, *args], env=dump_env(tmp_path, "cubin"), check=True,
+                   timeout=1800, capture_output=True)
+    (cubin,) = tmp_path.glob("*.cubin")
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
+    spills = re.findall(r"STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+    assert len(spills) == 2 and all(s == ("0", "0") for s in spills), usage
 
 
 def _bench_module(name: str):
