@@ -129,6 +129,10 @@ def _fail(name: str, expected: str, got) -> None:
     fail("mhc_fused_hc", name, expected, got)
 
 
+# the seams' float scalars and their bounds (``check_scalar``); ``sinkhorn_repeat`` is checked apart (an int)
+SCALAR_BOUNDS = dict(rms_eps="> 0", hc_pre_eps=">= 0", hc_sinkhorn_eps=">= 0", hc_post_mult_value=None, norm_eps="> 0")
+
+
 def check_scalar(op: str, name: str, v, bound: str | None = None) -> float:
     """A scalar argument of ``op``: a finite float (not a bool), within ``bound`` (``"> 0"``, ``">= 0"`` or None)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -459,8 +463,8 @@ def _validate_all(
     _check_exact("hc_base", hc_base, f32, (N_MIXES,), dev, anchor)
     if norm_weight is not None:
         _check_exact("norm_weight", norm_weight, (torch.bfloat16, torch.float32), (h,), dev, anchor)
-    bounds = dict(rms_eps="> 0", hc_pre_eps=">= 0", hc_sinkhorn_eps=">= 0", hc_post_mult_value=None, norm_eps="> 0")
-    floats = {name: check_scalar("mhc_fused_hc", name, getattr(scalars, name), bound) for name, bound in bounds.items()}
+    floats = {name: check_scalar("mhc_fused_hc", name, getattr(scalars, name), bound)
+              for name, bound in SCALAR_BOUNDS.items()}
     rep = scalars.sinkhorn_repeat
     if isinstance(rep, bool) or not isinstance(rep, int) or rep < 1:
         _fail("sinkhorn_repeat", "an int >= 1", repr(rep))

@@ -536,7 +536,7 @@ class MmaFusedHcKernel:
                     m = m_tile * self.tile_m + ctx.rows[r]
                     if m < m_total:
                         cute.autovec_copy(out, self._vec(mResOut[(m, j, None)], vec_idx))
-                    xf.store(out.load().to(Float32))
+                    xf.store(out.load().to(Float32))  # not widen_bf16x8: here it made the main loop spill
                 if const_expr(j < self.in_streams):  # the broadcast entry projects stream 0 alone
                     for e in cutlass.range_constexpr(du.VEC_BF16):
                         ctx.sumsq[r] = cute.math.fma(xf[e], xf[e], ctx.sumsq[r])
