@@ -13,7 +13,9 @@ same kernel, so only numbers from one call compare).
 
 The script's directory comes first on ``sys.path`` (it holds no ``mhc_cute``), then ``PYTHONPATH``: that picks
 the tree. ``--check`` runs each point once against the float64 contract (``ok`` or the first failure). ``HOST``
-lines: host µs to issue one eager call (``benchmark.host_us_per_call``).
+lines: host µs to issue one eager call (``benchmark.host_us_per_call``). ``--op`` times V4.1's delayed seam (carried
+gates; ``auto`` runs the V4 seam's pick with the delayed flag) or a standalone op (``mhc_post``, ``mhc_collapse``
+with a bf16 norm weight) on ``auto`` instead of ``mhc_fused_hc``; the tactic column then names the V4 seam's pick.
 """
 
 import argparse
@@ -52,12 +54,42 @@ def picks_of(grid):
     return out
 
 
-def precompile(picks) -> None:
+def precompile(picks, op: str) -> None:
     from mhc_cute import autotune, benchmark as mb
 
+    if op in ("mhc_post", "mhc_collapse"):
+        from mhc_cute.kernels import collapse, post
+
+        hiddens = sorted({h for h, *_ in picks})
+        if op == "mhc_post":
+            post.precompile(hiddens)
+        else:
+            collapse.precompile([(h, "bfloat16") for h in hiddens])
+        return
+    variants = (("carried", "regular"),) if op == "delayed" else ((None, "regular"),)
     for norm in (False, True):
         autotune.precompile_candidates([(h, t) for h, _, n, t, _ in picks if n == norm], "fp32",
-                                       mb.NORM_DTYPE if norm else None)
+                                       mb.NORM_DTYPE if norm else None, variants)
+
+
+def call_of(op: str, kwargs: dict):
+    """The timed call of ``op`` on one set of ``sets_of``."""
+    from mhc_cute import api, ops
+
+    if op in ("mhc_post", "mhc_collapse"):
+        fn = getattr(ops, op)
+        return lambda s: fn(**s["op"])
+    fn = api.mhc_fused_hc_delayed if op == "delayed" else api.mhc_fused_hc
+    return lambda s: fn(**s, **kwargs)
+
+
+def sets_of(op: str, m: int, h: int, norm: bool, dev) -> list:
+    from mhc_cute import benchmark as mb
+
+    if op == "seam":
+        return mb.rotated_sets(m, h, dev, norm)
+    sets = mb.with_carried_gates(mb.rotated_sets(m, h, dev, norm or op == "mhc_collapse"))
+    return mb.op_sets(op, sets) if op != "delayed" else sets
 
 
 def main() -> int:
@@ -66,6 +98,8 @@ def main() -> int:
     ap.add_argument("--points", nargs="+", metavar="H:M:NORM[:TACTIC]",
                     help="these points instead of a grid (e.g. 7168:32:0, or 7168:256:0:all_fma:... to time that "
                     "tactic instead of auto's pick)")
+    ap.add_argument("--op", nargs="+", choices=["seam", "delayed", "mhc_post", "mhc_collapse"], default=["seam"],
+                    help="what to time, in turn (default mhc_fused_hc)")
     ap.add_argument("--tag", default="run", help="label of this version in the output lines")
     ap.add_argument("--precompile", action="store_true", help="compile the grid's kernels (no GPU needed) and exit")
     ap.add_argument("--check", action="store_true")
@@ -79,33 +113,32 @@ def main() -> int:
                 (p.split(":", 3) + [""] * (3 - p.count(":")) for p in args.points)]
     picks = picks_of(grid)
     if args.precompile:
-        precompile(picks)
+        for op in args.op:
+            precompile(picks, op)
         return 0
 
     import torch
 
     from mhc_cute import benchmark as mb
     from mhc_cute.accuracy import failure_of, problem_of
-    from mhc_cute.api import mhc_fused_hc
 
     dev = torch.device("cuda")
-    for h, m, norm, tactic, explicit in picks:
-        sets = mb.rotated_sets(m, h, dev, norm)
-        kwargs = dict(backend=tactic.path, tactic=tactic) if explicit else {}
-
-        def call(s):
-            return mhc_fused_hc(**s, **kwargs)
-
-        us = mb.time_graph(call, sets, reps=args.reps)
-        check = (failure_of(problem_of(sets[0]), tactic.path, tactic) or "ok") if args.check else ""
-        if args.separated:
-            sep = mb.time_graph_separated(call, sets, mb.time_graph(mb.separator(), sets), reps=args.reps)
-            print(f"SEP {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {sep:.2f}", flush=True)
-        host = mb.host_us_per_call(call, sets[0])
-        print(f"AB {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {us:.2f} {check}", flush=True)
-        print(f"HOST {args.tag} H={h} M={m} norm={int(norm)} {tactic.name} {host:.2f}", flush=True)
-        del sets
-        torch.cuda.empty_cache()
+    for op in args.op:
+        seam = op in ("seam", "delayed")
+        for h, m, norm, tactic, explicit in picks:
+            sets = sets_of(op, m, h, norm, dev)
+            call = call_of(op, dict(backend=tactic.path, tactic=tactic) if explicit else {})
+            us = mb.time_graph(call, sets, reps=args.reps)
+            check = (failure_of(problem_of(sets[0]), tactic.path, tactic) or "ok") if args.check and seam else ""
+            point = f"{args.tag} {op} H={h} M={m} norm={int(norm)} {tactic.name}"
+            if args.separated:
+                sep = mb.time_graph_separated(call, sets, mb.time_graph(mb.separator(), sets), reps=args.reps)
+                print(f"SEP {point} {sep:.2f}", flush=True)
+            host = mb.host_us_per_call(call, sets[0])
+            print(f"AB {point} {us:.2f} {check}", flush=True)
+            print(f"HOST {point} {host:.2f}", flush=True)
+            del sets
+            torch.cuda.empty_cache()
     return 0
 
 
