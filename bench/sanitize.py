@@ -627,6 +627,7 @@ class Runner:
                 return
             t0 = time.monotonic()
             text, rc, hung = run_bounded(self.command(tool, names), env, min(self.timeout, left))
+            cut = hung and left <= self.timeout  # the sweep's budget ended it, not its own time limit
             parsed = parse_output(text)
             ran = [n for n in names if n in parsed.statuses]
             print(f"  {tool or 'unsanitized'}: {len(ran)}/{len(names)} cases in {time.monotonic() - t0:.0f} s "
@@ -638,8 +639,8 @@ class Runner:
                 return
             for n in ran:
                 status = parsed.statuses[n]
-                if status == "running":
-                    status = "hung" if hung else f"died (exit {rc})"
+                if status == "running":  # a case the budget's end interrupted ran for too short a time to tell
+                    status = BUDGET_END if cut else "hung" if hung else f"died (exit {rc})"
                 reports = parsed.reports.get(n, [])
                 results[n] = {"status": status, "errors": len(reports) if tool else None, "reports": reports[:5]}
                 if n in parsed.stacks:  # the main thread's innermost frames: where the case waited
@@ -662,13 +663,20 @@ class Runner:
             names = [n for n in names if n not in parsed.statuses]
 
 
+BUDGET_END = "stopped by the budget's end"  # in progress when the sweep's time was up: not run, not a finding
+
+
 def finding(entry: dict | None) -> bool:
-    """Whether a result is a finding: a report, or a status other than ``ok`` / ``n/a``."""
-    return entry is not None and (entry["status"] not in ("ok", "n/a") or bool(entry.get("errors")))
+    """Whether a result is a finding: a report, or a status other than ``ok`` / ``n/a`` (or ``BUDGET_END``)."""
+    return entry is not None and (entry["status"] not in ("ok", "n/a", BUDGET_END) or bool(entry.get("errors")))
+
+
+def not_run(entry: dict | None) -> bool:
+    return entry is None or (entry["status"] == BUDGET_END and not entry.get("errors"))
 
 
 def cell(entry: dict | None) -> str:
-    if entry is None:
+    if not_run(entry):
         return "-"
     status = entry["status"]
     if status == "n/a":
@@ -689,10 +697,11 @@ def print_table(results: dict, names: list[str], tools: list[str]) -> tuple[int,
     for name in names:
         row = [results.get(col, {}).get(name) for col in columns]
         findings += sum(map(finding, row))
-        missing += sum(e is None for e in row)
+        missing += sum(map(not_run, row))
         print(f"{name:<{width}}  " + "  ".join(f"{cell(e):>9}" for e in row))
     print("\ncells: the reports (errors and racecheck warnings) of the tool; ! the call failed or missed the contract, "
-          "X the process died or hung in it, - not run, n/a no such backend; check: the unsanitized pass")
+          "X the process died or hung in it, - not run (or cut by the budget's end), n/a no such backend; check: the "
+          "unsanitized pass")
     for col in columns:
         for name in names:
             e = results.get(col, {}).get(name)

@@ -186,6 +186,23 @@ def test_runner_attributes_reports_and_restarts_after_a_death(sanitize, tmp_path
     assert [sanitize.finding(r) for r in results.values()] == [False, True, True, True, False, False]
 
 
+@pytest.mark.parametrize("budget, timeout, status", [(300, 60, "hung"), (40, 300, "stopped by the budget's end")])
+def test_a_process_killed_at_the_budgets_end_is_not_a_hang(sanitize, monkeypatch, budget, timeout, status):
+    """A process the sweep's deadline ends (its budget shorter than the process time limit) leaves its running case
+    not run, not a finding; the process's own time limit is a hang (the H200 sweep of 2026-12-05 counted 13 cases cut
+    by the deadline as hung, each of which then passed every tool alone)."""
+    cases = [sanitize.Case("op", "b", 1, 64, False, label) for label in ("done", "cut")]
+    names = [c.name for c in cases]
+    killed = f"{sanitize.BEGIN} {names[0]}\n{sanitize.END} {names[0]} ok\n{sanitize.BEGIN} {names[1]}\n"
+    monkeypatch.setattr(sanitize, "run_bounded", lambda cmd, env, limit: (killed, None, True))
+    monkeypatch.setattr(sanitize.Runner, "command", lambda self, tool, names: ["true"])
+    runner = sanitize.Runner("compute-sanitizer", chunk=10, timeout=timeout, budget=budget, print_limit=10)
+    results = runner.run("memcheck", cases)
+    assert results[names[0]]["status"] == "ok" and results[names[1]]["status"] == status
+    assert sanitize.finding(results[names[1]]) == (status == "hung")
+    assert sanitize.not_run(results[names[1]]) == (status != "hung")
+
+
 def test_worker_runs_a_case_on_the_cpu(sanitize, capsys):
     """The worker's own loop, on the Triton interpreter: markers around the case, the contract checked."""
     name = "mhc_fused_hc/triton/M1/H512/norm/fp32/default"
