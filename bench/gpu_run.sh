@@ -76,14 +76,11 @@ cp /tmp/soak.txt "$OUT/soak.txt"; grep -E "^FAIL|^soak:|^soak-rc" "$OUT/soak.txt
 }
 
 [ "${TEST_S:-240}" = 0 ] || {
-# "STATUS test-id" per finished test of a -v log (xdist: "[gw0] [ 5%] PASSED tests/...", else "tests/... PASSED")
-outcomes() { sed -nE 's/.*\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (tests\/[^ ]+).*/\1 \2/p;
-                      s/^(tests\/[^ ]+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS).*/\2 \1/p'; }
+python -m pytest --collect-only -q -p no:cacheprovider -m gpu tests 2>/dev/null | grep "::" > /tmp/gpu_ids
 sel=(-m gpu tests); [ -n "${TESTS:-}" ] && mapfile -t sel < "$TESTS"
 if [ "${TESTS_REST:-0}" = 1 ]; then  # the GPU tests that no earlier call on this machine reached (their -v logs)
-  python -m pytest --collect-only -q -p no:cacheprovider -m gpu tests 2>/dev/null | grep "::" | LC_ALL=C sort > /tmp/gpu_ids
-  cat /tmp/mhc-tests-*.log 2>/dev/null | outcomes | awk '{print $2}' | LC_ALL=C sort -u \
-    | LC_ALL=C comm -23 /tmp/gpu_ids - > /tmp/gpu_rest
+  logs=(/tmp/mhc-tests-*.log); [ -e "${logs[0]}" ] || logs=(/dev/null)
+  python bench/gpu_tests_summary.py --ids /tmp/gpu_ids "${logs[@]}" --rest /tmp/gpu_rest > /dev/null
   mapfile -t sel < /tmp/gpu_rest; echo "tests not reached before: ${#sel[@]}"
 fi
 # -v: each test's outcome on its own line, which TESTS_REST=1 reads in the next call; a test past 300 s prints its
@@ -92,8 +89,10 @@ log=/tmp/mhc-tests-$(date +%s).log
 export MHC_CUTE_FAILURES="$OUT/failures.txt"  # each failure's traceback as it happens (tests/conftest.py)
 [ ${#sel[@]} -gt 0 ] && timeout "${TEST_S:-240}" python -m pytest -v -p no:cacheprovider --tb=line -rfE \
   ${PYTEST_ARGS:--n 8 --timeout 300 --timeout-method thread} "${sel[@]}" > "$log" 2>&1
-echo "tests rc=$? $(( $(date +%s) - t0 )) s: $(outcomes < "$log" | cut -d' ' -f1 | sort | uniq -c | xargs)"
-outcomes < "$log" | grep -E "^(FAILED|ERROR)" | head -40; cp "$log" "$OUT/tests.log"
+echo "tests rc=$? $(( $(date +%s) - t0 )) s"; cp "$log" "$OUT/tests.log"
+# every call's outcomes on this machine so far (the later outcome of a test wins), against every GPU test
+python bench/gpu_tests_summary.py --ids /tmp/gpu_ids /tmp/mhc-tests-*.log > "$OUT/tests_summary.txt"
+grep -E "^totals|^  (FAILED|ERROR) " "$OUT/tests_summary.txt" | head -40
 }
 
 [ "${BENCH_S:-300}" = 0 ] || {
