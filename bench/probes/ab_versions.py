@@ -12,7 +12,8 @@ same kernel, so only numbers from one call compare).
                      python bench/probes/ab_versions.py --tag new$r; done
 
 The script's directory comes first on ``sys.path`` (it holds no ``mhc_cute``), then ``PYTHONPATH``: that picks
-the tree. ``--check`` runs each point once against the float64 contract (``ok`` or the first failure). ``HOST``
+the tree. ``--check`` runs each point once against the float64 contract (``ok`` or the first failure), after its
+timing. ``HOST``
 lines: host µs to issue one eager call (``benchmark.host_us_per_call``). ``--op`` times V4.1's delayed seam (carried
 gates; ``auto`` runs the V4 seam's pick with the delayed flag) or a standalone op (``mhc_post``, ``mhc_collapse``
 with a bf16 norm weight) on ``auto`` instead of ``mhc_fused_hc``; the tactic column then names the V4 seam's pick.
@@ -83,6 +84,20 @@ def call_of(op: str, kwargs: dict):
     return lambda s: fn(**s, **kwargs)
 
 
+def check_of(op: str, s: dict, call, tactic) -> str | None:
+    """None if one call on ``s`` meets the float64 contract (a seam: ``accuracy.failure_of`` on its backend and
+    tactic; a standalone op: ``accuracy.check_op_output`` of ``call``'s output), else the first failure line."""
+    from mhc_cute import accuracy
+
+    if op in ("seam", "delayed"):
+        return accuracy.failure_of(accuracy.problem_of(s), tactic.path, tactic)
+    try:
+        accuracy.check_op_output(op, call(s), s["op"])
+    except AssertionError as e:
+        return str(e).splitlines()[0][:200]
+    return None
+
+
 def sets_of(op: str, m: int, h: int, norm: bool, dev) -> list:
     from mhc_cute import benchmark as mb
 
@@ -120,16 +135,14 @@ def main() -> int:
     import torch
 
     from mhc_cute import benchmark as mb
-    from mhc_cute.accuracy import failure_of, problem_of
 
     dev = torch.device("cuda")
     for op in args.op:
-        seam = op in ("seam", "delayed")
         for h, m, norm, tactic, explicit in picks:
             sets = sets_of(op, m, h, norm, dev)
             call = call_of(op, dict(backend=tactic.path, tactic=tactic) if explicit else {})
             us = mb.time_graph(call, sets, reps=args.reps)
-            check = (failure_of(problem_of(sets[0]), tactic.path, tactic) or "ok") if args.check and seam else ""
+            check = (check_of(op, sets[0], call, tactic) or "ok") if args.check else ""
             point = f"{args.tag} {op} H={h} M={m} norm={int(norm)} {tactic.name}"
             if args.separated:
                 sep = mb.time_graph_separated(call, sets, mb.time_graph(mb.separator(), sets), reps=args.reps)
