@@ -6,8 +6,8 @@
 # ($PYTEST_ARGS; at most three large-M tests at once, tests/conftest.py), then `mhc-cute bench`.
 # Everything is logged under $OUT. Each stage has its own time limit (WARM_S, TEST_S, BENCH_S seconds; 0 skips the
 # stage) so that one slow stage cannot eat the rest. Off unless given a time: PROBE_S (the collapse hang probe),
-# SAN_S (the sanitizer sweep, 4 tools x 3 shards at once; SAN_BACKENDS: only these backends), SOAK_S (the soak; with SOAK_BG=1 it runs on past this
-# script, and a later run's SOAK_WAIT_S collects it).
+# SAN_S (the sanitizer sweep, 4 tools x 3 shards at once; SAN_BACKENDS: only these backends), SOAK_S (the soak; with
+# SOAK_BG=1 it runs on past this script, and a later run's SOAK_WAIT_S collects it).
 #
 # Where a command's time is limited, split the stages over runs (docs/developer.md): the tests with TESTS_REST=1
 # take up the tests a previous run did not reach:

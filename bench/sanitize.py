@@ -672,6 +672,7 @@ def finding(entry: dict | None) -> bool:
 
 
 def not_run(entry: dict | None) -> bool:
+    """Whether a result counts as not run: absent, or cut by the budget's end without a report."""
     return entry is None or (entry["status"] == BUDGET_END and not entry.get("errors"))
 
 

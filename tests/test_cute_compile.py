@@ -189,8 +189,8 @@ def test_warp_mma_projection_sass(tmp_path, cuobjdump, dump_env):
 @pytest.mark.slow
 @pytest.mark.parametrize("norm, delayed", [("none", None), ("none", "carried"), ("bfloat16", "carried")])
 def test_mma_kernel1_spills_nothing(tmp_path, cuobjdump, dump_env, norm, delayed):
-    """Path B's kernel 1 at its large-M pick (H = 7168), both seams: nothing spilled at the 168 registers a 288-thread
-    CTA gets (before the widening and the two-``if`` role split, the delayed seam's main loop spilled:
+    """Path B's kernel 1 at `auto`'s M = 256 pick (H = 7168, two MMA warpgroups), both seams: nothing spilled at the
+    168 registers a 288-thread CTA gets (before the widening and the two-``if`` role split, the delayed seam's main loop spilled:
     docs/experiments.md, 2026-12-05)."""
     args = ["half_mma:k64:m128:s3:flat", "7168", norm] + ([delayed] if delayed else [])
     subprocess.run([sys.executable, "-c", _COMPILE, *args], env=dump_env(tmp_path, "cubin"), check=True,
