@@ -332,16 +332,19 @@ def time_eager(call: Callable[[dict], object], sets: list[dict], reps: int = 7) 
 
 HOST_MS = (1, 32, 256)  # the shapes of ``mhc-cute bench --host`` (at H = 7168)
 HOST_MAX_M = 1024  # the full bench times auto's host time per call up to here
-HOST_CALLS, HOST_ROUNDS = 200, 10
+# Short loops: a call queues two or three launches; where its kernels outlast its host work (M = 256 on L2-hot inputs)
+# a long loop queues them faster than the device retires them, and once the launch queue is full the host waits for
+# the kernels and the loop times the device. 25 calls keep at most 75 launches queued.
+HOST_CALLS, HOST_ROUNDS = 25, 80
 
 
 def host_us_per_call(call: Callable[[dict], object], s: dict, calls: int = HOST_CALLS,
                      rounds: int = HOST_ROUNDS) -> float:
     """Host µs per call of a loop of plain calls on the same inputs under ``torch.inference_mode()`` (as a serving
     engine calls): the median over ``rounds`` loops of ``calls`` calls, each timed with ``time.perf_counter`` around
-    the loop, nothing synchronised inside it. The device is synchronised between loops, outside the timing, so the
-    queue of launches starts empty and never fills up (which would block the host and time the kernels): a loop
-    queues at most a few hundred launches."""
+    the loop, nothing synchronised inside it. The device is synchronised between loops, outside the timing, so each
+    loop starts with an empty launch queue, and ``calls`` is kept small enough that the queue cannot fill up (which
+    would block the host on the kernels)."""
     with torch.inference_mode():
         call(s)
         torch.cuda.synchronize()

@@ -1,10 +1,14 @@
 """Where the host time of an eager call goes on this machine: the pieces of the floor (allocations, the compiled
 call's TVM-FFI conversion and launches) and of the Python above it, each timed alone in a loop.
 
-    python bench/probes/probe_host_floor.py [--m 1 32 256] [--hidden 7168] [--profile]
+    python bench/probes/probe_host_floor.py [--m 1 32 256] [--hidden 7168] [--calls 25] [--loops 25 200 2000]
+                                            [--profile]
 
-Lines: ``PIECE name us`` (median of 9 loops of 2000 calls under ``torch.inference_mode()``, the device synchronised
-between loops). ``--profile``: a cProfile of eager calls at the first M, sorted by own time.
+Lines: ``PIECE name us`` (median of loops of ``--calls`` calls, 50 000 calls in all, under
+``torch.inference_mode()``, the device synchronised between loops). ``LOOP`` lines: the eager ``auto`` call and its
+floor (``benchmark.host_floor_call``) at each M timed with loops of each ``--loops`` length: where the kernels outlast
+the host's work, a long loop fills the launch queue and then times the device (a per-call time that grows with the
+loop's length says so). ``--profile``: a cProfile of eager calls at the first M, sorted by own time.
 """
 
 import argparse
@@ -17,9 +21,23 @@ from mhc_cute import api, benchmark as mb
 from mhc_cute.api import mhc_fused_hc
 
 
+CALLS = 25  # per timed loop (--calls)
+
+
+def loop_us(fn, calls: int) -> float:
+    return mb.host_us_per_call(lambda _s: fn(), None, calls=calls, rounds=max(5, 50_000 // calls))
+
+
 def report(name, fn):
-    us = mb.host_us_per_call(lambda _s: fn(), None, calls=2000, rounds=9)
-    print(f"PIECE {name:44s} {us:7.2f}", flush=True)
+    print(f"PIECE {name:44s} {loop_us(fn, CALLS):7.2f}", flush=True)
+
+
+def loop_lengths(m, h, dev, lengths):
+    s = mb.make_sets(m, h, 1, dev, False)[0]
+    eager, floor = (lambda: mhc_fused_hc(**s, backend="auto")), mb.host_floor_call(s)
+    for calls in lengths:
+        print(f"LOOP M={m:<6d} calls={calls:<6d} eager {loop_us(eager, calls):7.2f}  floor "
+              f"{loop_us(lambda: floor(s), calls):7.2f}", flush=True)
 
 
 def allocation_pieces(m, h, dev):
@@ -104,8 +122,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--m", type=int, nargs="+", default=[1, 32, 256])
+    ap.add_argument("--calls", type=int, default=25, help="calls per timed loop of the pieces")
+    ap.add_argument("--loops", type=int, nargs="*", default=[25, 200, 2000],
+                    help="loop lengths of the LOOP lines (none: skip them)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
+    global CALLS
+    CALLS = args.calls
     dev = torch.device("cuda")
     import tvm_ffi
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, tvm_ffi {tvm_ffi.__version__}, "
@@ -114,6 +137,8 @@ def main() -> int:
         misc_pieces(dev)
         allocation_pieces(args.m[0], args.hidden, dev)
         fulls = [call_pieces(m, args.hidden, dev) for m in args.m]
+        for m in args.m if args.loops else ():
+            loop_lengths(m, args.hidden, dev, args.loops)
         if args.profile:
             pr = cProfile.Profile()
             pr.enable()
