@@ -25,3 +25,21 @@ def test_a_large_test_waits_for_a_free_slot():
     assert got.is_set()
     for slot in held[1:]:
         slot.__exit__(None, None, None)
+
+
+
+def test_the_large_tests_are_the_ones_that_hold_gigabytes():
+    """Large: a test at M >= LARGE_M, or whose problem runs past the first row beyond 2^31 elements (``first_past``),
+    or one named for 2^31 offsets."""
+    from types import SimpleNamespace
+
+    from conftest import LARGE_M, _is_large
+
+    def item(name, **params):
+        return SimpleNamespace(name=name, callspec=SimpleNamespace(params=params))
+
+    assert _is_large(item("test_gpu_backend[half_mma-8192]", m=8192))
+    assert _is_large(item("test_gpu_offsets_past_int32[half_mma-fused_hc-74899-False]", first_past=74_899))
+    assert _is_large(item("test_gpu_past_2_31_elements[mhc_post-cute]"))
+    assert not _is_large(item("test_gpu_backend[half_mma-17]", m=17))
+    assert not _is_large(item("test_gpu_backend[half_mma]", m=LARGE_M - 1))

@@ -6,8 +6,7 @@ import pytest
 import torch
 from helpers import CPU_BACKENDS, KERNEL_BACKENDS, SEAM_BACKENDS, skip_unless_available
 
-from mhc_cute.accuracy import check_backend, make_inputs, problem_of
-from mhc_cute import mhc_fused_hc
+from mhc_cute.accuracy import call_seam, check_backend, make_inputs, problem_of
 
 GPU_MS = [1, 2, 3, 16, 17, 64, 100, 256, 1000, 4096, 8192]
 GPU_HS = [512, 4096, 5120, 7168]
@@ -52,17 +51,18 @@ def _global_setting(get, set_, value):
         set_(before)
 
 
-def _check_caller_contexts(backend, h, device):
+def _check_caller_contexts(backend, h, device, pre=None):
     """The same bits whatever the caller's context: inputs made under ``torch.inference_mode`` (as a serving engine
     may load its weights) called in and out of it; calls under bf16 autocast or with TF32 matmuls allowed (neither may
     lower the projection's precision), and with another default dtype or device (nothing internal may follow them);
-    and the float64 contract for the inference tensors."""
+    and the float64 contract for the inference tensors. ``pre``: the delayed seam's carried gates ("carried"), or
+    None for ``mhc_fused_hc``."""
     skip_unless_available(backend, device)
-    inputs = make_inputs(17, h, seed=5, device=device, norm=True)
+    inputs = make_inputs(17, h, seed=5, device=device, norm=True, pre=pre)
     with torch.inference_mode():
         frozen = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
     assert frozen["fn"].is_inference()
-    expected = mhc_fused_hc(**inputs, backend=backend)
+    expected = call_seam(inputs, backend)
     contexts = {"inference_mode": (frozen, torch.inference_mode), "no_grad": (frozen, torch.no_grad),
                 "autocast": (inputs, lambda: torch.autocast(device, dtype=torch.bfloat16)),
                 # "high", common in serving code, lets fp32 matmuls run in TF32
@@ -73,21 +73,23 @@ def _check_caller_contexts(backend, h, device):
                 "meta default device": (inputs, lambda: torch.device("meta"))}
     for context, (args, enter) in contexts.items():
         with enter():
-            got = mhc_fused_hc(**args, backend=backend)
+            got = call_seam(args, backend)
         for name, a, b in zip(got._fields, got, expected):
             assert torch.equal(a, b), (context, name)
     check_backend(problem_of(frozen, "fp32"), backend)
 
 
+@pytest.mark.parametrize("pre", [None, "carried"], ids=["fused_hc", "fused_hc_delayed"])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_caller_contexts_cpu(backend):
-    _check_caller_contexts(backend, 256, "cpu")
+def test_caller_contexts_cpu(backend, pre):
+    _check_caller_contexts(backend, 256, "cpu", pre)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pre", [None, "carried"], ids=["fused_hc", "fused_hc_delayed"])
 @pytest.mark.parametrize("backend", SEAM_BACKENDS)
-def test_gpu_caller_contexts(backend):
-    _check_caller_contexts(backend, 4096, "cuda")
+def test_gpu_caller_contexts(backend, pre):
+    _check_caller_contexts(backend, 4096, "cuda", pre)
 
 
 @pytest.mark.gpu
@@ -187,10 +189,10 @@ LARGE_CASES = [(LARGE_FIRST_PAST[0], False), (LARGE_FIRST_PAST[0], True),
                pytest.param(LARGE_FIRST_PAST[1], True, marks=pytest.mark.slow)]
 
 
-def _large_problem(first_past: int, norm: bool):
+def _large_problem(first_past: int, norm: bool, delayed: bool = False):
     """A problem whose rows run ``LARGE_ROWS_PAST`` past ``first_past`` (the first row whose offset passes 2^31
     elements), made on the GPU; the op is row-wise, so any rows of it can be checked against the reference of those
-    rows alone."""
+    rows alone. ``delayed``: the delayed seam's, with carried gates."""
     from mhc_cute.problem import Problem, Scalars
     from mhc_cute.reference import sinkhorn
 
@@ -201,17 +203,20 @@ def _large_problem(first_past: int, norm: bool):
     residual = torch.randn(m, 4, h, device="cuda", dtype=torch.bfloat16, generator=g)
     post = torch.sigmoid(torch.randn(m, 4, device="cuda", generator=g)) * 2
     comb = sinkhorn(torch.randn(m, 4, 4, device="cuda", generator=g), 1e-6, 20)
+    pre = torch.sigmoid(torch.randn(m, 4, device="cuda", generator=g)) + 1e-6 if delayed else None
     return Problem(x, residual, post, comb, small["fn"], small["hc_scale"], small["hc_base"], small["norm_weight"],
-                   Scalars(), "fp32")
+                   Scalars(), "fp32", pre, delayed)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("first_past,norm", LARGE_CASES)
+@pytest.mark.parametrize("delayed", [False, True], ids=["fused_hc", "fused_hc_delayed"])
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-def test_gpu_offsets_past_int32(backend, first_past, norm):
+def test_gpu_offsets_past_int32(backend, delayed, first_past, norm):
     """Rows whose element offsets pass 2^31 are read and written where they belong: every output written (poisoned
     with NaN first), and rows at the start, on both sides of the boundary and at the end within the float64
-    contract. A 32-bit offset wraps there (negative addresses: a fault, or another row's data)."""
+    contract. A 32-bit offset wraps there (negative addresses: a fault, or another row's data). Both seams: the
+    delayed one also reads the carried gates' rows and writes its collapse and ``pre_mix_cur`` per row."""
     from mhc_cute.accuracy import check_outputs, run_backend, tolerances
 
     skip_unless_available(backend, "cuda")
@@ -220,7 +225,7 @@ def test_gpu_offsets_past_int32(backend, first_past, norm):
     torch.cuda.empty_cache()  # what earlier tests left in torch's caching allocator counts as used
     if torch.cuda.mem_get_info()[0] < need:
         pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory")
-    problem = _large_problem(first_past, norm)
+    problem = _large_problem(first_past, norm, delayed)
     out = run_backend(problem, backend)
     for name, t in zip(out._fields, out):
         assert not t.isnan().any().item(), f"{name}: unwritten (NaN-poisoned) elements"
@@ -228,5 +233,6 @@ def test_gpu_offsets_past_int32(backend, first_past, norm):
     rows = torch.tensor([0, 1, 2, first_past - 2, first_past - 1, first_past, first_past + 1, m - 2, m - 1],
                         device="cuda")
     sub = problem._replace(x=problem.x[rows], residual=problem.residual[rows], post_mix=problem.post_mix[rows],
-                           comb_mix=problem.comb_mix[rows])
+                           comb_mix=problem.comb_mix[rows], pre_mix=None if problem.pre_mix is None else
+                           problem.pre_mix[rows])
     check_outputs(type(out)(*(t[rows] for t in out)), sub, **tolerances(backend, "fp32"))
