@@ -59,8 +59,10 @@ def specs_for(backends, ms, hiddens, norms, precisions, sm_count, seams=(None,),
 
 def delayed_gpu_suite_specs(sm_count):
     """(FMA specs, MMA specs) of the delayed seam's variants a GPU run reaches: tests/test_delayed.py's GPU
-    grid (and its M = 4096 and 33-token cases) and ``mhc-cute bench --delayed``'s grid at H = 4096, 5120, 7168."""
+    grid (and its M = 4096 and 33-token cases), the offsets-past-2^31 test of tests/test_correctness.py and
+    ``mhc-cute bench --delayed``'s grid at H = 4096, 5120, 7168."""
     sys.path[:0] = [os.path.join(HERE, "..", "tests")]
+    from test_correctness import LARGE_FIRST_PAST, LARGE_H, LARGE_ROWS_PAST
     from test_delayed import GPU_HS, GPU_MS
 
     from mhc_cute import tactics
@@ -70,6 +72,9 @@ def delayed_gpu_suite_specs(sm_count):
     hiddens = sorted(set(GPU_HS) | {4096, 5120, 7168})
     paths = tactics.FMA_PATHS + tactics.MMA_PATHS
     fma, mma = specs_for(paths, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count, ("carried", "identity"))
+    large = specs_for(paths, [m + LARGE_ROWS_PAST for m in LARGE_FIRST_PAST], [LARGE_H], [None, "bfloat16"], ["fp32"],
+                      sm_count, ("carried",))
+    fma, mma = fma + large[0], mma + large[1]
     # the entry forms (tests/test_delayed.py's variants): V4's and V4.1's with either gates
     no_post = specs_for(paths, ms, hiddens, [None, "bfloat16"], ["fp32"], sm_count, (None, "carried", "identity"),
                         "no_post")
