@@ -249,9 +249,6 @@ def _main_kernel(
             tl.store(res_out_ptr + res_row + 3 * H + h, o0, mask=mask)
             step_sq, acc = _emit_stream(res_out_ptr, res_row + h, mask, o0, step_sq, acc, w_ptr, fn_h, w_mask,
                                         USE_DOT)
-            if USE_DOT:
-                step = _dot_fp32_exact(o0, w_ptr, fn_h, w_mask, part_stride, tl.zeros([BLOCK_M, 32], dtype=tl.float32))
-                acc, acc_comp = _kahan_add(acc, acc_comp, step)
         else:
             if HAS_POST:
                 xf, r0, r1, r2, r3 = _load_inputs(x_ptr, res_ptr, x_row, res_row, h, mask, H)
@@ -272,19 +269,23 @@ def _main_kernel(
                                         fn_h + 2 * H, w_mask, USE_DOT, HAS_POST)
             step_sq, acc = _emit_stream(res_out_ptr, res_row + 3 * H + h, mask, o3, step_sq, acc, w_ptr,
                                         fn_h + 3 * H, w_mask, USE_DOT, HAS_POST)
-            if USE_DOT:
+        if DELAYED and not IDENTITY:
+            # the carried collapse before the projection, so that the four stream tiles are dead once its operand
+            # is built (fewer registers: bench/probes/triton_registers.py; the identity's stream 0 is best stored
+            # after it)
+            x1_sq = _store_x1(o0, o1, o2, o3, q0, q1, q2, q3, li_ptr + x_row + h, mask, x1_sq, False, HAS_NORM)
+        if USE_DOT:
+            if BROADCAST:  # the embedding once, K = H
+                step = _dot_fp32_exact(o0, w_ptr, fn_h, w_mask, part_stride, tl.zeros([BLOCK_M, 32], dtype=tl.float32))
+            else:
                 # one projection of the four streams per step (K = 4 BLOCK_H), summed into acc with compensation
                 a = _interleave_streams(o0, o1, o2, o3, BLOCK_M, BLOCK_H)
                 step = _dot_fp32_exact(a, w_ptr, w_base + hb * (4 * BLOCK_H), w_mask, part_stride,
                                        tl.zeros([BLOCK_M, 32], dtype=tl.float32))
-                acc, acc_comp = _kahan_add(acc, acc_comp, step)
+            acc, acc_comp = _kahan_add(acc, acc_comp, step)
         sq, sq_comp = _kahan_add(sq, sq_comp, step_sq)
-        if DELAYED:
-            x1 = _collapse_carried(o0, o1, o2, o3, q0, q1, q2, q3, IDENTITY)
-            tl.store(li_ptr + x_row + h, x1, mask=mask)
-            if HAS_NORM:
-                x1f = x1.to(tl.float32)
-                x1_sq += tl.sum(x1f * x1f, axis=1)
+        if DELAYED and IDENTITY:
+            x1_sq = _store_x1(o0, o1, o2, o3, q0, q1, q2, q3, li_ptr + x_row + h, mask, x1_sq, True, HAS_NORM)
 
     if not USE_DOT:
         acc = tl.sum(acc, axis=1)
@@ -293,6 +294,18 @@ def _main_kernel(
         acc = tl.where(cols[None, :] == 25, x1_sq[:, None], acc)
     part_offs = (pid_k * M + rows[:, None]) * 32 + cols[None, :]
     tl.store(part_ptr + part_offs, acc, mask=mask)
+
+
+@triton.jit
+def _store_x1(o0, o1, o2, o3, q0, q1, q2, q3, ptrs, mask, x1_sq, IDENTITY: tl.constexpr, HAS_NORM: tl.constexpr):
+    """The delayed seam's collapse of one step (``_collapse_carried``) stored to ``layer_input`` at ``ptrs``; returns
+    ``x1_sq`` plus its rows' sums of squares of the rounded values when the norm follows."""
+    x1 = _collapse_carried(o0, o1, o2, o3, q0, q1, q2, q3, IDENTITY)
+    tl.store(ptrs, x1, mask=mask)
+    if HAS_NORM:
+        x1f = x1.to(tl.float32)
+        x1_sq += tl.sum(x1f * x1f, axis=1)
+    return x1_sq
 
 
 @triton.jit
