@@ -404,8 +404,8 @@ def test_triton_interpreter_variants_cpu(op, form, pre, m, h, norm):
 
 
 # with the norm, every flag of the kernels at least once (the interpreter takes seconds per case)
-DOT_VARIANTS = [("fused_hc", "no_post", None), ("fused_hc_delayed", "regular", "carried"),
-                ("fused_hc_delayed", "broadcast", "identity")]
+DOT_VARIANTS = [("fused_hc", "no_post", None), ("fused_hc", "broadcast", None),
+                ("fused_hc_delayed", "regular", "carried"), ("fused_hc_delayed", "broadcast", "identity")]
 
 
 @pytest.mark.parametrize("op,form,pre,norm", [(*v, True) for v in DOT_VARIANTS],
