@@ -240,7 +240,11 @@ class BigFusePhase:
             # by an exact zero
             m = cutlass.min(m0 + t, m_total - 1)
             splits = [warp + r * self.collapse_warps for r in range(rounds)]
-            vals = [mPartials[s if exact else cutlass.min(s, self.split_k - 1), m, col] for s in splits]
+            # issued last split first, summed first split first: the sum's first add needs the last load issued, so
+            # ptxas cannot start the sum between the loads (in the delayed seam with the norm it did, and issued
+            # the rest a memory round trip or two later: SASS, docs/experiments.md 2026-12-05)
+            vals = [mPartials[s if exact else cutlass.min(s, self.split_k - 1), m, col] for s in reversed(splits)]
+            vals.reverse()
             # a warp barrier before any of them is used: the compiler keeps every load above it (these and the
             # caller's first collapse batch) in flight together; else ptxas may start the sum first and issue
             # the collapse batch a memory round trip later (seen in the SASS with uneven splits)
