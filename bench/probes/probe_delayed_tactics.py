@@ -96,14 +96,15 @@ def main() -> int:
     if bandwidth:
         print(f"# copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     for h in args.hidden:
+        # --check's call: CHECK_M tokens (a partial token block), made once per H (the float64 check is slow)
+        check_set = mb.with_carried_gates(mb.make_sets(CHECK_M, h, 1, dev, args.norm))[0] if args.check else None
         for m in args.m:
             sets = mb.with_carried_gates(mb.rotated_sets(m, h, dev, norm=args.norm))
             times, checks = {}, {}
             for t in candidates(args.paths, m, h, args.streaming) + ["auto"]:
                 backend, tactic = ("auto", None) if t == "auto" else (t.path, t)
                 name = getattr(t, "name", t)
-                if args.check and tactic is not None:  # at CHECK_M tokens (a partial token block): the float64
-                    check_set = mb.with_carried_gates(mb.make_sets(CHECK_M, h, 1, dev, args.norm))[0]  # is slow
+                if check_set is not None and tactic is not None:
                     checks[name] = accuracy.failure_of(accuracy.problem_of(check_set), tactic.path, tactic) or "ok"
                     if checks[name] != "ok":
                         print(f"{h:6d} {m:5d} {name:48s} {'-':>8} {checks[name]}", flush=True)

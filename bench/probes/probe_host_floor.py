@@ -21,7 +21,7 @@ from mhc_cute import api, benchmark as mb
 from mhc_cute.api import mhc_fused_hc
 
 
-CALLS = 25  # per timed loop (--calls)
+PIECE_CALLS = [25]  # calls per timed loop of the pieces (--calls sets it)
 
 
 def loop_us(fn, calls: int) -> float:
@@ -29,7 +29,7 @@ def loop_us(fn, calls: int) -> float:
 
 
 def report(name, fn):
-    print(f"PIECE {name:44s} {loop_us(fn, CALLS):7.2f}", flush=True)
+    print(f"PIECE {name:44s} {loop_us(fn, PIECE_CALLS[0]):7.2f}", flush=True)
 
 
 def loop_lengths(m, h, dev, lengths):
@@ -127,8 +127,7 @@ def main() -> int:
                     help="loop lengths of the LOOP lines (none: skip them)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    global CALLS
-    CALLS = args.calls
+    PIECE_CALLS[0] = args.calls
     dev = torch.device("cuda")
     import tvm_ffi
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, tvm_ffi {tvm_ffi.__version__}, "
