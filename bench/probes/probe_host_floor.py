@@ -13,6 +13,7 @@ loop's length says so). ``--profile``: a cProfile of eager calls at the first M,
 
 import argparse
 import cProfile
+import functools
 import pstats
 
 import torch
@@ -21,15 +22,12 @@ from mhc_cute import api, benchmark as mb
 from mhc_cute.api import mhc_fused_hc
 
 
-PIECE_CALLS = [25]  # calls per timed loop of the pieces (--calls sets it)
-
-
 def loop_us(fn, calls: int) -> float:
     return mb.host_us_per_call(lambda _s: fn(), None, calls=calls, rounds=max(5, 50_000 // calls))
 
 
-def report(name, fn):
-    print(f"PIECE {name:44s} {loop_us(fn, PIECE_CALLS[0]):7.2f}", flush=True)
+def report_piece(name, fn, calls: int):
+    print(f"PIECE {name:44s} {loop_us(fn, calls):7.2f}", flush=True)
 
 
 def loop_lengths(m, h, dev, lengths):
@@ -40,7 +38,7 @@ def loop_lengths(m, h, dev, lengths):
               f"{loop_us(lambda: floor(s), calls):7.2f}", flush=True)
 
 
-def allocation_pieces(m, h, dev):
+def allocation_pieces(report, m, h, dev):
     bf, f32 = torch.bfloat16, torch.float32
     like_r, like_x = torch.empty(m, 4, h, dtype=bf, device=dev), torch.empty(m, h, dtype=bf, device=dev)
     like_c = torch.empty(m, 4, 4, device=dev)
@@ -72,7 +70,7 @@ def allocation_pieces(m, h, dev):
     report("1 as_strided", lambda: like_c.as_strided((m, 16), (16, 1)))
 
 
-def misc_pieces(dev):
+def misc_pieces(report, dev):
     one = torch.zeros(1, device=dev)
     report("torch add_ on 1 element (a launch)", lambda: one.add_(1))
     report("torch.cuda.current_stream()", torch.cuda.current_stream)
@@ -93,7 +91,7 @@ def misc_pieces(dev):
         print("PIECE tvm_ffi nop unavailable:", type(e).__name__, e)
 
 
-def call_pieces(m, h, dev):
+def call_pieces(report, m, h, dev):
     s = mb.make_sets(m, h, 1, dev, False)[0]
     full = lambda: mhc_fused_hc(**s, backend="auto")  # noqa: E731
     report(f"M={m} eager mhc_fused_hc auto", full)
@@ -127,15 +125,15 @@ def main() -> int:
                     help="loop lengths of the LOOP lines (none: skip them)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    PIECE_CALLS[0] = args.calls
+    report = functools.partial(report_piece, calls=args.calls)
     dev = torch.device("cuda")
     import tvm_ffi
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, tvm_ffi {tvm_ffi.__version__}, "
           f"{mb.tvm_ffi_tensor_path()}")
     with torch.inference_mode():
-        misc_pieces(dev)
-        allocation_pieces(args.m[0], args.hidden, dev)
-        fulls = [call_pieces(m, args.hidden, dev) for m in args.m]
+        misc_pieces(report, dev)
+        allocation_pieces(report, args.m[0], args.hidden, dev)
+        fulls = [call_pieces(report, m, args.hidden, dev) for m in args.m]
         for m in args.m if args.loops else ():
             loop_lengths(m, args.hidden, dev, args.loops)
         if args.profile:
