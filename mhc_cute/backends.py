@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import fused_hc, fused_hc_delayed
+from .reference import fused_hc, fused_hc_delayed, row_chunks
 from .tactics import FMA_BUCKETS, FmaTactic, MmaTactic
 from .tactics import parse_tactic as parse_cute_tactic
 from .triton.configs import TritonTactic, parse_triton_tactic
@@ -123,14 +123,19 @@ def prepare_reference(problem, tactic, out):
     op = fused_hc_delayed if problem.delayed else fused_hc
     delayed, scalars = problem.delayed, problem.scalars.as_kwargs()
 
+    per_token = 5 if delayed else 4  # x, residual, post_mix, comb_mix (, pre_mix): a row per token; then weights
+
     def launch(inputs, out):
         *tensors, norm_weight, pre_mix = inputs
         if delayed:
             tensors[4:4] = [pre_mix]
-        result = op(*tensors, norm_weight=norm_weight, compute_dtype=torch.float32, **scalars)
-        for dst, src in zip(out, result):
-            if dst is not None:
-                dst.copy_(src)
+        residual = tensors[1]
+        for rows in row_chunks(residual.shape[0], residual.shape[-1]):
+            args = [t if t is None or i >= per_token else t[rows] for i, t in enumerate(tensors)]
+            result = op(*args, norm_weight=norm_weight, compute_dtype=torch.float32, **scalars)
+            for dst, src in zip(out, result):
+                if dst is not None:
+                    dst[rows].copy_(src)
     return launch
 
 

@@ -106,17 +106,23 @@ def _dispatch(op: str, backend: str, device: torch.device, hidden: int, m: int, 
 
 # --- the torch backend (the reference in fp32) ----------------------------------------------------------------
 
+# in row chunks (``reference.row_chunks``): the float64 temporaries of a chunk, not of the whole call
+
 def _post_torch(x, residual, post_mix, comb_mix, out):
-    out.copy_(reference.post(x, residual, post_mix, comb_mix))
+    for rows in reference.row_chunks(residual.shape[0], residual.shape[-1]):
+        out[rows].copy_(reference.post(x[rows], residual[rows], post_mix[rows], comb_mix[rows]))
 
 
 def _collapse_torch(residual, pre_mix, norm_weight, norm_eps, out):
-    out.copy_(reference.collapse_norm(residual, pre_mix, norm_weight=norm_weight, norm_eps=norm_eps))
+    for rows in reference.row_chunks(residual.shape[0], residual.shape[-1]):
+        out[rows].copy_(reference.collapse_norm(residual[rows], pre_mix[rows], norm_weight=norm_weight,
+                                                norm_eps=norm_eps))
 
 
 def _head_torch(residual, head_fn, head_scale, head_base, norm_weight, rms_eps, hc_eps, norm_eps, out):
-    out.copy_(reference.head(residual, head_fn, head_scale, head_base, rms_eps=rms_eps, hc_eps=hc_eps,
-                             norm_weight=norm_weight, norm_eps=norm_eps))
+    for rows in reference.row_chunks(residual.shape[0], residual.shape[-1]):
+        out[rows].copy_(reference.head(residual[rows], head_fn, head_scale, head_base, rms_eps=rms_eps,
+                                       hc_eps=hc_eps, norm_weight=norm_weight, norm_eps=norm_eps))
 
 
 # --- mhc_head on the seam kernels ----------------------------------------------------------------------------

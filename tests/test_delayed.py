@@ -41,6 +41,16 @@ def test_torch_backend_variants_cpu(op, form, pre, m, h, norm):
     check_variant("torch", m, h, form, pre, norm)
 
 
+@pytest.mark.parametrize("op,form,pre", SEAM_VARIANTS, ids=[variant_id(v) for v in SEAM_VARIANTS])
+def test_torch_backend_in_row_chunks(monkeypatch, op, form, pre):
+    """The torch backend runs a call in chunks of rows (its float64 temporaries bounded at any M): in chunks of 3
+    rows over 10 tokens every output (poisoned first) meets the contract, so no chunk is left unwritten or
+    misplaced."""
+    monkeypatch.setattr(reference, "ROW_CHUNK_ELEMENTS", 3 * 4 * 64)
+    assert reference.row_chunks(10, 64) == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 12)]
+    check_variant("torch", 10, 64, form, pre, True)
+
+
 @pytest.mark.parametrize("form,pre", [("regular", "carried"), ("broadcast", "identity")])
 def test_torch_backend_delayed_v41_width_cpu(form, pre):
     check_variant("torch", 5, 5120, form, pre, True)

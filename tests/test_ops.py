@@ -8,7 +8,7 @@ import torch
 from helpers import OP_CPU_CASES, OP_GPU_CASES, misaligned, skip_unless_op_available
 
 import mhc_cute
-from mhc_cute import mhc_collapse, mhc_fused_hc, mhc_head, mhc_post, ops
+from mhc_cute import mhc_collapse, mhc_fused_hc, mhc_head, mhc_post, ops, reference
 from mhc_cute.accuracy import (
     STANDALONE_OPS, call_op, check_op, check_op_output, make_inputs, make_op_inputs, op_output_like,
 )
@@ -70,6 +70,15 @@ def test_check_in_row_chunks(monkeypatch):
         out.view(-1)[-1] = out.view(-1)[-1] * 1.5
         with pytest.raises(AssertionError, match=CHECK_FAILURE[op]):
             check_op_output(op, out, inputs)
+
+
+@pytest.mark.parametrize("op", STANDALONE_OPS)
+def test_torch_backend_in_row_chunks(monkeypatch, op):
+    """The torch backend of each op runs in chunks of rows (bounded memory at any M): chunks of 3 rows over 10 tokens
+    (in leading dims [2, 5]) still meet the contract in every row."""
+    monkeypatch.setattr(reference, "ROW_CHUNK_ELEMENTS", 3 * 4 * 64)
+    assert len(reference.row_chunks(10, 64)) == 4
+    _run_and_check(op, "torch", 10, 64, op != "mhc_post", "cpu", lead=(2, 5))
 
 
 @pytest.mark.parametrize("op", STANDALONE_OPS)
