@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
-LARGE_M = 4096  # GPU tests from this many tokens hold up to ~20 GB each (float64 checks)
-LARGE_M_SLOTS = 3  # at most this many of them at once across pytest-xdist's workers: ~60 GB of an H200's 140
+LARGE_M = 4096  # GPU tests from this many tokens hold the most memory (inputs, outputs, the float64 checks' chunks)
+LARGE_M_SLOTS = 3  # at most this many of them at once across pytest-xdist's workers (the GPU's memory)
 
 
 def pytest_collection_modifyitems(config, items):

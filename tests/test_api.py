@@ -558,6 +558,40 @@ def test_accuracy_check_catches_errors(norm):
             check_outputs(broken(field, fn), problem)
 
 
+@pytest.mark.parametrize("pre", [None, "carried"])
+def test_accuracy_check_in_row_chunks(monkeypatch, pre):
+    """The contract check runs in chunks of rows (its float64 reference fits any M): in chunks of 3 rows over 8 tokens
+    it reports what one pass does (the normwise errors summed over every row) and still fails a flipped residual
+    bit, a 2-ulp layer_input error and a 1e-3 post mix error in the last chunk (rows 6 and 7)."""
+    from mhc_cute import accuracy
+
+    problem = problem_of(make_inputs(8, 256, norm=True, seed=5, pre=pre))
+    good = run_backend(problem, "torch")
+    whole = check_outputs(good, problem)
+    monkeypatch.setattr(accuracy, "CHECK_ELEMENTS", 3 * 4 * 256)
+    chunked = check_outputs(good, problem)
+    assert chunked.keys() == whole.keys()
+    assert all(math.isclose(chunked[k], whole[k], rel_tol=1e-9) for k in whole), (chunked, whole)
+
+    def last_chunk(field, fn):
+        t = getattr(good, field).clone()
+        fn(t[6])
+        return good._replace(**{field: t})
+
+    def flip_bit(row):
+        row.view(torch.int16)[1, 7] ^= 1
+
+    def two_ulps(row):
+        i = row.float().abs().argmax()
+        v = row[i].float()
+        row[i] = (v + 2 * 2.0 ** (torch.floor(torch.log2(v.abs())) - 7) * torch.sign(v)).bfloat16()
+
+    for field, fn, msg in (("residual_cur", flip_bit, "bitwise"), ("layer_input", two_ulps, "bf16 ulp"),
+                           ("post_mix_cur", lambda row: row.mul_(1 + 1e-3), "post_mix_cur normwise")):
+        with pytest.raises(AssertionError, match=msg):
+            check_outputs(last_chunk(field, fn), problem)
+
+
 @pytest.mark.parametrize("norm", [False, True])
 def test_accuracy_check_catches_errors_at_tf32(norm):
     """At ``precision="tf32"`` the check of layer_input is normwise (``tolerances``: ``li_normwise``), not per element:
