@@ -183,9 +183,7 @@ def check_outputs(
     if no_post:
         assert out.residual_cur is None, "residual_cur: a seam without post writes no residual"
     tally = _Tally()
-    rows_per_chunk = max(1, CHECK_ELEMENTS // (HC_MULT * problem.hidden))
-    for b in range(0, problem.m, rows_per_chunk):
-        rows = slice(b, b + rows_per_chunk)
+    for rows in reference.row_chunks(problem.m, problem.hidden, CHECK_ELEMENTS):
         part = problem._replace(**{k: getattr(problem, k)[rows] for k in TOKEN_FIELDS
                                    if getattr(problem, k) is not None})
         part_out = type(out)(*(None if t is None else t[rows] for t in out))
@@ -517,12 +515,11 @@ def check_op_output(op: str, out: torch.Tensor, inputs: dict, *, mix_tol: float 
     out = out.reshape(m, *out.shape[lead:])
     assert torch.isfinite(out.float()).all(), f"{op}: non-finite values (unwritten or broken)"
     # the ops are row-wise: checked in chunks of rows, so that the float64 reference fits any M
-    chunk = max(1, CHECK_ELEMENTS // (HC_MULT * h))
     errs: dict = {}
-    for b in range(0, m, chunk):
-        rows = {k: (v[b:b + chunk] if isinstance(v, torch.Tensor) and v.shape[:1] == (m,) and k != "norm_weight"
+    for chunk in reference.row_chunks(m, h, CHECK_ELEMENTS):
+        rows = {k: (v[chunk] if isinstance(v, torch.Tensor) and v.shape[:1] == (m,) and k != "norm_weight"
                     and not k.startswith("head_") else v) for k, v in flat.items()}
-        for k, v in _check_op_rows(op, out[b:b + chunk], rows, mix_tol, li_ulps, **scalars).items():
+        for k, v in _check_op_rows(op, out[chunk], rows, mix_tol, li_ulps, **scalars).items():
             errs[k] = max(errs.get(k, 0), v)
     return errs
 

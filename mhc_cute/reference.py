@@ -33,12 +33,12 @@ N_MIXES = 2 * HC_MULT + HC_MULT * HC_MULT  # 24: pre(4), post(4), comb(16)
 ROW_CHUNK_ELEMENTS = 1 << 24  # stream elements ([rows, 4, H]) per chunk of the torch backend (``row_chunks``)
 
 
-def row_chunks(m: int, hidden: int) -> list[slice]:
+def row_chunks(m: int, hidden: int, elements: int | None = None) -> list[slice]:
     """The row slices the ``"torch"`` backend runs a call of ``m`` tokens in (every op is per token, so the rows of
-    a chunk come out as in one call): at most ``ROW_CHUNK_ELEMENTS`` stream elements each, so that its float64
-    temporaries (the FMA emulation's, the projection's) take about 128 MiB each whatever M, not 12 GiB each at
-    M = 10^5, H = 4096."""
-    rows = max(1, ROW_CHUNK_ELEMENTS // (HC_MULT * hidden))
+    a chunk come out as in one call): at most ``elements`` (default ``ROW_CHUNK_ELEMENTS``) stream elements each, so
+    that its float64 temporaries (the FMA emulation's, the projection's) take about 128 MiB each whatever M, not
+    12 GiB each at M = 10^5, H = 4096. The float64 checks of ``accuracy`` walk the rows the same way."""
+    rows = max(1, (ROW_CHUNK_ELEMENTS if elements is None else elements) // (HC_MULT * hidden))
     return [slice(b, b + rows) for b in range(0, m, rows)]
 
 
