@@ -212,6 +212,32 @@ def test_mma_kernel1_spills_nothing(tmp_path, cuobjdump, dump_env, norm, delayed
     assert len(spills) == 2 and all(s == ("0", "0") for s in spills), usage
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tactic, norm, delayed, in_flight", [
+    ("half_mma:k8:m64:s3:fbw", "none", "carried", True), ("half_mma:k2:m64:s3:fbw", "bfloat16", "carried", True),
+    ("half_mma:k8:m64:s3:fbw", "none", "identity", True), ("half_mma:k8:m64:s3:fbw", "none", None, False),
+])
+def test_mma_kernel1_mma_in_flight(tmp_path, cuobjdump, dump_env, tactic, norm, delayed, in_flight):
+    """The delayed seam's kernel 1 on path B with one MMA warpgroup issues a block's 16 wgmma back to back and waits
+    for them once, under the next block's post-map (``MmaFusedHcKernel.mma_in_flight``), with nothing spilled: a read
+    of the accumulator the compiler moved above the wait would make ptxas serialise them (a wait after each, C7514).
+    The V4 seam waits right after its MMAs, as before."""
+    args = [tactic, "7168", norm] + ([delayed] if delayed else [])
+    subprocess.run([sys.executable, "-c", _COMPILE, *args], env=dump_env(tmp_path, "cubin"), check=True,
+                   timeout=1800, capture_output=True)
+    (cubin,) = tmp_path.glob("*.cubin")
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    (ops,) = [ops for name, ops in sass_functions(sass).items() if "MmaFusedHcKernel" in name]
+    hgmma = [i for i, op in enumerate(ops) if op.startswith("HGMMA")]
+    waits = [i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR")]
+    assert len(hgmma) == 16 and len(waits) == (2 if in_flight else 1), (len(hgmma), len(waits))
+    # in flight: the loop's wait comes before its MMAs (the previous block's), the second one after the loop
+    assert (waits[0] < hgmma[0] < hgmma[-1] < waits[1]) if in_flight else (hgmma[-1] < waits[0])
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
+    spills = re.findall(r"STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+    assert len(spills) == 2 and all(s == ("0", "0") for s in spills), usage
+
+
 def _bench_module(name: str):
     """Import a script of bench/probes/ (not a package) as a module."""
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "probes")

@@ -175,8 +175,12 @@ class WideBoxKernel(mma.MmaFusedHcKernel):
             if sub == 0:
                 raw_pipeline.consumer_wait(raw_state)
             w_pipeline.consumer_wait(w_state)
-            self.project_block(ctx, tiled_mma, sX, sRes, raw_state.index, sub * (BLOCK_H // du.VEC_BF16) + ctx.quad,
-                               w_state.index, mResOut, blk_begin + i, m_tile, m_total)
+            vec_in_row = sub * (BLOCK_H // du.VEC_BF16) + ctx.quad
+            held = self.post_block(ctx, sX, sRes, raw_state.index, vec_in_row, mResOut, blk_begin + i, m_tile,
+                                   m_total)
+            self.project_block(ctx, tiled_mma, sRes, held, raw_state.index, vec_in_row, w_state.index,
+                               blk_begin + i, m_tile, m_total)
+            warpgroup.wait_group(0)
             w_pipeline.consumer_release(w_state)
             w_state.advance()
             if sub == self.box - 1:  # the box's last block: free for the next box

@@ -41,6 +41,7 @@ X1_SUMSQ_COL = SUMSQ_COL + 1  # the delayed seam with the norm: the sum of squar
 SCALE_AT = N_MIXES  # hc_scale's place in the constants (after hc_base)
 SOFTMAX_LANES = HC_MULT * HC_MULT  # lanes per token of the Sinkhorn warp's lane-parallel softmax
 COLLAPSE_BARRIER = 1  # named barrier of the collapse warps when the Sinkhorn has a warp of its own
+DELAYED_BLOCK_TOKENS = 16  # tokens per CTA of the delayed seam's standalone big fuse without the norm (shape "bw")
 MIXES_READY = 2  # named barrier: the collapse warps' summed rows are in shared memory (the Sinkhorn warp waits)
 
 
@@ -76,7 +77,7 @@ class BigFusePhase:
 
     def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4,
                  sinkhorn_last: bool = False, sinkhorn_warp: bool = False, pair_sinkhorn: bool = False,
-                 delayed: bool = False):
+                 delayed: bool = False, token_loads: int = 1):
         assert hidden % du.VEC_BF16 == 0 and threads % du.WARP == 0 and tokens <= threads
         self.hidden = hidden
         self.split_k = split_k
@@ -96,6 +97,9 @@ class BigFusePhase:
         self.pair_sinkhorn = pair_sinkhorn
         self.collapse_warps = collapse_warps = self.warps - (1 if sinkhorn_warp else 0)
         self.groups = max(g for g in range(1, min(tokens, collapse_warps) + 1) if collapse_warps % g == 0)
+        # ``token_loads``: tokens whose partial rows a warp loads together before summing any (one memory round trip
+        # for all of them, where one per token serialises a block of many tokens), at most 32 loads a lane
+        self.token_loads = max(1, min(token_loads, 32 // -(-split_k // self.collapse_warps)))
         self.group_warps = collapse_warps // self.groups
         self.group_threads = self.group_warps * du.WARP
         self.rounds = -(-tokens // self.groups)
@@ -235,27 +239,31 @@ class BigFusePhase:
         col = cutlass.min(lane, last_col)
         rounds = -(-self.split_k // self.collapse_warps)
         exact = self.split_k % self.collapse_warps == 0
-        for t in cutlass.range_constexpr(self.tokens):
+        splits = [warp + r * self.collapse_warps for r in range(rounds)]
+        for t0 in cutlass.range_constexpr(0, self.tokens, self.token_loads):
+            chunk = range(t0, min(t0 + self.token_loads, self.tokens))
             # clamped indices keep every load in bounds and unconditional; the out-of-range terms are replaced
-            # by an exact zero
-            m = cutlass.min(m0 + t, m_total - 1)
-            splits = [warp + r * self.collapse_warps for r in range(rounds)]
-            # issued last split first, summed first split first: the sum's first add needs the last load issued, so
-            # ptxas cannot start the sum between the loads (in the delayed seam with the norm it did, and issued
-            # the rest a memory round trip or two later: SASS, docs/experiments.md 2026-12-05)
-            vals = [mPartials[s if exact else cutlass.min(s, self.split_k - 1), m, col] for s in reversed(splits)]
-            vals.reverse()
+            # by an exact zero. Issued last split first, summed first split first: the sum's first add needs the
+            # last load issued, so ptxas cannot start the sum between the loads (in the delayed seam with the norm it
+            # did, and issued the rest a memory round trip or two later: SASS, docs/experiments.md 2026-12-05)
+            vals = {}
+            for t in chunk:
+                m = cutlass.min(m0 + t, m_total - 1)
+                row = [mPartials[s if exact else cutlass.min(s, self.split_k - 1), m, col] for s in reversed(splits)]
+                row.reverse()
+                vals[t] = row
             # a warp barrier before any of them is used: the compiler keeps every load above it (these and the
             # caller's first collapse batch) in flight together; else ptxas may start the sum first and issue
             # the collapse batch a memory round trip later (seen in the SASS with uneven splits)
             cute.arch.sync_warp()
-            acc = Float32(0.0)
-            for r in cutlass.range_constexpr(rounds):
-                if cutlass.const_expr(exact):
-                    acc = acc + vals[r]
-                else:
-                    acc = acc + (vals[r] if splits[r] < self.split_k else Float32(0.0))
-            storage.partial_sums[warp, t, lane] = acc
+            for t in chunk:
+                acc = Float32(0.0)
+                for r in cutlass.range_constexpr(rounds):
+                    if cutlass.const_expr(exact):
+                        acc = acc + vals[t][r]
+                    else:
+                        acc = acc + (vals[t][r] if splits[r] < self.split_k else Float32(0.0))
+                storage.partial_sums[warp, t, lane] = acc
         self.collapse_barrier()
         for base in cutlass.range_constexpr(0, self.tokens * PARTIAL_COLS, self.collapse_threads):
             i = base + tidx
@@ -581,9 +589,9 @@ class BigFuseKernel:
     """Standalone big fuse: one CTA of ``threads`` threads per block of ``tokens`` tokens."""
 
     def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4,
-                 sinkhorn_warp: bool = False, pair_sinkhorn: bool = False, delayed: bool = False):
+                 sinkhorn_warp: bool = False, pair_sinkhorn: bool = False, delayed: bool = False, token_loads: int = 1):
         self.phase = BigFusePhase(hidden, split_k, tokens, threads, norm_dtype, batch, sinkhorn_warp=sinkhorn_warp,
-                                  pair_sinkhorn=pair_sinkhorn, delayed=delayed)
+                                  pair_sinkhorn=pair_sinkhorn, delayed=delayed, token_loads=token_loads)
 
     @cute.jit
     def launch(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, stream,
@@ -619,6 +627,12 @@ def standalone_big_fuse(hidden: int, split_k: int, norm_dtype, fuse: str, delaye
     "bw": 128 threads, batches of 2 (fewer registers, so that many CTAs share an SM). A trailing "p" ("latp",
     "bwp"): the same shape with the Sinkhorn two lanes per token (``BigFusePhase``'s ``pair_sinkhorn``)."""
     pair = fuse.endswith("p")
+    if delayed and norm_dtype is None and fuse.removesuffix("p") == "bw":
+        # the delayed seam without the norm has no row work left: a block of tokens per CTA, their Sinkhorns two
+        # lanes each in one warp, their partial rows loaded at once (one token per CTA left every CTA's Sinkhorn
+        # chain in series with its loads: ~1.3 waves of them at M = 2048)
+        return BigFuseKernel(hidden, split_k, DELAYED_BLOCK_TOKENS, 128, None, 2, pair_sinkhorn=True, delayed=True,
+                             token_loads=DELAYED_BLOCK_TOKENS)
     if fuse.removesuffix("p") == "lat":
         batch = 4
         threads = du.batch_threads(hidden, batch, 1024 - du.WARP) + du.WARP

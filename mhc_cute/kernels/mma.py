@@ -52,6 +52,8 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 import cutlass.pipeline as pipeline  # noqa: E402
 from cutlass import BFloat16, Float32, Int32, const_expr  # noqa: E402
+from cutlass._mlir.dialects import llvm  # noqa: E402
+from cutlass.cutlass_dsl import dsl_user_op  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 
 from .. import tactics as tac  # noqa: E402
@@ -169,6 +171,23 @@ def cached_weight(fn: torch.Tensor, precision: str) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@dsl_user_op
+def fence_register(val: Float32, *, loc=None, ip=None) -> Float32:
+    """``val`` through an empty volatile asm: no instruction, but the compiler cannot move a read of the register
+    above an earlier volatile operation (a ``wgmma.wait_group``), as ptxas needs to keep wgmma asynchronous."""
+    return Float32(llvm.inline_asm(Float32.mlir_type, [Float32(val).ir_value(loc=loc, ip=ip)], "", "=f,0",
+                                   has_side_effects=True, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@cute.jit
+def fence_registers(frag: cute.Tensor):
+    """``fence_register`` on every element of the fp32 register tensor ``frag`` (an MMA accumulator, after its
+    wait)."""
+    for i in cutlass.range_constexpr(cute.size(frag)):
+        frag[i] = fence_register(frag[i])
+
+
 class MmaFusedHcKernel:
     """Kernel 1 (post-map, ``residual_cur``, sum of squares, TF32 wgmma projection, split-K partials) for one
     (H, tactic, precision, norm dtype, seam: ``delayed`` None, or "carried" / "identity" as ``kernels.delayed_mode``
@@ -197,6 +216,10 @@ class MmaFusedHcKernel:
         self.threads = tactic.threads
         self.k_stage = self.in_streams * BLOCK_H  # MMA K per stage: 4 streams (the broadcast entry: 1) x 32
         self.fused = tactic.path == "all_mma"
+        # the delayed seam on path B with one MMA warpgroup: a block's MMAs run under the next block's post-map (its
+        # A fragment and accumulator live across it: 253 registers; two warpgroups' 168 would spill). Measured
+        # faster there only, not for the V4 seam or path D (docs/experiments.md, 2026-12-05)
+        self.mma_in_flight = self.tile_m == 64 and delayed is not None and not self.fused
         if self.fused:
             self.finish = finish_phase(tactic, hidden, norm_dtype, delayed is not None)
         else:
@@ -445,12 +468,34 @@ class MmaFusedHcKernel:
         for i in cutlass.range(n_blk, unroll=1):
             ab_pipeline.consumer_wait(state)
             si = state.index
-            self.project_block(ctx, tiled_mma, sX, sRes, si, ctx.quad, si, mResOut, blk_begin + i, m_tile, m_total,
-                               mLayerIn)
-            ab_pipeline.consumer_release(state)
+            held = self.post_block(ctx, sX, sRes, si, ctx.quad, mResOut, blk_begin + i, m_tile, m_total)
+            if const_expr(self.mma_in_flight):
+                # the previous block's MMAs ran under this block's post-map: wait for them only now, then free their
+                # stage (its weight tile) and take their sums
+                warpgroup.wait_group(0)
+                fence_registers(ctx.acc)
+                if i > 0:
+                    ab_pipeline.consumer_release(self._previous(state))
+                    self.accumulate_block(ctx)
+            self.project_block(ctx, tiled_mma, sRes, held, si, ctx.quad, si, blk_begin + i, m_tile, m_total, mLayerIn)
+            if const_expr(not self.mma_in_flight):
+                warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(state)
+                self.accumulate_block(ctx)
             state.advance()
-            self.accumulate_block(ctx)
+        if const_expr(self.mma_in_flight):
+            warpgroup.wait_group(0)
+            fence_registers(ctx.acc)
+            if n_blk > 0:
+                ab_pipeline.consumer_release(self._previous(state))
+                self.accumulate_block(ctx)
         self.store_partials(ctx, mPartials, split, m_tile, m_total)
+
+    @cute.jit
+    def _previous(self, state):
+        """The consumer state one stage before ``state`` (only its index is read by a release)."""
+        return pipeline.PipelineState(self.stages, state.count, (state.index + (self.stages - 1)) % self.stages,
+                                      state.phase)
 
     @cute.jit
     def consumer_setup(self, tiled_mma, sW, mPost, mComb, m_total, tidx, m_tile, mPre=None) -> "_Consumer":
@@ -502,41 +547,55 @@ class MmaFusedHcKernel:
         return _Consumer(quad, rows, tCrA, tCrB, acc, dots, post, comb, sumsq, pre, x1_sumsq)
 
     @cute.jit
-    def project_block(self, ctx: "_Consumer", tiled_mma, sX, sRes, si, vec_in_row, wi, mResOut, blk, m_tile,
-                      m_total, mLayerIn=None):
-        """One 32-wide block of H: the thread's 8-vectors (``vec_in_row`` of its rows in the activation stage
-        ``si``), the post-map into ``residual_cur`` (H block ``blk``; without a post the streams are
-        ``residual_prev``'s values, nothing stored), the squares and the A fragment, then the stage's MMAs against
-        weight stage ``wi``, waited for (the A registers are rewritten next). The delayed seam: the collapse x1 of
-        the rounded streams into ``layer_input`` too (``store_x1``)."""
-        xv = cute.make_rmem_tensor((2, du.VEC_BF16), Float32)
-        rv = cute.make_rmem_tensor((2, HC_MULT, du.VEC_BF16), Float32)
-        out = cute.make_rmem_tensor((du.VEC_BF16,), BFloat16)
-        xf = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
-        x1 = cute.make_rmem_tensor((2, du.VEC_BF16), Float32)  # the carried collapse's fp32 chain, per row
+    def post_block(self, ctx: "_Consumer", sX, sRes, si, vec_in_row, mResOut, blk, m_tile, m_total):
+        """One 32-wide block of H, the part that does not touch the MMA's registers: the post-map of the thread's
+        8-vectors (``vec_in_row`` of its rows in the activation stage ``si``) into ``residual_cur`` (H block ``blk``;
+        the broadcast entry: the embedding four times), row by row. Returns the rounded streams for
+        ``project_block`` (None without a post: it reads them from the stage)."""
+        if const_expr(not self.has_post and not self.broadcast):
+            return None
+        # each 8-vector contiguous: stored with one 16-byte store
+        held = cute.make_rmem_tensor(cute.make_layout((2, HC_MULT, du.VEC_BF16), stride=(HC_MULT * du.VEC_BF16,
+                                                                                         du.VEC_BF16, 1)), BFloat16)
+        xv = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
+        rv = cute.make_rmem_tensor((self.in_streams, du.VEC_BF16), Float32)
         vec_idx = blk * (BLOCK_H // du.VEC_BF16) + ctx.quad
         for r in cutlass.range_constexpr(2):
             if const_expr(self.has_post):
-                xv[r, None].store(du.load_bf16x8(self._vec(sX[(ctx.rows[r], None, si)], vec_in_row)))
+                xv.store(du.load_bf16x8(self._vec(sX[(ctx.rows[r], None, si)], vec_in_row)))
             for k in cutlass.range_constexpr(self.in_streams):
-                rv[r, k, None].store(du.load_bf16x8(self._vec(sRes[(ctx.rows[r], k, None, si)], vec_in_row)))
+                rv[k, None].store(du.load_bf16x8(self._vec(sRes[(ctx.rows[r], k, None, si)], vec_in_row)))
+            m = m_tile * self.tile_m + ctx.rows[r]
+            for j in cutlass.range_constexpr(HC_MULT):
+                if const_expr(self.broadcast):
+                    held[r, j, None].store(rv[0, None].load().to(BFloat16))  # stream j is a copy of the embedding
+                else:
+                    # SPEC step 1: acc = post[j] x[h]; acc = fma(comb[k][j], res[k][h], acc), k = 0..3
+                    for e in cutlass.range_constexpr(du.VEC_BF16):
+                        held[r, j, e] = du.post_element(ctx.post[r, j], xv[e],
+                                                        [ctx.comb[r, k, j] for k in range(HC_MULT)],
+                                                        [rv[k, e] for k in range(HC_MULT)]).to(BFloat16)
+            if m < m_total:
+                for j in cutlass.range_constexpr(HC_MULT):
+                    cute.autovec_copy(held[r, j, None], self._vec(mResOut[(m, j, None)], vec_idx))
+        return held
+
+    @cute.jit
+    def project_block(self, ctx: "_Consumer", tiled_mma, sRes, held, si, vec_in_row, wi, blk, m_tile, m_total,
+                      mLayerIn=None):
+        """The rest of the block once the previous block's MMAs are done: the squares and the A fragment of the
+        rounded streams (``held``; without a post the stage's ``residual_prev``), the delayed seam's collapse x1
+        into ``layer_input`` (``store_x1``), then the block's MMAs against weight stage ``wi``, issued and not
+        waited for: ``consume`` waits right after, or with ``mma_in_flight`` under the next block's post-map."""
+        xf = cute.make_rmem_tensor((du.VEC_BF16,), Float32)
+        x1 = cute.make_rmem_tensor((2, du.VEC_BF16), Float32)  # the carried collapse's fp32 chain, per row
+        vec_idx = blk * (BLOCK_H // du.VEC_BF16) + ctx.quad
         for j in cutlass.range_constexpr(HC_MULT):
             for r in cutlass.range_constexpr(2):
-                if const_expr(not self.has_post and not self.broadcast):
-                    xf.store(rv[r, j, None].load())  # bf16 values, exact in fp32
+                if const_expr(held is None):
+                    xf.store(du.load_bf16x8(self._vec(sRes[(ctx.rows[r], j, None, si)], vec_in_row)))
                 else:
-                    if const_expr(self.broadcast):
-                        out.store(rv[r, 0, None].load().to(BFloat16))  # stream j is a copy of the embedding
-                    else:
-                        # SPEC step 1: acc = post[j] x[h]; acc = fma(comb[k][j], res[k][h], acc), k = 0..3
-                        for e in cutlass.range_constexpr(du.VEC_BF16):
-                            out[e] = du.post_element(ctx.post[r, j], xv[r, e],
-                                                     [ctx.comb[r, k, j] for k in range(HC_MULT)],
-                                                     [rv[r, k, e] for k in range(HC_MULT)]).to(BFloat16)
-                    m = m_tile * self.tile_m + ctx.rows[r]
-                    if m < m_total:
-                        cute.autovec_copy(out, self._vec(mResOut[(m, j, None)], vec_idx))
-                    xf.store(out.load().to(Float32))  # not widen_bf16x8: here it made the main loop spill
+                    xf.store(held[r, j, None].load().to(Float32))  # not widen_bf16x8: here it made the loop spill
                 if const_expr(j < self.in_streams):  # the broadcast entry projects stream 0 alone
                     for e in cutlass.range_constexpr(du.VEC_BF16):
                         ctx.sumsq[r] = cute.math.fma(xf[e], xf[e], ctx.sumsq[r])
@@ -557,7 +616,6 @@ class MmaFusedHcKernel:
             cute.gemm(mma_atom, ctx.acc, ctx.tCrA[(None, None, ks)], ctx.tCrB[(None, None, ks, wi)], ctx.acc)
             mma_atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
 
     @cute.jit
     def store_x1(self, ctx: "_Consumer", x1: cute.Tensor, r, mLayerIn: cute.Tensor, m, m_total, vec_idx):
