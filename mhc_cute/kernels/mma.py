@@ -7,7 +7,8 @@ Kernel 1 (``MmaFusedHcKernel``) streams one M tile x one K split per CTA through
 * each MMA warpgroup owns 64 rows. Its threads compute ``residual_cur`` for the four streams straight into the
   register layout of the wgmma A operand (post-map), store it to global memory with 16-byte stores, add the
   squares of the bf16-rounded values, and issue TF32 wgmma with A from registers (exact: bf16 is a subset of
-  TF32) and B (the weight) from shared memory.
+  TF32) and B (the weight) from shared memory. The delayed seam with one MMA warpgroup (m64) waits for a block's MMAs
+  only after the next block's post-map (``mma_in_flight``); otherwise each block's MMAs are waited for at once.
 
 Register A lets each thread own 8 *contiguous* H positions per row and stream: the K order inside every 32-wide
 block is permuted so that wgmma's fragment (rows g/g+8, columns t/t+4 of each k8 step) lands on them, and the
