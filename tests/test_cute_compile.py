@@ -238,6 +238,23 @@ def test_mma_kernel1_mma_in_flight(tmp_path, cuobjdump, dump_env, tactic, norm, 
     assert len(spills) == 2 and all(s == ("0", "0") for s in spills), usage
 
 
+@pytest.mark.slow
+def test_delayed_big_fuse_loads_a_block_of_tokens_at_once(tmp_path, cuobjdump, dump_env):
+    """The delayed seam's standalone big fuse without the norm (fuse shape "bw") takes 16 tokens a CTA and issues the
+    partial-row loads of all of them (2 splits a warp at split_k = 8) before it stores the first sum: one memory round
+    trip for the block, where a round trip per token would put 16 in series (``BigFusePhase.token_loads``)."""
+    args = ["half_mma:k8:m64:s3:fbw", "7168", "none", "carried"]
+    subprocess.run([sys.executable, "-c", _COMPILE, *args], env=dump_env(tmp_path, "cubin"), check=True,
+                   timeout=1800, capture_output=True)
+    (cubin,) = tmp_path.glob("*.cubin")
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    (ops,) = [ops for name, ops in sass_functions(sass).items() if "BigFuseKernel" in name]
+    loads = [i for i, op in enumerate(ops) if op.startswith("LDG")]
+    assert len(loads) == 2 + 16 * 2, len(loads)  # hc_base and hc_scale, then 16 tokens x 2 splits
+    first_sum_store = next(i for i, op in enumerate(ops) if op.startswith("STS") and i > loads[2])
+    assert loads[-1] < first_sum_store, (loads, first_sum_store)
+
+
 def _bench_module(name: str):
     """Import a script of bench/probes/ (not a package) as a module."""
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "probes")
