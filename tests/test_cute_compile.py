@@ -107,6 +107,17 @@ else:
 """  # argv: a tactic name (paths B/D/E/F), "collapse" or "post"; H; the norm dtype name or "none" (default); the
 # delayed seam's gates ("carried", "identity"; default: mhc_fused_hc)
 
+def compiled_variant(tmp_path, dump_env, cuobjdump, *args) -> tuple[str, str]:
+    """One variant compiled for sm_90a by ``_COMPILE`` (``args``: its argv) in a subprocess, its cubin kept in
+    ``tmp_path``: (``cuobjdump -sass`` text, ``--dump-resource-usage`` text)."""
+    subprocess.run([sys.executable, "-c", _COMPILE, *args], env=dump_env(tmp_path, "cubin"), check=True,
+                   timeout=1800, capture_output=True)
+    (cubin,) = tmp_path.glob("*.cubin")
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
+    return sass, usage
+
+
 def sass_functions(sass: str) -> dict:
     """``cuobjdump -sass`` text -> {kernel name: [opcode of each instruction, predicates dropped]}."""
     return {name: [[t for t in line.split() if not t.startswith("@")][0].rstrip(";") for line in lines]
@@ -171,10 +182,7 @@ def test_small_m_loads_in_flight_together(tmp_path, cuobjdump, dump_env, norm, d
     2026-12-05)."""
     tactic = "half_fma:k112:t1:n6:w256:s1:b1:flat"
     args = [tactic, "7168", norm] + ([delayed] if delayed else [])
-    subprocess.run([sys.executable, "-c", _COMPILE, *args], env=dump_env(tmp_path, "cubin"), check=True,
-                   timeout=1800, capture_output=True)
-    (cubin,) = tmp_path.glob("*.cubin")
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass, _ = compiled_variant(tmp_path, dump_env, cuobjdump, *args)
     functions = sass_functions(sass)
     assert sum("FmaFusedHc" in n or "BigFuseKernel" in n for n in functions) == 2, list(functions)
     assert loads_issued_together(functions, collapse=delayed is None) == []
@@ -186,13 +194,9 @@ def test_warp_mma_projection_sass(tmp_path, cuobjdump, dump_env):
     vectors per warp) compiles to TF32 HMMA, 3 column tiles x 2 k8 steps x 2 vectors x 2 row tiles x (hi, lo) = 48
     per warp, and spills nothing."""
     tactic = "half_fma:k112:t32:n6:w256:s1:b1:flat:mma"
-    subprocess.run([sys.executable, "-c", _COMPILE, tactic, "7168"], env=dump_env(tmp_path, "cubin"), check=True,
-                   timeout=1800, capture_output=True)
-    (cubin,) = tmp_path.glob("*.cubin")
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass, usage = compiled_variant(tmp_path, dump_env, cuobjdump, tactic, "7168")
     (kernel1,) = [ops for name, ops in sass_functions(sass).items() if "FmaFusedHc" in name]
     assert kernel1.count("HMMA.1688.F32.TF32") == 48
-    usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
     spills = re.findall(r"STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
     assert spills and all(s == ("0", "0") for s in spills), usage
 
@@ -204,10 +208,7 @@ def test_mma_kernel1_spills_nothing(tmp_path, cuobjdump, dump_env, norm, delayed
     168 registers a 288-thread CTA gets (before the widening and the two-``if`` role split, the delayed seam's main loop spilled:
     docs/experiments.md, 2026-12-05)."""
     args = ["half_mma:k64:m128:s3:flat", "7168", norm] + ([delayed] if delayed else [])
-    subprocess.run([sys.executable, "-c", _COMPILE, *args], env=dump_env(tmp_path, "cubin"), check=True,
-                   timeout=1800, capture_output=True)
-    (cubin,) = tmp_path.glob("*.cubin")
-    usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
+    _, usage = compiled_variant(tmp_path, dump_env, cuobjdump, *args)
     spills = re.findall(r"STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
     assert len(spills) == 2 and all(s == ("0", "0") for s in spills), usage
 
@@ -223,17 +224,13 @@ def test_mma_kernel1_mma_in_flight(tmp_path, cuobjdump, dump_env, tactic, norm, 
     of the accumulator the compiler moved above the wait would make ptxas serialise them (a wait after each, C7514).
     The V4 seam waits right after its MMAs, as before."""
     args = [tactic, "7168", norm] + ([delayed] if delayed else [])
-    subprocess.run([sys.executable, "-c", _COMPILE, *args], env=dump_env(tmp_path, "cubin"), check=True,
-                   timeout=1800, capture_output=True)
-    (cubin,) = tmp_path.glob("*.cubin")
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass, usage = compiled_variant(tmp_path, dump_env, cuobjdump, *args)
     (ops,) = [ops for name, ops in sass_functions(sass).items() if "MmaFusedHcKernel" in name]
     hgmma = [i for i, op in enumerate(ops) if op.startswith("HGMMA")]
     waits = [i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR")]
     assert len(hgmma) == 16 and len(waits) == (2 if in_flight else 1), (len(hgmma), len(waits))
     # in flight: the loop's wait comes before its MMAs (the previous block's), the second one after the loop
     assert (waits[0] < hgmma[0] < hgmma[-1] < waits[1]) if in_flight else (hgmma[-1] < waits[0])
-    usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True).stdout
     spills = re.findall(r"STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
     assert len(spills) == 2 and all(s == ("0", "0") for s in spills), usage
 
@@ -244,10 +241,7 @@ def test_delayed_big_fuse_loads_a_block_of_tokens_at_once(tmp_path, cuobjdump, d
     partial-row loads of all of them (2 splits a warp at split_k = 8) before it stores the first sum: one memory round
     trip for the block, where a round trip per token would put 16 in series (``BigFusePhase.token_loads``)."""
     args = ["half_mma:k8:m64:s3:fbw", "7168", "none", "carried"]
-    subprocess.run([sys.executable, "-c", _COMPILE, *args], env=dump_env(tmp_path, "cubin"), check=True,
-                   timeout=1800, capture_output=True)
-    (cubin,) = tmp_path.glob("*.cubin")
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass, _ = compiled_variant(tmp_path, dump_env, cuobjdump, *args)
     (ops,) = [ops for name, ops in sass_functions(sass).items() if "BigFuseKernel" in name]
     loads = [i for i, op in enumerate(ops) if op.startswith("LDG")]
     assert len(loads) == 2 + 16 * 2, len(loads)  # hc_base and hc_scale, then 16 tokens x 2 splits
