@@ -14,12 +14,14 @@ time).
 
     python bench/probes/probe_delayed_tactics.py --hidden 7168 5120 --m 32
     python bench/probes/probe_delayed_tactics.py --paths half_mma all_mma --m 2048 8192
+    python bench/probes/probe_delayed_tactics.py --m 2048 --tactics half_mma:k8:m128:s3:fbw half_mma:k8:m64:s2:fbw
     python bench/probes/probe_delayed_tactics.py --streaming --check --hidden 7168 --m 2048 8192
     python bench/probes/probe_delayed_tactics.py --precompile [same selection]   # on the CPU, with
                                                                                  # $MHC_CUTE_KERNEL_CACHE set
 
 Lines: ``H M tactic graph_us [% of floor] [check]``, best first per (H, M), then ``auto`` (and with ``--streaming`` the
-V4 seam's ``auto``); the floor is the delayed seam's at the copy bandwidth measured first (``--streaming`` only).
+V4 seam's ``auto``); the floor is the delayed seam's at the copy bandwidth measured first (``--streaming`` and
+``--tactics``: the tactics named, each where valid, and the V4 seam's ``auto``).
 """
 
 import argparse
@@ -52,7 +54,11 @@ def streaming_candidates(paths, m: int, hidden: int) -> list:
     return list(dict.fromkeys(out))
 
 
-def candidates(paths, m: int, hidden: int, streaming: bool = False) -> list:
+def candidates(paths, m: int, hidden: int, streaming: bool = False, names=None) -> list:
+    if names:
+        from mhc_cute import tactics
+
+        return [t for t in map(tactics.parse_tactic, names) if t.invalid_reason(hidden) is None]
     if streaming:
         return streaming_candidates(paths, m, hidden)
     from mhc_cute import autotune
@@ -71,6 +77,7 @@ def main() -> int:
     ap.add_argument("--streaming", action="store_true", help="the streaming candidates (module docstring)")
     ap.add_argument("--check", action="store_true", help="check each candidate once against the float64 contract")
     ap.add_argument("--norm", action="store_true")
+    ap.add_argument("--tactics", nargs="+", metavar="NAME", help="time these tactics (those valid at each H) instead")
     ap.add_argument("--precompile", action="store_true", help="compile the candidates (no GPU) and exit")
     ap.add_argument("--top", type=int, default=8)
     args = ap.parse_args()
@@ -79,7 +86,8 @@ def main() -> int:
         from mhc_cute import tactics
         from mhc_cute.kernels import fma, mma
 
-        tried = [(t, h) for h in args.hidden for m in args.m for t in candidates(args.paths, m, h, args.streaming)]
+        tried = [(t, h) for h in args.hidden for m in args.m
+                 for t in candidates(args.paths, m, h, args.streaming, args.tactics)]
         fma_specs = [(t.name, h, norm, "carried") for t, h in tried if t.path in tactics.FMA_PATHS]
         mma_specs = [(t.name, h, "fp32", norm, "carried") for t, h in tried if t.path in tactics.MMA_PATHS]
         for module, specs in ((fma, fma_specs), (mma, mma_specs)):
@@ -92,7 +100,7 @@ def main() -> int:
     from mhc_cute import accuracy, benchmark as mb, mhc_fused_hc_delayed
 
     dev = torch.device("cuda")
-    bandwidth = mb.measure_copy_bandwidth(dev) if args.streaming else None
+    bandwidth = mb.measure_copy_bandwidth(dev) if args.streaming or args.tactics else None
     if bandwidth:
         print(f"# copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     for h in args.hidden:
@@ -101,7 +109,7 @@ def main() -> int:
         for m in args.m:
             sets = mb.with_carried_gates(mb.rotated_sets(m, h, dev, norm=args.norm))
             times, checks = {}, {}
-            for t in candidates(args.paths, m, h, args.streaming) + ["auto"]:
+            for t in candidates(args.paths, m, h, args.streaming, args.tactics) + ["auto"]:
                 backend, tactic = ("auto", None) if t == "auto" else (t.path, t)
                 name = getattr(t, "name", t)
                 if check_set is not None and tactic is not None:
@@ -110,7 +118,7 @@ def main() -> int:
                         print(f"{h:6d} {m:5d} {name:48s} {'-':>8} {checks[name]}", flush=True)
                         continue
                 times[name] = mb.time_graph(lambda s: mhc_fused_hc_delayed(**s, backend=backend, tactic=tactic), sets)
-            if args.streaming:
+            if args.streaming or args.tactics:
                 times["mhc_fused_hc auto"] = mb.time_graph(mb.v4_auto, sets)
             ranked = sorted((us, name) for name, us in times.items() if name not in ("auto", "mhc_fused_hc auto"))
             floor_us = mb.delayed_floor_bytes(m, h) / bandwidth * 1e6 if bandwidth else None
