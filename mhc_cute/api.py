@@ -40,10 +40,11 @@ def _resolve(problem: Problem, backend: str, tactic):
     name = "mhc_" + problem.op
     tactic = _callers_tactic(name, backend, tactic, dev)
     if backend == "auto":
-        # the delayed seam and the entry forms run the same kernels with flags: the V4 seam's tuned pick, where
-        # it runs the form at this H (paths E/F's broadcast entry needs H % 256 == 0)
+        # the entry forms run the same kernels with flags: their seam's tuned pick (the delayed seam's own tables,
+        # else the V4 seam's), where it runs the form at this H (paths E/F's broadcast entry needs H % 256 == 0)
         backend, tactic = selector.SELECTOR.resolve(dev, problem.m, problem.hidden, problem.precision,
-                                                    problem.norm_weight is not None)
+                                                    problem.norm_weight is not None,
+                                                    "delayed" if problem.delayed else "v4")
         if backend in backends.BACKENDS and problem.hidden % backends.BACKENDS[backend].h_multiple_for(form):
             backend, tactic = backends.pick_auto_for(dev, form, problem.hidden), None
     if backend not in backends.BACKENDS:  # MHC_CUTE_BACKEND's

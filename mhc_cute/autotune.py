@@ -17,7 +17,7 @@ from . import accuracy, benchmark as bm, tactics
 from .kernels import KERNEL_CACHE_ENV
 from .problem import FORMS
 from .selector import (
-    Choice, TuneKey, all_buckets, bucket_of, load_shipped_tables, load_user_tables, nearest, tactic_or_none,
+    SEAMS, Choice, TuneKey, all_buckets, bucket_of, load_shipped_tables, load_user_tables, nearest, tactic_or_none,
 )
 
 
@@ -32,7 +32,8 @@ def progress(i: int, n: int, label: str) -> None:
 
 def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
     """What the tuner times for ``backend`` at M = ``m``: its default tactic (the first) and its neighbours in the
-    big-fuse shape (two-launch paths); for the tensor-core paths in split_k (half and double) and M tile; for the
+    big-fuse shape (two-launch paths); for the tensor-core paths each M tile's default split_k, half of it, double
+    and four times it, each at the three deepest pipelines that fit (``tactics.mma_shapes``); for the
     FMA paths the FFMA-projection tactic (``tactics.ffma_tactic``, the default itself outside 9 <= M <= 128) and its
     neighbours in split_k, tokens per CTA, big-fuse shape and the weight pipeline with wider post-map steps (where a
     CTA walks several chunks), and from M = 8 the projection on warp MMA (16 or 32 tokens per CTA, one chunk per
@@ -53,8 +54,7 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
                 variants += [replace(mma, tokens_per_cta=t, fuse=f) for t in (16, 32) for f in tactics.FUSE_SHAPES]
     elif backend in tactics.MMA_PATHS:
         base = tactics.default_mma_tactic(backend, m, hidden, sm_count)
-        variants = [base] + [replace(base, split_k=k) for k in (base.split_k // 2, base.split_k * 2) if k >= 1]
-        variants += [replace(base, tile_m=t) for t in (64, 128) if t != base.tile_m]
+        variants = [base] + tactics.mma_shapes(base, m, hidden, sm_count)
     else:
         return [None]
     variants += [replace(base, fuse=f) for f in tactics.FUSE_SHAPES if f != base.fuse]
@@ -148,7 +148,7 @@ def pick(timed: list) -> tuple | None:
     return best_default
 
 
-def worst_context(timed: list, sets: list[dict], precision: str) -> list:
+def worst_context(timed: list, sets: list[dict], precision: str, delayed: bool = False) -> list:
     """``timed`` re-scored by the worst of three contexts: back to back (the graph time it has), after each of
     ``benchmark.context_predecessors`` (``benchmark.time_after``). Only the ``CONTEXT_SHORTLIST`` fastest back-to-back
     candidates and each backend's default are kept: the contexts move a pick by a microsecond or two, and timing
@@ -158,7 +158,7 @@ def worst_context(timed: list, sets: list[dict], precision: str) -> list:
     predecessors = bm.context_predecessors(sets).values()
     out = []
     for us, name, t, default in shortlist:
-        call = bm.mhc_cute_call(name, precision, t)
+        call = bm.mhc_cute_call(name, precision, t, delayed)
         try:
             worst = max([us] + [bm.time_after(call, sets, p).after_us for p in predecessors])
         except Exception:  # as in the back-to-back timing: a candidate that fails to run is dropped
@@ -168,7 +168,7 @@ def worst_context(timed: list, sets: list[dict], precision: str) -> list:
 
 
 def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, log=progress,
-         measure: str = "contexts") -> dict:
+         measure: str = "contexts", seam: str = "v4") -> dict:
     """Time every candidate (backend, tactic) per M bucket with CUDA-graph replay over rotated inputs and keep
     the fastest that is correct; tactics that fail to run are skipped. ``measure="contexts"`` ranks buckets up to
     ``benchmark.CONTEXT_MAX_M`` by the worst of back to back and after each kernel a call follows in a model
@@ -177,33 +177,38 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
     tactic (the first candidate) wins over a non-default one that is less than ``TUNE_MARGIN`` faster: a timing
     differs by a few percent from run to run at a few µs, and the defaults are what the tests cover most. Once every
     bucket is timed, each pick is checked against the float64 contract (``accuracy.failure_of``) on the bucket's
-    first input set; a wrong one is dropped and the next pick checked. Returns {TuneKey string: {bucket: Choice}}
+    first input set; a wrong one is dropped and the next pick checked. ``seam="delayed"`` tunes
+    ``mhc_fused_hc_delayed`` (carried gates) into its own tables. Returns {TuneKey string: {bucket: Choice}}
     (``Choice.us``: the score)."""
     if measure not in MEASURES:
         raise ValueError(f"measure must be one of {MEASURES}, got {measure!r}")
+    if seam not in SEAMS:
+        raise ValueError(f"seam must be one of {SEAMS}, got {seam!r}")
+    delayed = seam == "delayed"
+    with_seam = bm.with_carried_gates if delayed else (lambda sets: sets)
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     buckets = sorted({bucket_of(m) for m in ms})
     groups = [(h, b, [(name, t, i == 0) for name in names
                       for i, t in enumerate(candidate_tactics(name, b, h, sm_count))])
               for h in hiddens for b in buckets]
     precompile_candidates([(h, t) for h, _, cands in groups for _, t, _ in cands if t is not None], precision,
-                          bm.NORM_DTYPE if norm else None)
+                          bm.NORM_DTYPE if norm else None, (("carried", "regular"),) if delayed else ((None, "regular"),))
     total = sum(len(cands) for _, _, cands in groups)
     done = 0
     scored = []
     for h, b, cands in groups:
         torch.cuda.empty_cache()
-        sets = bm.rotated_sets(b, h, device, norm)
+        sets = with_seam(bm.rotated_sets(b, h, device, norm))
         timed = []
         for name, t, default in cands:
             log(done, total, f"H={h} M={b} {name} {getattr(t, 'name', '')}")
             done += 1
             try:
-                timed.append((bm.time_graph(bm.mhc_cute_call(name, precision, t), sets), name, t, default))
+                timed.append((bm.time_graph(bm.mhc_cute_call(name, precision, t, delayed), sets), name, t, default))
             except Exception:  # a tactic that fails to run is not a candidate
                 continue
         if measure == "contexts" and b <= bm.CONTEXT_MAX_M:
-            timed = worst_context(timed, sets, precision)
+            timed = worst_context(timed, sets, precision, delayed)
         scored.append((h, b, timed))
         del sets
     # The float64 checks come after all the timing: a candidate timed right after a check ran slower than the same
@@ -211,12 +216,12 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
     tables: dict[str, dict[int, Choice]] = {}
     for h, b, timed in scored:
         torch.cuda.empty_cache()
-        problem = accuracy.problem_of(bm.make_sets(b, h, 1, device, norm)[0], precision)
+        problem = accuracy.problem_of(with_seam(bm.make_sets(b, h, 1, device, norm))[0], precision)
         while (choice := pick(timed)) is not None:
             us, name, t, _ = choice
             why = accuracy.failure_of(problem, name, t)
             if why is None:
-                key = TuneKey.for_device(device, h, precision, norm).as_str()
+                key = TuneKey.for_device(device, h, precision, norm, seam).as_str()
                 tables.setdefault(key, {})[b] = Choice(name, getattr(t, "name", None), us)
                 break
             warnings.warn(f"mhc_cute tune: H={h} M={b} {name} {getattr(t, 'name', '')} is wrong ({why})")

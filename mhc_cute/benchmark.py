@@ -428,7 +428,7 @@ def host_times(m: int, hidden: int, device, norm: bool, precision: str = "fp32",
     ``torch.compile`` (``compiled_call``); ``delayed``: of ``mhc_fused_hc_delayed`` with carried gates."""
     sets = make_sets(m, hidden, 1, device, norm)
     s = with_carried_gates(sets)[0] if delayed else sets[0]
-    backend, tactic = SELECTOR.resolve(device, m, hidden, precision, norm)
+    backend, tactic = SELECTOR.resolve(device, m, hidden, precision, norm, "delayed" if delayed else "v4")
     choice = f"{backend} {getattr(tactic, 'name', tactic) or '(default)'}"
     eager = mhc_cute_call("auto", precision, delayed=delayed)
     times = HostTimes(host_us_per_call(eager, s), host_us_per_call(host_floor_call(s, "auto", precision), s), choice)

@@ -43,12 +43,13 @@ def cmd_info(args) -> int:
         from . import selector
 
         print(f"auto's tuned tables (user cache: {selector.cache_path()}):")
-        for hidden in DEEPSEEK_HIDDEN:
-            for norm in (False, True):
-                key = selector.SELECTOR.table_key(dev, hidden, "fp32", norm)
-                how = ("none: the heuristic" if key is None else key if selector.TuneKey.parse(key).gpu == p.name
-                       else f"{key} (a stand-in: same compute capability and SM count)")
-                print(f"  H={hidden} fp32 norm={int(norm)}: {how}")
+        for seam in selector.SEAMS:
+            for hidden in DEEPSEEK_HIDDEN:
+                for norm in (False, True):
+                    key = selector.SELECTOR.table_key(dev, hidden, "fp32", norm, seam)
+                    how = ("none: the heuristic" if key is None else key if selector.TuneKey.parse(key).gpu == p.name
+                           else f"{key} (a stand-in: same compute capability and SM count)")
+                    print(f"  {seam} seam H={hidden} fp32 norm={int(norm)}: {how}")
     return 0
 
 
@@ -205,7 +206,8 @@ def cmd_tune(args) -> int:
         return 2
     dev = torch.device("cuda")
     names = args.backends or [n for n in backends.available(dev) if n != "torch"]
-    tables = autotune.tune(dev, args.hidden, args.m, args.precision, args.norm, names, measure=args.measure)
+    tables = autotune.tune(dev, args.hidden, args.m, args.precision, args.norm, names, measure=args.measure,
+                           seam="delayed" if args.delayed else "v4")
     path = selector.save_user_tables(tables, args.out)
     selector.SELECTOR.reload()
     if args.measure == "contexts":
@@ -308,6 +310,9 @@ def main(argv=None) -> int:
     t.add_argument("--measure", default="contexts", choices=TUNE_MEASURES,
                    help="rank by the worst of back to back and after the kernels a call follows in a model "
                         "(contexts, the default; up to M = 128) or by back-to-back graph time alone")
+    t.add_argument("--delayed", action="store_true",
+                   help="tune mhc_fused_hc_delayed (carried gates) into tables of its own (auto of the delayed seam "
+                        "takes them before the V4 seam's)")
     t.add_argument("--out", help="cache file (default: the user cache, see mhc_cute.selector)")
     t.set_defaults(fn=cmd_tune)
     pc = sub.add_parser("precompile", help="compile ahead every CuTe kernel auto may run, into a kernel cache folder")

@@ -6,13 +6,15 @@ next multiple of 128 (256, 384, ..., 8192); M > 8192 to the next power of two (1
 winners for some buckets; a bucket it lacks takes the winner of the nearest tuned bucket (log distance, the
 larger on ties), so a table tuned on a coarse grid still covers every M.
 
-Tables are keyed by ``TuneKey`` (GPU name, SM count, H, precision, norm on/off, package version). Lookup order:
+Tables are keyed by ``TuneKey`` (GPU name, SM count, H, precision, norm on/off, package version, seam: the V4
+seam's tables, or ``mhc_fused_hc_delayed``'s own, whose kernel 1 does more and whose big fuse less). Lookup order:
 the user's cache (``$MHC_CUTE_CACHE_DIR`` or ``$XDG_CACHE_HOME/mhc_cute`` or ``~/.cache/mhc_cute``,
 ``tuned.json``), then the tables shipped in ``mhc_cute/tuned/``, then a shipped table measured on another GPU of the
 same architecture (compute capability) and SM count (an H100 SXM or H800 takes the H200's: the same SMs and L2,
 and at the sizes where the picks differ most from the heuristic the call is bound by latency, not bandwidth), then
 the heuristic of ``backends.pick_auto``. A table for this GPU, of the call's norm flag or the other, wins over a
-stand-in. A corrupt or stale cache file is ignored with a warning. ``MHC_CUTE_BACKEND`` forces a backend and
+stand-in. The delayed seam takes a table of its own (this GPU's, then a stand-in) from that table's smallest tuned
+bucket up, else the V4 seam's. A corrupt or stale cache file is ignored with a warning. ``MHC_CUTE_BACKEND`` forces a backend and
 ``MHC_CUTE_TACTIC`` a tactic name for it.
 """
 
@@ -33,6 +35,7 @@ from . import backends
 from .version import __version__
 
 CACHE_FORMAT = 1
+SEAMS = ("v4", "delayed")  # whose tables: mhc_fused_hc's (and the ops that run its kernels), mhc_fused_hc_delayed's
 
 
 def bucket_of(m: int) -> int:
@@ -61,21 +64,25 @@ class TuneKey:
     precision: str
     norm: bool
     version: str
+    seam: str = "v4"  # SEAMS
 
     def as_str(self) -> str:
-        return f"{self.gpu}|{self.sm_count}|H{self.hidden}|{self.precision}|norm{int(self.norm)}|v{self.version}"
+        key = f"{self.gpu}|{self.sm_count}|H{self.hidden}|{self.precision}|norm{int(self.norm)}|v{self.version}"
+        return key if self.seam == "v4" else f"{key}|{self.seam}"  # the V4 seam's keys as before seams existed
 
     @staticmethod
     def parse(key: str) -> "TuneKey":
         """The inverse of ``as_str``."""
-        gpu, sm_count, hidden, precision, norm, version = key.split("|")
+        gpu, sm_count, hidden, precision, norm, version, *seam = key.split("|")
+        if len(seam) > 1 or seam and seam[0] not in SEAMS[1:]:
+            raise ValueError(f"unknown seam in tuning key {key!r}")
         return TuneKey(gpu, int(sm_count), int(hidden.removeprefix("H")), precision, norm == "norm1",
-                       version.removeprefix("v"))
+                       version.removeprefix("v"), *seam)
 
     @staticmethod
-    def for_device(device: torch.device, hidden: int, precision: str, norm: bool) -> "TuneKey":
+    def for_device(device: torch.device, hidden: int, precision: str, norm: bool, seam: str = "v4") -> "TuneKey":
         p = torch.cuda.get_device_properties(device)
-        return TuneKey(p.name, p.multi_processor_count, hidden, precision, norm, __version__)
+        return TuneKey(p.name, p.multi_processor_count, hidden, precision, norm, __version__, seam)
 
 
 @dataclass(frozen=True)
@@ -192,7 +199,7 @@ def _next_generation() -> None:
 
 
 class Selector:
-    """Resolves (device, M, H, precision, norm) to a Choice; tables are read once per process."""
+    """Resolves (device, M, H, precision, norm, seam) to a Choice; tables are read once per process."""
 
     def __init__(self):
         self._tables: dict[str, dict[int, Choice]] | None = None
@@ -216,17 +223,27 @@ class Selector:
         self._resolved.clear()
         _next_generation()
 
-    def choose(self, device: torch.device, m: int, hidden: int, precision: str, norm: bool) -> Choice | None:
-        """The tuned choice (``table_key``'s table at M's bucket), or None."""
-        key = self.table_key(device, hidden, precision, norm)
-        return None if key is None else nearest(self.tables()[key], bucket_of(m))
+    def choose(self, device: torch.device, m: int, hidden: int, precision: str, norm: bool,
+               seam: str = "v4") -> Choice | None:
+        """The tuned choice at M's bucket, or None. The V4 seam's table (``table_key``) covers every M (its nearest
+        tuned bucket); the delayed seam's own table covers M from its smallest tuned bucket up (it may be tuned at
+        prefill sizes only, where its kernel 1 differs most), below that the V4 seam's table serves it."""
+        bucket = bucket_of(m)
+        for table_seam in ("delayed", "v4") if seam == "delayed" else ("v4",):
+            key = self.table_key(device, hidden, precision, norm, table_seam)
+            if key is not None:
+                rows = self.tables()[key]
+                if table_seam == "v4" or bucket >= min(rows):
+                    return nearest(rows, bucket)
+        return None
 
-    def table_key(self, device: torch.device, hidden: int, precision: str, norm: bool) -> str | None:
-        """The key of the table ``auto`` uses on ``device``: this GPU's, where a table tuned without the fused norm
-        stands in for one with it (and back), since the norm adds the same small epilogue to every backend; then a
-        shipped table of the same architecture and SM count (module docstring); None: the heuristic."""
+    def table_key(self, device: torch.device, hidden: int, precision: str, norm: bool,
+                  seam: str = "v4") -> str | None:
+        """The key of ``seam``'s table (``SEAMS``) on ``device``: this GPU's, where a table tuned without the fused
+        norm stands in for one with it (and back), since the norm adds the same small epilogue to every backend;
+        then a shipped table of the same architecture and SM count (module docstring); None: no such table."""
         tables = self.tables()
-        keys = [self._key(device, hidden, precision, n) for n in (norm, not norm)]
+        keys = [self._key(device, hidden, precision, n, seam) for n in (norm, not norm)]
         for key in keys:
             if key in tables:
                 return key
@@ -237,19 +254,20 @@ class Selector:
                 return stand_in
         return None
 
-    def _key(self, device: torch.device, hidden: int, precision: str, norm: bool) -> str:
-        kk = (device.index, hidden, precision, norm)
+    def _key(self, device: torch.device, hidden: int, precision: str, norm: bool, seam: str) -> str:
+        kk = (device.index, hidden, precision, norm, seam)
         key = self._keys.get(kk)
         if key is None:
-            key = self._keys[kk] = TuneKey.for_device(device, hidden, precision, norm).as_str()
+            key = self._keys[kk] = TuneKey.for_device(device, hidden, precision, norm, seam).as_str()
         return key
 
-    def resolve(self, device: torch.device, m: int, hidden: int, precision: str, norm: bool):
-        """(backend, tactic) for ``backend="auto"``: the env override, the tuned tables, else the heuristic.
+    def resolve(self, device: torch.device, m: int, hidden: int, precision: str, norm: bool, seam: str = "v4"):
+        """(backend, tactic) for ``backend="auto"`` (``seam``: whose tables, ``SEAMS``): the env override, the tuned
+        tables, else the heuristic.
 
-        Memoised per (device, bucket, H, precision, norm), so the hot path is one dictionary lookup.
+        Memoised per (device, bucket, H, precision, norm, seam), so the hot path is one dictionary lookup.
         """
-        key = (device.type, device.index, bucket_of(m), hidden, precision, norm)
+        key = (device.type, device.index, bucket_of(m), hidden, precision, norm, seam)
         hit = self._resolved.get(key)
         if hit is not None:
             return hit
@@ -259,7 +277,7 @@ class Selector:
         else:
             choice = None
             if device.type == "cuda" and torch.version.hip is None:
-                choice = self.choose(device, m, hidden, precision, norm)
+                choice = self.choose(device, m, hidden, precision, norm, seam)
             tactic = tactic_or_none(choice)
             if choice is not None and backends.unavailable_reason(choice.backend, device) is None:
                 hit = (choice.backend, tactic)

@@ -351,6 +351,21 @@ def default_mma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> M
     return MmaTactic(path, split_k, tile_m, 2, fuse).check(hidden)
 
 
+def mma_shapes(base: MmaTactic, m: int, hidden: int, sm_count: int = 132) -> list[MmaTactic]:
+    """The tensor-core shapes the tuner tries beside ``base``: for each M tile, its default split_k (as
+    ``default_mma_tactic`` picks it), half of it, double and four times it, each at the three deepest pipelines that
+    fit (the deepest is not always the fastest); the valid ones, ``base``'s path and big-fuse shape."""
+    out = []
+    for tile_m in (64, 128):
+        m_tiles = -(-m // tile_m)
+        split_k = 1 << max(0, min(hidden // MMA_BLOCK_H, sm_count // m_tiles).bit_length() - 1)
+        for k in (split_k, split_k // 2, split_k * 2, split_k * 4):
+            fitting = [MmaTactic(base.path, k, tile_m, s, base.fuse) for s in range(8, 1, -1)]
+            fitting = [t for t in fitting if k >= 1 and t.invalid_reason(hidden) is None]
+            out += fitting[:3]
+    return out
+
+
 def mma_stage_bytes(tile_m: int, n_parts: int, with_x: bool = True, streams: int = HC_MULT) -> int:
     """Bytes one pipeline stage receives: residual + x tiles (bf16; no x tile without a post, one stream for the
     broadcast entry) and the weight tile (fp32)."""

@@ -185,8 +185,42 @@ def test_a_gpu_s_own_table_wins_over_the_stand_in(monkeypatch, tmp_path):
 
 def test_tune_key_round_trips():
     key = selector.TuneKey("NVIDIA H200", 132, 7168, "fp32", True, "0.2.0")
-    assert key.as_str() == "NVIDIA H200|132|H7168|fp32|norm1|v0.2.0"
+    assert key.as_str() == "NVIDIA H200|132|H7168|fp32|norm1|v0.2.0"  # the V4 seam's keys as before seams existed
     assert selector.TuneKey.parse(key.as_str()) == key
+    delayed = replace(key, seam="delayed")
+    assert delayed.as_str() == "NVIDIA H200|132|H7168|fp32|norm1|v0.2.0|delayed"
+    assert selector.TuneKey.parse(delayed.as_str()) == delayed
+    for bad in ("NVIDIA H200|132|H7168|fp32|norm1|v0.2.0|v4", "NVIDIA H200|132|H7168|fp32|norm1|v0.2.0|delayed|x"):
+        with pytest.raises(ValueError, match="seam"):
+            selector.TuneKey.parse(bad)
+
+
+def test_the_delayed_seam_takes_its_own_table_from_its_smallest_bucket_up(monkeypatch, tmp_path):
+    """The delayed seam's table (this GPU's, or a stand-in) serves M from its smallest tuned bucket up; below it,
+    and wherever it has none, the V4 seam's table does. The V4 seam never reads the delayed seam's tables."""
+    from mhc_cute import __version__
+
+    device = _fake_gpu(monkeypatch, tmp_path, "NVIDIA H100 80GB HBM3", 132, (9, 0))
+    own = selector.TuneKey("NVIDIA H100 80GB HBM3", 132, 7168, "fp32", False, __version__)
+    delayed_pick, v4_pick = Choice("half_mma", "half_mma:k4:m64:s4:fbw", 480.0), Choice("triton", None, 9.0)
+    selector.save_user_tables({replace(own, seam="delayed").as_str(): {256: Choice("all_mma", None, 30.0),
+                                                                       8192: delayed_pick},
+                               own.as_str(): {32: v4_pick, 8192: Choice("half_fma", None, 600.0)}})
+    sel = selector.Selector()
+    assert sel.choose(device, 9000, 7168, "fp32", False, "delayed") == delayed_pick
+    assert sel.choose(device, 300, 7168, "fp32", True, "delayed").backend == "all_mma"  # the other norm flag's
+    assert sel.choose(device, 100, 7168, "fp32", False, "delayed") == v4_pick  # below the delayed table's buckets
+    assert sel.choose(device, 9000, 7168, "fp32", False) == Choice("half_fma", None, 600.0)
+    assert sel.resolve(device, 9000, 7168, "fp32", False)[0] == "half_fma"  # memoised apart from the delayed seam
+    assert sel.resolve(device, 9000, 7168, "fp32", False, "delayed") == ("half_mma",
+                                                                         selector.tactic_or_none(delayed_pick))
+    # no delayed table at this H: the V4 seam's (here the shipped H200 table, a stand-in)
+    assert sel.choose(device, 9000, 4096, "fp32", False, "delayed") == _h200_row(4096, False, 9000)
+    # a shipped delayed table of another GPU of this architecture stands in for this GPU's
+    h200 = replace(own, gpu="NVIDIA H200", hidden=5120, seam="delayed").as_str()
+    files = [selector.ShippedFile("nvidia_h200.json", "9.0", {h200: {2048: delayed_pick}})]
+    monkeypatch.setattr(selector, "shipped_files", lambda: files)
+    assert selector.Selector().choose(device, 4096, 5120, "fp32", True, "delayed") == delayed_pick
 
 
 def test_shipped_tactics_are_valid_for_their_backend_and_h():
@@ -211,7 +245,7 @@ def test_tuner_keeps_the_fastest_and_skips_failures(monkeypatch):
     _fake_tuning_gpu(monkeypatch)
     fake_us = {"half_fma": 5.0, "all_fma": 4.0, "triton": 7.0}
 
-    def call(name, precision, tactic):
+    def call(name, precision, tactic, delayed=False):
         return (name, tactic)
 
     def time_graph(c, sets):
@@ -223,7 +257,7 @@ def test_tuner_keeps_the_fastest_and_skips_failures(monkeypatch):
     monkeypatch.setattr(bm, "mhc_cute_call", call)
     monkeypatch.setattr(bm, "time_graph", time_graph)
     compiled = []  # compiled ahead in parallel processes: the (H, tactic) of every CuTe candidate, once
-    monkeypatch.setattr(autotune, "precompile_candidates", lambda cands, precision, norm: compiled.extend(cands))
+    monkeypatch.setattr(autotune, "precompile_candidates", lambda cands, precision, norm, variants: compiled.extend(cands))
     _contract_passes(monkeypatch)
     tables = autotune.tune(torch.device("cuda", 0), [512], [1, 3, 100], "fp32", False,
                            ["half_fma", "all_fma", "triton"], log=lambda *a: None, measure="back-to-back")
@@ -248,7 +282,7 @@ def test_tuner_ranks_small_buckets_by_their_worst_context(monkeypatch):
     _contract_passes(monkeypatch)
     names = ["default", "fast_b2b", "robust"] + [f"filler{i}" for i in range(autotune.CONTEXT_SHORTLIST)]
     monkeypatch.setattr(autotune, "candidate_tactics", lambda name, m, h, sms: [None])
-    monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic: name)
+    monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic, delayed=False: name)
     b2b = {"default": 6.0, "fast_b2b": 4.0, "robust": 4.5, **{f"filler{i}": 5.0 for i in range(8)}}
     after = {"after-kernel": {"fast_b2b": 5.0, "robust": 5.0},
              "after-gemm": {"fast_b2b": 7.0, "robust": 5.2, "default": 6.5}}
@@ -293,8 +327,8 @@ def test_cli_tune_passes_the_measure_and_says_what_the_times_are(monkeypatch, tm
 
     seen = {}
 
-    def tune(dev, hiddens, ms, precision, norm, names, measure):
-        seen.update(hiddens=hiddens, ms=ms, names=names, measure=measure)
+    def tune(dev, hiddens, ms, precision, norm, names, measure, seam):
+        seen.update(hiddens=hiddens, ms=ms, names=names, measure=measure, seam=seam)
         return {"Fake GPU|132|H512|fp32|norm0|v0": {16: Choice("half_fma", "half_fma:k8:t8:n6:w256:s1:b1:flat", 7.5)}}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(backends, "available", lambda dev: ["torch", "half_fma"])
@@ -303,13 +337,15 @@ def test_cli_tune_passes_the_measure_and_says_what_the_times_are(monkeypatch, tm
     argv = ["tune", "--hidden", "512", "--m", "16", "--out", str(out)]
     argv += [] if measure == "contexts" else ["--measure", measure]  # contexts is the default
     assert cli.main(argv) == 0
-    assert seen == dict(hiddens=[512], ms=[16], names=["half_fma"], measure=measure)
+    assert seen == dict(hiddens=[512], ms=[16], names=["half_fma"], measure=measure, seam="v4")
     text = capsys.readouterr().out
     assert ("worst of back to back" in text) == (measure == "contexts")
     assert "half_fma:k8:t8:n6:w256:s1:b1:flat     7.50 us" in text
     assert selector.load_user_tables(str(out))["Fake GPU|132|H512|fp32|norm0|v0"][16].us == 7.5
     assert cli.main(["tune", "--m", "16", "--out", str(out)]) == 0
     assert seen["hiddens"] == [4096, 5120, 7168]  # DeepSeek-V4-Flash, V4.1, V4-Pro by default
+    assert cli.main(["tune", "--delayed", "--m", "16", "--out", str(out)]) == 0
+    assert seen["seam"] == "delayed"
 
 
 def test_a_tuned_tactic_this_version_cannot_parse_falls_back_to_the_default():
@@ -378,7 +414,7 @@ def test_tuner_keeps_the_default_tactic_unless_another_is_clearly_faster(monkeyp
     _fake_tuning_gpu(monkeypatch)
     _contract_passes(monkeypatch)
     default = tactics.default_fma_tactic("half_fma", 1, 512, 132)
-    monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic: tactic)
+    monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic, delayed=False: tactic)
     monkeypatch.setattr(bm, "time_graph", lambda tactic, sets: 5.0 if tactic == default else other_us)
     tables = autotune.tune(torch.device("cuda", 0), [512], [1], "fp32", False, ["half_fma"], log=lambda *a: None,
                            measure="back-to-back")
@@ -411,6 +447,40 @@ def _contract_passes(monkeypatch, wrong=()):
                         lambda problem, name, tactic: "wrong" if (name, tactic) in wrong else None)
 
 
+def test_tuner_of_the_delayed_seam(monkeypatch):
+    """``seam="delayed"`` times ``mhc_fused_hc_delayed`` on sets with carried gates, compiles the kernels with the
+    carried-gates flag and writes tables under the delayed seam's keys."""
+    import torch
+
+    from mhc_cute import benchmark as bm
+
+    _fake_tuning_gpu(monkeypatch)
+    _contract_passes(monkeypatch)
+    def sets(m, *_):
+        return [{"fn": torch.zeros(1), "residual_prev": torch.zeros(m, 4, 1)}]
+    monkeypatch.setattr(bm, "make_sets", sets)
+    monkeypatch.setattr(bm, "rotated_sets", sets)
+    calls, variants = [], []
+    monkeypatch.setattr(autotune, "precompile_candidates", lambda cands, precision, norm, v: variants.append(v))
+
+    def call(name, precision, tactic, delayed=False):
+        calls.append(delayed)
+        return name
+
+    def time_graph(name, sets):
+        assert all("pre_mix_prev" in s for s in sets)
+        return {"half_mma": 5.0, "triton": 4.0}[name]
+    monkeypatch.setattr(bm, "mhc_cute_call", call)
+    monkeypatch.setattr(bm, "time_graph", time_graph)
+    tables = autotune.tune(torch.device("cuda", 0), [512], [2048], "fp32", False, ["half_mma", "triton"],
+                           log=lambda *a: None, seam="delayed")
+    (key, rows), = tables.items()
+    assert selector.TuneKey.parse(key).seam == "delayed" and rows[2048].backend == "triton"
+    assert calls and all(calls) and variants == [(("carried", "regular"),)]
+    with pytest.raises(ValueError, match="seam"):
+        autotune.tune(torch.device("cuda", 0), [512], [16], "fp32", False, ["triton"], seam="v41")
+
+
 def test_tuner_drops_a_fast_but_wrong_pick(monkeypatch):
     import torch
 
@@ -418,7 +488,7 @@ def test_tuner_drops_a_fast_but_wrong_pick(monkeypatch):
 
     _fake_tuning_gpu(monkeypatch)
     _contract_passes(monkeypatch, wrong={("all_fma", None)})
-    monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic: name)
+    monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic, delayed=False: name)
     monkeypatch.setattr(bm, "time_graph", lambda name, sets: {"all_fma": 3.0, "triton": 4.0}[name])
     monkeypatch.setattr(autotune, "candidate_tactics", lambda name, m, h, sms: [None])
     with pytest.warns(UserWarning, match="is wrong"):
@@ -438,7 +508,7 @@ def test_tuner_checks_after_all_timing(monkeypatch):
     events = []
     monkeypatch.setattr(accuracy, "problem_of", lambda inputs, precision: inputs)
     monkeypatch.setattr(accuracy, "failure_of", lambda problem, name, tactic: events.append(("check", problem)))
-    monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic: name)
+    monkeypatch.setattr(bm, "mhc_cute_call", lambda name, precision, tactic, delayed=False: name)
     monkeypatch.setattr(bm, "time_graph", lambda name, sets: events.append(("time", sets[0])) or 1.0)
     monkeypatch.setattr(autotune, "candidate_tactics", lambda name, m, h, sms: [None])
     tables = autotune.tune(torch.device("cuda", 0), [512], [1, 100, 3000], "fp32", False, ["triton"],
@@ -595,8 +665,8 @@ def test_tuner_on_the_gpu_ranks_by_context(monkeypatch):
     b2b, after = {}, {}
     mhc_cute_call, time_graph, time_after = bm.mhc_cute_call, bm.time_graph, bm.time_after
 
-    def call_of(name, precision, tactic):
-        call = mhc_cute_call(name, precision, tactic)
+    def call_of(name, precision, tactic, delayed=False):
+        call = mhc_cute_call(name, precision, tactic, delayed)
         call.tactic_name = tactic.name
         return call
 

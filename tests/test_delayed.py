@@ -368,16 +368,16 @@ def test_fma_broadcast_tactic_keeps_the_k_of_a_cta():
                         tactics.fma_broadcast_tactic(seam, h)  # valid: check() passes
 
 
-def test_auto_takes_the_v4_seams_pick_for_the_delayed_seam(monkeypatch):
-    """The delayed seam runs the V4 seam's kernels with a flag, so ``auto`` asks the V4 seam's selector (its tuned
-    table); where that pick cannot run the form at this H (paths E/F's broadcast entry at H % 256 != 0),
-    ``pick_auto_for``: path B on a GPU, Triton where it cannot run, else the reference."""
+def test_auto_asks_the_selector_for_the_delayed_seams_pick(monkeypatch):
+    """``auto`` asks the selector for the delayed seam's pick (its own tuned tables, else the V4 seam's: the same
+    kernels with a flag); where that pick cannot run the form at this H (paths E/F's broadcast entry at
+    H % 256 != 0), ``pick_auto_for``: path B on a GPU, Triton where it cannot run, else the reference."""
     from mhc_cute import api, selector
 
     asked = []
 
-    def resolve(dev, m, h, precision, norm):
-        asked.append((m, h, precision, norm))
+    def resolve(dev, m, h, precision, norm, seam):
+        asked.append((m, h, precision, norm, seam))
         return "half_fma", "half_fma:k80:t1:n6:w256:s1:b1:flat"
 
     monkeypatch.setattr(selector.SELECTOR, "resolve", resolve)
@@ -385,7 +385,9 @@ def test_auto_takes_the_v4_seams_pick_for_the_delayed_seam(monkeypatch):
     problem = problem_of(make_inputs(3, 5120, pre="carried", norm=True))
     b, tactic = api._resolve(problem, "auto", None)
     assert b is backends.BACKENDS["half_fma"] and tactic == "half_fma:k80:t1:n6:w256:s1:b1:flat"
-    assert asked == [(3, 5120, "fp32", True)]
+    assert asked == [(3, 5120, "fp32", True, "delayed")]
+    api._resolve(problem_of(make_inputs(3, 5120, norm=True)), "auto", None)
+    assert asked[-1] == (3, 5120, "fp32", True, "v4")
     dev = torch.device("cuda", 0)
     assert backends.pick_auto_for(dev, "broadcast", 320) == "half_mma"
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, d: "no sm_90" if "mma" in name else None)
@@ -557,14 +559,19 @@ def test_kernel_launch_passes_the_seam_arguments(seam_mode):
 
 
 @pytest.mark.parametrize("op", ["fused_hc", "fused_hc_delayed"])
-def test_auto_without_post_takes_the_v4_pick_where_it_has_the_form(monkeypatch, op):
-    """An entry seam's ``auto``: the V4 seam's tuned pick with its tactic, as every CuTe path runs both entry forms;
+def test_auto_without_post_takes_its_seams_pick_where_it_has_the_form(monkeypatch, op):
+    """An entry seam's ``auto``: its seam's tuned pick with its tactic, as every CuTe path runs both entry forms;
     where the pick cannot run the broadcast entry at this H (paths E/F at H % 256 != 0), ``pick_auto_for`` (here,
     on the CPU, the reference)."""
     from mhc_cute import api, selector
 
     picks = {1: ("half_fma", "half_fma:k80:t1:n6:w256:s1:b1:flat"), 4096: ("half_mma", "half_mma:k64:m128:s3:flat")}
-    monkeypatch.setattr(selector.SELECTOR, "resolve", lambda dev, m, h, precision, norm: picks[m])
+    seam = "delayed" if op == "fused_hc_delayed" else "v4"
+
+    def resolve(dev, m, h, precision, norm, asked_seam):
+        assert asked_seam == seam
+        return picks[m]
+    monkeypatch.setattr(selector.SELECTOR, "resolve", resolve)
     monkeypatch.setattr(backends, "unavailable_reason", lambda name, d: None)
     pre = "carried" if op == "fused_hc_delayed" else None
     for m in (1, 4096):
