@@ -201,6 +201,9 @@ def test_the_delayed_seam_takes_its_own_table_from_its_smallest_bucket_up(monkey
     from mhc_cute import __version__
 
     device = _fake_gpu(monkeypatch, tmp_path, "NVIDIA H100 80GB HBM3", 132, (9, 0))
+    v4_files = [f._replace(tables={k: rows for k, rows in f.tables.items() if "|delayed" not in k})
+                for f in selector.shipped_files()]  # the shipped V4 tables alone
+    monkeypatch.setattr(selector, "shipped_files", lambda: v4_files)
     own = selector.TuneKey("NVIDIA H100 80GB HBM3", 132, 7168, "fp32", False, __version__)
     delayed_pick, v4_pick = Choice("half_mma", "half_mma:k4:m64:s4:fbw", 480.0), Choice("triton", None, 9.0)
     selector.save_user_tables({replace(own, seam="delayed").as_str(): {256: Choice("all_mma", None, 30.0),
@@ -227,7 +230,8 @@ def test_shipped_tactics_are_valid_for_their_backend_and_h():
     from mhc_cute import __version__, tactics
 
     tables = selector.load_shipped_tables()
-    assert all(k.endswith(f"|v{__version__}") for k in tables), "a shipped table from another version never matches"
+    assert all(selector.TuneKey.parse(k).version == __version__ for k in tables), \
+        "a shipped table from another version never matches"
     for key, rows in tables.items():
         h = selector.TuneKey.parse(key).hidden
         for c in rows.values():
@@ -445,6 +449,22 @@ def _contract_passes(monkeypatch, wrong=()):
     monkeypatch.setattr(accuracy, "problem_of", lambda inputs, precision: inputs)
     monkeypatch.setattr(accuracy, "failure_of",
                         lambda problem, name, tactic: "wrong" if (name, tactic) in wrong else None)
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_the_shipped_delayed_tables_serve_prefill_sizes(monkeypatch, tmp_path, gpu):
+    """The shipped tables of the delayed seam (tuned from M = 256 up) serve its calls there, on their GPU and as a
+    stand-in on another of the same architecture; below, the V4 seam's shipped table serves them."""
+    from mhc_cute import __version__
+
+    device = _fake_gpu(monkeypatch, tmp_path, gpu, 132, (9, 0))
+    sel = selector.Selector()
+    tables = selector.load_shipped_tables()
+    for hidden in (4096, 5120, 7168):
+        key = selector.TuneKey("NVIDIA H100 80GB HBM3", 132, hidden, "fp32", False, __version__, "delayed").as_str()
+        assert min(tables[key]) == 256
+        assert sel.choose(device, 8192, hidden, "fp32", False, "delayed") == tables[key][8192]
+        assert sel.choose(device, 32, hidden, "fp32", False, "delayed") == _h200_row(hidden, False, 32)
 
 
 def test_tuner_of_the_delayed_seam(monkeypatch):
