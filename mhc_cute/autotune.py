@@ -191,8 +191,9 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
     groups = [(h, b, [(name, t, i == 0) for name in names
                       for i, t in enumerate(candidate_tactics(name, b, h, sm_count))])
               for h in hiddens for b in buckets]
+    variants = (("carried", "regular"),) if delayed else ((None, "regular"),)
     precompile_candidates([(h, t) for h, _, cands in groups for _, t, _ in cands if t is not None], precision,
-                          bm.NORM_DTYPE if norm else None, (("carried", "regular"),) if delayed else ((None, "regular"),))
+                          bm.NORM_DTYPE if norm else None, variants)
     total = sum(len(cands) for _, _, cands in groups)
     done = 0
     scored = []

@@ -14,8 +14,8 @@ same architecture (compute capability) and SM count (an H100 SXM or H800 takes t
 and at the sizes where the picks differ most from the heuristic the call is bound by latency, not bandwidth), then
 the heuristic of ``backends.pick_auto``. A table for this GPU, of the call's norm flag or the other, wins over a
 stand-in. The delayed seam takes a table of its own (this GPU's, then a stand-in) from that table's smallest tuned
-bucket up, else the V4 seam's. A corrupt or stale cache file is ignored with a warning. ``MHC_CUTE_BACKEND`` forces a backend and
-``MHC_CUTE_TACTIC`` a tactic name for it.
+bucket up, else the V4 seam's. A corrupt or stale cache file is ignored with a warning. ``MHC_CUTE_BACKEND`` forces a
+backend and ``MHC_CUTE_TACTIC`` a tactic name for it.
 """
 
 from __future__ import annotations

@@ -261,7 +261,8 @@ def test_tuner_keeps_the_fastest_and_skips_failures(monkeypatch):
     monkeypatch.setattr(bm, "mhc_cute_call", call)
     monkeypatch.setattr(bm, "time_graph", time_graph)
     compiled = []  # compiled ahead in parallel processes: the (H, tactic) of every CuTe candidate, once
-    monkeypatch.setattr(autotune, "precompile_candidates", lambda cands, precision, norm, variants: compiled.extend(cands))
+    monkeypatch.setattr(autotune, "precompile_candidates",
+                        lambda cands, precision, norm, variants: compiled.extend(cands))
     _contract_passes(monkeypatch)
     tables = autotune.tune(torch.device("cuda", 0), [512], [1, 3, 100], "fp32", False,
                            ["half_fma", "all_fma", "triton"], log=lambda *a: None, measure="back-to-back")
