@@ -32,10 +32,10 @@ GRIDS = {
 }
 
 
-def picks_of(grid):
+def picks_of(grid, delayed: bool = False):
     """(H, M, norm, tactic, explicit) per point: a point's own tactic (explicit), else the one ``auto`` runs there on
     an H200: the user's tuning cache, then the shipped tables, a table with the point's norm flag first (as
-    ``selector.Selector.choose``)."""
+    ``selector.Selector.choose``); ``delayed``: the delayed seam's tables first, from their smallest bucket up."""
     from mhc_cute import tactics
     try:
         from mhc_cute import selector
@@ -49,8 +49,11 @@ def picks_of(grid):
         if named:
             out.append((h, m, norm, tactics.parse_tactic(named[0]), True))
             continue
-        key = next(k for n in (norm, not norm) for k in tables if f"|H{h}|" in k and f"|norm{int(n)}|" in k)
-        choice = selector.nearest(tables[key], selector.bucket_of(m))
+        bucket = selector.bucket_of(m)
+        keys = [k for n in (norm, not norm) for k in tables if f"|H{h}|" in k and f"|norm{int(n)}|" in k]
+        own = [k for k in keys if k.endswith("|delayed") and bucket >= min(tables[k])] if delayed else []
+        key = (own + [k for k in keys if not k.endswith("|delayed")])[0]
+        choice = selector.nearest(tables[key], bucket)
         out.append((h, m, norm, tactics.parse_tactic(choice.tactic), False))
     return out
 
@@ -126,10 +129,9 @@ def main() -> int:
     if args.points:
         grid = [(int(h), int(m), n == "1", *([t] if t else [])) for h, m, n, t in
                 (p.split(":", 3) + [""] * (3 - p.count(":")) for p in args.points)]
-    picks = picks_of(grid)
     if args.precompile:
         for op in args.op:
-            precompile(picks, op)
+            precompile(picks_of(grid, op == "delayed"), op)
         return 0
 
     import torch
@@ -138,7 +140,7 @@ def main() -> int:
 
     dev = torch.device("cuda")
     for op in args.op:
-        for h, m, norm, tactic, explicit in picks:
+        for h, m, norm, tactic, explicit in picks_of(grid, op == "delayed"):
             sets = sets_of(op, m, h, norm, dev)
             call = call_of(op, dict(backend=tactic.path, tactic=tactic) if explicit else {})
             us = mb.time_graph(call, sets, reps=args.reps)
