@@ -226,33 +226,32 @@ class Selector:
     def choose(self, device: torch.device, m: int, hidden: int, precision: str, norm: bool,
                seam: str = "v4") -> Choice | None:
         """The tuned choice at M's bucket, or None. The V4 seam's table (``table_key``) covers every M (its nearest
-        tuned bucket); the delayed seam's own table covers M from its smallest tuned bucket up (it may be tuned at
-        prefill sizes only, where its kernel 1 differs most), below that the V4 seam's table serves it."""
+        tuned bucket); a table of the delayed seam covers M from its smallest tuned bucket up (it may be tuned at
+        prefill sizes only, where its kernel 1 differs most): the first of them in lookup order that covers M serves
+        it, else the V4 seam's table."""
         bucket = bucket_of(m)
-        for table_seam in ("delayed", "v4") if seam == "delayed" else ("v4",):
-            key = self.table_key(device, hidden, precision, norm, table_seam)
-            if key is not None:
-                rows = self.tables()[key]
-                if table_seam == "v4" or bucket >= min(rows):
-                    return nearest(rows, bucket)
-        return None
+        if seam == "delayed":
+            for key in self.table_keys(device, hidden, precision, norm, "delayed"):
+                if bucket >= min(self.tables()[key]):
+                    return nearest(self.tables()[key], bucket)
+        key = self.table_key(device, hidden, precision, norm)
+        return None if key is None else nearest(self.tables()[key], bucket)
 
     def table_key(self, device: torch.device, hidden: int, precision: str, norm: bool,
                   seam: str = "v4") -> str | None:
-        """The key of ``seam``'s table (``SEAMS``) on ``device``: this GPU's, where a table tuned without the fused
-        norm stands in for one with it (and back), since the norm adds the same small epilogue to every backend;
-        then a shipped table of the same architecture and SM count (module docstring); None: no such table."""
+        """The key of the table of ``seam`` (``SEAMS``) that ``auto`` looks at first on ``device`` (``table_keys``),
+        or None: no such table."""
+        return next(iter(self.table_keys(device, hidden, precision, norm, seam)), None)
+
+    def table_keys(self, device: torch.device, hidden: int, precision: str, norm: bool, seam: str = "v4") -> list:
+        """The keys of ``seam``'s tables for ``device`` in lookup order: this GPU's, where a table tuned without the
+        fused norm stands in for one with it (and back), since the norm adds the same small epilogue to every
+        backend; then shipped tables of the same architecture and SM count (module docstring)."""
         tables = self.tables()
         keys = [self._key(device, hidden, precision, n, seam) for n in (norm, not norm)]
-        for key in keys:
-            if key in tables:
-                return key
         cc = "{}.{}".format(*torch.cuda.get_device_capability(device))
-        for key in keys:
-            stand_in = self._stand_ins.get(architecture_key(key, cc))
-            if stand_in is not None:
-                return stand_in
-        return None
+        stand_ins = [self._stand_ins.get(architecture_key(key, cc)) for key in keys]
+        return [key for key in keys if key in tables] + [key for key in stand_ins if key is not None]
 
     def _key(self, device: torch.device, hidden: int, precision: str, norm: bool, seam: str) -> str:
         kk = (device.index, hidden, precision, norm, seam)

@@ -206,12 +206,16 @@ def test_the_delayed_seam_takes_its_own_table_from_its_smallest_bucket_up(monkey
     monkeypatch.setattr(selector, "shipped_files", lambda: v4_files)
     own = selector.TuneKey("NVIDIA H100 80GB HBM3", 132, 7168, "fp32", False, __version__)
     delayed_pick, v4_pick = Choice("half_mma", "half_mma:k4:m64:s4:fbw", 480.0), Choice("triton", None, 9.0)
+    norm_pick = Choice("half_mma", "half_mma:k2:m64:s3:fbw", 500.0)
     selector.save_user_tables({replace(own, seam="delayed").as_str(): {256: Choice("all_mma", None, 30.0),
                                                                        8192: delayed_pick},
+                               replace(own, seam="delayed", norm=True).as_str(): {4096: norm_pick},
                                own.as_str(): {32: v4_pick, 8192: Choice("half_fma", None, 600.0)}})
     sel = selector.Selector()
     assert sel.choose(device, 9000, 7168, "fp32", False, "delayed") == delayed_pick
-    assert sel.choose(device, 300, 7168, "fp32", True, "delayed").backend == "all_mma"  # the other norm flag's
+    assert sel.choose(device, 5000, 7168, "fp32", True, "delayed") == norm_pick
+    # below the norm table's smallest bucket, the other norm flag's delayed table, which covers M = 300
+    assert sel.choose(device, 300, 7168, "fp32", True, "delayed").backend == "all_mma"
     assert sel.choose(device, 100, 7168, "fp32", False, "delayed") == v4_pick  # below the delayed table's buckets
     assert sel.choose(device, 9000, 7168, "fp32", False) == Choice("half_fma", None, 600.0)
     assert sel.resolve(device, 9000, 7168, "fp32", False)[0] == "half_fma"  # memoised apart from the delayed seam
