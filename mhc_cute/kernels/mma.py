@@ -471,13 +471,8 @@ class MmaFusedHcKernel:
             si = state.index
             held = self.post_block(ctx, sX, sRes, si, ctx.quad, mResOut, blk_begin + i, m_tile, m_total)
             if const_expr(self.mma_in_flight):
-                # the previous block's MMAs ran under this block's post-map: wait for them only now, then free their
-                # stage (its weight tile) and take their sums
-                warpgroup.wait_group(0)
-                fence_registers(ctx.acc)
-                if i > 0:
-                    ab_pipeline.consumer_release(self._previous(state))
-                    self.accumulate_block(ctx)
+                # the previous block's MMAs ran under this block's post-map: only now wait for them
+                self.finish_previous_block(ctx, ab_pipeline, state, i > 0)
             self.project_block(ctx, tiled_mma, sRes, held, si, ctx.quad, si, blk_begin + i, m_tile, m_total, mLayerIn)
             if const_expr(not self.mma_in_flight):
                 warpgroup.wait_group(0)
@@ -485,12 +480,18 @@ class MmaFusedHcKernel:
                 self.accumulate_block(ctx)
             state.advance()
         if const_expr(self.mma_in_flight):
-            warpgroup.wait_group(0)
-            fence_registers(ctx.acc)
-            if n_blk > 0:
-                ab_pipeline.consumer_release(self._previous(state))
-                self.accumulate_block(ctx)
+            self.finish_previous_block(ctx, ab_pipeline, state, n_blk > 0)
         self.store_partials(ctx, mPartials, split, m_tile, m_total)
+
+    @cute.jit
+    def finish_previous_block(self, ctx: "_Consumer", ab_pipeline, state, had_previous):
+        """``mma_in_flight``: wait for the block before ``state``'s MMAs (if ``had_previous``), then free its stage
+        (its weight tile) and add its sums into the dots."""
+        warpgroup.wait_group(0)
+        fence_registers(ctx.acc)
+        if had_previous:
+            ab_pipeline.consumer_release(self._previous(state))
+            self.accumulate_block(ctx)
 
     @cute.jit
     def _previous(self, state):
