@@ -341,8 +341,7 @@ def default_mma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> M
     pipeline that fits. split_k is a power of two, so that few variants cover all M. The one-launch path
     keeps 64-token tiles: its last CTA also holds the big fuse."""
     tile_m = 64 if (m <= 64 or path == "all_mma") else 128
-    m_tiles = -(-m // tile_m)
-    split_k = 1 << max(0, min(hidden // MMA_BLOCK_H, sm_count // m_tiles).bit_length() - 1)
+    split_k = one_wave_split_k(m, hidden, tile_m, sm_count)
     fuse = default_fuse(path, m)
     for stages in range(8, 1, -1):
         tactic = MmaTactic(path, split_k, tile_m, stages, fuse)
@@ -351,14 +350,19 @@ def default_mma_tactic(path: str, m: int, hidden: int, sm_count: int = 132) -> M
     return MmaTactic(path, split_k, tile_m, 2, fuse).check(hidden)
 
 
+def one_wave_split_k(m: int, hidden: int, tile_m: int, sm_count: int = 132) -> int:
+    """The largest power of two of K splits (at most H / 32) whose grid of ``tile_m``-token tiles is at most one CTA
+    per SM (at least 1)."""
+    return 1 << max(0, min(hidden // MMA_BLOCK_H, sm_count // -(-m // tile_m)).bit_length() - 1)
+
+
 def mma_shapes(base: MmaTactic, m: int, hidden: int, sm_count: int = 132) -> list[MmaTactic]:
-    """The tensor-core shapes the tuner tries beside ``base``: for each M tile, its default split_k (as
-    ``default_mma_tactic`` picks it), half of it, double and four times it, each at the three deepest pipelines that
+    """The tensor-core shapes the tuner tries beside ``base``: for each M tile, its default split_k
+    (``one_wave_split_k``), half of it, double and four times it, each at the three deepest pipelines that
     fit (the deepest is not always the fastest); the valid ones, ``base``'s path and big-fuse shape."""
     out = []
     for tile_m in (64, 128):
-        m_tiles = -(-m // tile_m)
-        split_k = 1 << max(0, min(hidden // MMA_BLOCK_H, sm_count // m_tiles).bit_length() - 1)
+        split_k = one_wave_split_k(m, hidden, tile_m, sm_count)
         for k in (split_k, split_k // 2, split_k * 2, split_k * 4):
             fitting = [MmaTactic(base.path, k, tile_m, s, base.fuse) for s in range(8, 1, -1)]
             fitting = [t for t in fitting if k >= 1 and t.invalid_reason(hidden) is None]
