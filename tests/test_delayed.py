@@ -488,10 +488,11 @@ def test_gpu_residual_bitwise_equal_to_the_v4_seam(backend, m, norm):
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("h", [4096, 5120, 7168])
-@pytest.mark.parametrize("m", [300, 2048, 8192])
+@pytest.mark.parametrize("m", [1, 5, 32, 100, 300, 2048, 8192])
 def test_gpu_auto_where_the_delayed_seams_tables_serve(m, h, norm):
-    """``auto`` of the delayed seam from M = 256 up, where its shipped tables serve an H100 (and an H200, as a
-    stand-in): it runs the table's pick, which meets the contract (its backend's tolerances) twice bit for bit."""
+    """``auto`` of the delayed seam where its shipped tables serve an H100 (and an H200, as a stand-in), from the
+    latency buckets to prefill: it runs the table's pick, which meets the contract (its backend's tolerances) twice
+    bit for bit."""
     from mhc_cute import selector
 
     dev = torch.device("cuda")
