@@ -760,3 +760,22 @@ def test_time_after_profiles_each_predecessor_alone_once(monkeypatch):
     timings = [bm.time_after(lambda s: None, [{}], predecessor) for _ in range(3)]
     assert timings[0] == bm.AfterTiming(after_us=4.0, gap_us=-0.5, first_kernel_us=3.0)
     assert profiled == [True, False, False, False]
+
+
+def test_ship_table_merges_a_later_tune_into_a_shipped_file():
+    """bench/ship_table.py --into: the tune's rows of that GPU replace the file's rows of the same key and bucket,
+    every other row stays, the sources are both kept and the compute capability carries over."""
+    from conftest import bench_script
+
+    key = "NVIDIA H100 80GB HBM3|132|H7168|fp32|norm0|v0.2.0|delayed"
+    row = {"backend": "half_mma", "tactic": "half_mma:k4:m64:s3:fbw", "us": 1.0}
+    shipped_file = {"format": 1, "source": "first tune.", "compute_capability": "9.0",
+                    "tables": {key: {"256": row, "8192": row}}}
+    new = dict(row, us=2.0)
+    tuned = {"format": 1, "tables": {key: {"1": new, "8192": new}, key.replace("norm0", "norm1"): {"32": new},
+                                     "NVIDIA H200|132|H7168|fp32|norm0|v0.2.0": {"1": new}}}
+    with bench_script("ship_table.py") as ship:
+        out = ship.shipped(tuned, "NVIDIA H100 80GB HBM3", "second tune.", None, shipped_file)
+    assert out["tables"] == {key: {"1": new, "256": row, "8192": new}, key.replace("norm0", "norm1"): {"32": new}}
+    assert list(out["tables"][key]) == ["1", "256", "8192"]
+    assert out["source"] == "first tune. second tune." and out["compute_capability"] == "9.0"
