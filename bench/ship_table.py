@@ -22,13 +22,14 @@ from mhc_cute.selector import CACHE_FORMAT, TuneKey
 
 def shipped(tuned: dict, gpu: str, source: str, compute_capability: str | None, into: dict | None = None) -> dict:
     """The shipped file's content: ``gpu``'s tables of the tune cache ``tuned``, merged into ``into`` when given."""
-    tables = {k: dict(v) for k, v in (into or {}).get("tables", {}).items()}
+    into = into or {}
+    tables = {k: dict(v) for k, v in into.get("tables", {}).items()}
     for key, rows in tuned["tables"].items():
         if TuneKey.parse(key).gpu == gpu:
             tables.setdefault(key, {}).update(rows)
-    out = {"format": CACHE_FORMAT, "source": " ".join(s for s in ((into or {}).get("source"), source) if s),
+    out = {"format": CACHE_FORMAT, "source": " ".join(s for s in (into.get("source"), source) if s),
            "tables": {k: dict(sorted(rows.items(), key=lambda kv: int(kv[0]))) for k, rows in sorted(tables.items())}}
-    cc = compute_capability or (into or {}).get("compute_capability")
+    cc = compute_capability or into.get("compute_capability")
     if cc:
         out["compute_capability"] = cc
     return out
