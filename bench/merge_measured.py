@@ -5,7 +5,7 @@ two columns give what a call adds after a one-element non-PDL kernel and after a
 measure of then.
 
     python bench/merge_measured.py bench/measured/h200_bench_h7168_794fe68_2026-12-03.json \
-        bench/measured/h200_bench_h4096_794fe68_2026-12-03.json --plot bench/measured/h200_bench_794fe68_2026-12-03.png
+        bench/measured/h200_bench_h4096_794fe68_2026-12-03.json --plot plot.png
 """
 
 import argparse
