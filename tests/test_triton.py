@@ -305,3 +305,30 @@ def _check_l2_reread_probe(probe, ratio):
     expected = probe.expected_sink(src, weight, per_program, block, ratio)
     assert torch.allclose(sink.double(), expected, rtol=1e-5, atol=1e-4)
     assert ratio == 0 or expected.abs().sum() > 0
+
+
+# --- bench/probes/probe_reread_bound.py's delayed-seam kernels, under the interpreter ------------------------------
+
+@interpreter
+@pytest.mark.parametrize("chunk", [3, 5])
+def test_reread_bound_probe_moves_the_delayed_seams_bytes(chunk):
+    """``--delayed``'s streaming kernels write what the delayed seam writes: ``residual_cur`` per stream, the collapse
+    with the carried gates, and the norm pass scales it in place (in chunks of tokens too)."""
+    from conftest import bench_script
+
+    m, h = 5, 64
+    g = torch.Generator().manual_seed(0)
+    s = {"x_prev": torch.randn(m, h, generator=g).bfloat16(),
+         "residual_prev": torch.randn(m, 4, h, generator=g).bfloat16(),
+         "pre_mix_prev": torch.rand(m, 4, generator=g)}
+    with bench_script("probes/probe_reread_bound.py") as probe:
+        one_pass = probe.delayed_stream_call("delayed one-pass", m, h, 32, chunk, torch.device("cpu"))
+        one_pass(s)
+        with_norm = probe.delayed_stream_call("delayed one-pass + norm", m, h, 32, chunk, torch.device("cpu"))
+        with_norm(s)
+    rc = (s["x_prev"].float()[:, None] + s["residual_prev"].float()).bfloat16()
+    for out in (one_pass, with_norm):  # the interpreter's bf16 rounding may differ by an ulp: bytes are the point
+        assert torch.allclose(out.residual_cur.float(), rc.float(), rtol=2**-7, atol=0)
+    x1 = (s["pre_mix_prev"][:, :, None] * rc.float()).sum(1).bfloat16()
+    assert torch.allclose(one_pass.layer_input.float(), x1.float(), rtol=1e-2, atol=1e-2)
+    assert torch.allclose(with_norm.layer_input.float(), (0.5 * one_pass.layer_input.float()).bfloat16().float())

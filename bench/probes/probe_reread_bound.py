@@ -12,11 +12,25 @@ ceiling for any such design on this GPU:
 - ``one-pass``: post and collapse in one kernel from registers, the floor's 20 H (what a design holding the rows on
   chip would move).
 
+``--delayed``: the byte pattern of V4.1's delayed seam (``mhc_fused_hc_delayed``), whose collapse takes the carried
+gates, so one pass moves its 20 H; the fused norm then needs the row's sum of squares, known only once the whole row
+is collapsed, so every design that does not hold whole rows on chip re-reads and rewrites ``layer_input`` (4 H more):
+
+- ``delayed one-pass``: ``residual_cur[j] = bf16(x + residual_prev[j])``, ``layer_input = bf16(sum_j pre[j]
+  residual_cur[j])`` (reads 10 H, writes 10 H);
+- ``norm pass``: ``layer_input *= scale`` per token, in place (reads 2 H, writes 2 H);
+- ``delayed one-pass + norm``: both over all M tokens; ``/chunk C``: both per chunk of C tokens (the re-read may
+  come from L2, a bound for a design that normalises each row soon after writing it);
+- the op's ``auto`` without and with the norm.
+
+Fractions are then of the delayed seam's floor (``benchmark.delayed_floor_bytes``, without the norm's re-read).
+
 Each at several block widths (the best reported), CUDA-graph replay over rotated inputs, median; the whole op's
 ``auto`` and ``half_mma`` (and TileKernels when staged) timed on the same sets in the same process. Fractions are of
 SPEC's floor (``benchmark.floor_bytes``) at the copy bandwidth B measured in the run, as in the benchmark.
 
     python bench/probes/probe_reread_bound.py --hidden 7168 4096 --m 2048 8192
+    python bench/probes/probe_reread_bound.py --delayed --hidden 7168 5120 --m 2048 8192
 
 Lines: ``RB H M name us floor%``.
 """
@@ -60,6 +74,53 @@ def _stream_kernel(x_ptr, res_ptr, res_out_ptr, li_ptr, H, BLOCK_H: tl.constexpr
         tl.store(li_ptr + row * H + h, acc.to(tl.bfloat16), mask=mask)
 
 
+@triton.jit
+def _delayed_stream_kernel(x_ptr, res_ptr, pre_ptr, res_out_ptr, li_ptr, H, BLOCK_H: tl.constexpr):
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = h < H
+    x = tl.load(x_ptr + row * H + h, mask=mask, eviction_policy="evict_first").to(tl.float32)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(4):
+        r = tl.load(res_ptr + row * 4 * H + j * H + h, mask=mask, eviction_policy="evict_first")
+        r = (x + r.to(tl.float32)).to(tl.bfloat16)
+        tl.store(res_out_ptr + row * 4 * H + j * H + h, r, mask=mask)
+        acc += tl.load(pre_ptr + row * 4 + j) * r.to(tl.float32)
+    tl.store(li_ptr + row * H + h, acc.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _scale_rows_kernel(li_ptr, scale_ptr, H, BLOCK_H: tl.constexpr):
+    row = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = h < H
+    v = tl.load(li_ptr + row * H + h, mask=mask).to(tl.float32)
+    tl.store(li_ptr + row * H + h, (v * tl.load(scale_ptr + row)).to(tl.bfloat16), mask=mask)
+
+
+def delayed_stream_call(kind: str, m: int, h: int, block_h: int, chunk: int, dev):
+    """A call moving the delayed seam's bytes of ``kind`` ("delayed one-pass", "norm pass", "delayed one-pass +
+    norm") for all M tokens, ``chunk`` tokens per launch (pair); its outputs stay in ``call.residual_cur`` and
+    ``call.layer_input``."""
+    res_out = torch.empty(m, 4, h, dtype=torch.bfloat16, device=dev)
+    li = torch.zeros(m, h, dtype=torch.bfloat16, device=dev)
+    scale = torch.full((m,), 0.5, device=dev)
+    one_pass, norm = kind != "norm pass", kind != "delayed one-pass"
+
+    def call(s):
+        for start in range(0, m, chunk):
+            rows = min(chunk, m - start)
+            x, r, pre, ro, out, sc = (t[start:start + rows] for t in (s["x_prev"], s["residual_prev"],
+                                                                       s["pre_mix_prev"], res_out, li, scale))
+            grid = (triton.cdiv(h, block_h), rows)
+            if one_pass:
+                _delayed_stream_kernel[grid](x, r, pre, ro, out, h, BLOCK_H=block_h, num_warps=4)
+            if norm:
+                _scale_rows_kernel[grid](out, sc, h, BLOCK_H=block_h, num_warps=4)
+    call.residual_cur, call.layer_input = res_out, li
+    return call
+
+
 def stream_call(kind: str, m: int, h: int, block_h: int, chunk: int, dev):
     """A call moving the bytes of ``kind`` for all M tokens; ``chunk`` tokens per launch (pair) for two-pass."""
     res_out = torch.empty(m, 4, h, dtype=torch.bfloat16, device=dev)
@@ -82,7 +143,24 @@ def stream_call(kind: str, m: int, h: int, block_h: int, chunk: int, dev):
 
 
 def best_us(kind, chunk, m, h, sets, dev):
-    return min(mb.time_graph(stream_call(kind, m, h, bh, chunk, dev), sets) for bh in BLOCKS_H if bh <= h)
+    make = delayed_stream_call if kind.startswith(("delayed", "norm")) else stream_call
+    return min(mb.time_graph(make(kind, m, h, bh, chunk, dev), sets) for bh in BLOCKS_H if bh <= h)
+
+
+def delayed_rows(m: int, chunks) -> dict:
+    rows = {f"stream {k}": (k, m) for k in ("delayed one-pass", "norm pass", "delayed one-pass + norm")}
+    rows.update({f"stream delayed one-pass + norm/chunk {c}": ("delayed one-pass + norm", c) for c in chunks if c < m})
+    return rows
+
+
+def delayed_op_calls(backends) -> dict:
+    """The delayed seam's calls on ``backends``, without and with the norm (the sets carry a norm weight)."""
+    calls = {}
+    for b in backends:
+        op = mb.mhc_cute_call(b, delayed=True)
+        calls[f"op {b}"] = (lambda s, op=op: op(dict(s, norm_weight=None)))
+        calls[f"op {b} norm"] = op
+    return calls
 
 
 def main(argv=None):
@@ -92,23 +170,28 @@ def main(argv=None):
     ap.add_argument("--chunks", type=int, nargs="*", default=[128, 256, 512, 1024])
     ap.add_argument("--backends", nargs="*", default=["auto", "half_mma"])
     ap.add_argument("--rounds", type=int, default=2, help="rounds over every row (median reported)")
+    ap.add_argument("--delayed", action="store_true", help="the delayed seam's byte pattern (module docstring)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     bw = mb.measure_copy_bandwidth(dev)
     print(f"GPU: {torch.cuda.get_device_name(dev)}, copy bandwidth {bw / 1e12:.2f} TB/s")
-    peers = {k: v for k, v in mb.peer_calls(norm=False).items() if k == "tilekernels"}
+    peers = {} if args.delayed else {k: v for k, v in mb.peer_calls(norm=False).items() if k == "tilekernels"}
     with torch.no_grad():
         for h in args.hidden:
             for m in args.m:
-                sets = mb.rotated_sets(m, h, dev)
-                rows = {f"stream {k}": (k, m) for k in ("post", "collapse", "two-pass", "one-pass")}
-                rows.update({f"stream two-pass/chunk {c}": ("two-pass", c) for c in args.chunks if c < m})
-                calls = {f"op {b}": mb.mhc_cute_call(b) for b in args.backends}
+                if args.delayed:
+                    sets = mb.with_carried_gates(mb.rotated_sets(m, h, dev, norm=True))
+                    rows, calls = delayed_rows(m, args.chunks), delayed_op_calls(args.backends)
+                else:
+                    sets = mb.rotated_sets(m, h, dev)
+                    rows = {f"stream {k}": (k, m) for k in ("post", "collapse", "two-pass", "one-pass")}
+                    rows.update({f"stream two-pass/chunk {c}": ("two-pass", c) for c in args.chunks if c < m})
+                    calls = {f"op {b}": mb.mhc_cute_call(b) for b in args.backends}
                 calls.update({f"op {k}": v for k, v in peers.items()})
                 timers = {name: (lambda r=r, sets=sets: best_us(*r, m, h, sets, dev)) for name, r in rows.items()}
                 timers.update({name: (lambda c=c, sets=sets: mb.time_graph(c, sets)) for name, c in calls.items()})
                 times = mb.alternating_rounds(timers, args.rounds)
-                floor_us = mb.floor_bytes(m, h) / bw * 1e6
+                floor_us = (mb.delayed_floor_bytes if args.delayed else mb.floor_bytes)(m, h) / bw * 1e6
                 for name, ts in times.items():
                     if isinstance(ts, Exception):
                         print(f"RB H={h} M={m} {name:<28} ERROR {type(ts).__name__} {str(ts)[:160]}", flush=True)
