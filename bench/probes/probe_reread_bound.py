@@ -52,8 +52,9 @@ BLOCKS_H = (512, 1024, 2048)  # H positions per program (one token per program; 
 
 
 @triton.jit
-def _stream_kernel(x_ptr, res_ptr, res_out_ptr, li_ptr, H, BLOCK_H: tl.constexpr,
-                   POST: tl.constexpr, COLLAPSE: tl.constexpr):
+def _stream_kernel(x_ptr, res_ptr, pre_ptr, res_out_ptr, li_ptr, H, BLOCK_H: tl.constexpr,
+                   POST: tl.constexpr, COLLAPSE: tl.constexpr, CARRIED: tl.constexpr = False):
+    """``CARRIED``: the collapse weighs stream j with ``pre[row, j]`` (the delayed seam's carried gates)."""
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
@@ -69,24 +70,12 @@ def _stream_kernel(x_ptr, res_ptr, res_out_ptr, li_ptr, H, BLOCK_H: tl.constexpr
         if POST:
             r = (x + r.to(tl.float32)).to(tl.bfloat16)
             tl.store(res_out_ptr + row * 4 * H + j * H + h, r, mask=mask)
-        acc += r.to(tl.float32)
+        if CARRIED:
+            acc += tl.load(pre_ptr + row * 4 + j) * r.to(tl.float32)
+        else:
+            acc += r.to(tl.float32)
     if COLLAPSE:
         tl.store(li_ptr + row * H + h, acc.to(tl.bfloat16), mask=mask)
-
-
-@triton.jit
-def _delayed_stream_kernel(x_ptr, res_ptr, pre_ptr, res_out_ptr, li_ptr, H, BLOCK_H: tl.constexpr):
-    row = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = h < H
-    x = tl.load(x_ptr + row * H + h, mask=mask, eviction_policy="evict_first").to(tl.float32)
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(4):
-        r = tl.load(res_ptr + row * 4 * H + j * H + h, mask=mask, eviction_policy="evict_first")
-        r = (x + r.to(tl.float32)).to(tl.bfloat16)
-        tl.store(res_out_ptr + row * 4 * H + j * H + h, r, mask=mask)
-        acc += tl.load(pre_ptr + row * 4 + j) * r.to(tl.float32)
-    tl.store(li_ptr + row * H + h, acc.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -114,7 +103,8 @@ def delayed_stream_call(kind: str, m: int, h: int, block_h: int, chunk: int, dev
                                                                        s["pre_mix_prev"], res_out, li, scale))
             grid = (triton.cdiv(h, block_h), rows)
             if one_pass:
-                _delayed_stream_kernel[grid](x, r, pre, ro, out, h, BLOCK_H=block_h, num_warps=4)
+                _stream_kernel[grid](x, r, pre, ro, out, h, BLOCK_H=block_h, POST=True, COLLAPSE=True, CARRIED=True,
+                                     num_warps=4)
             if norm:
                 _scale_rows_kernel[grid](out, sc, h, BLOCK_H=block_h, num_warps=4)
     call.residual_cur, call.layer_input = res_out, li
@@ -136,8 +126,8 @@ def stream_call(kind: str, m: int, h: int, block_h: int, chunk: int, dev):
         for start in range(0, m, chunk):
             rows = min(chunk, m - start)
             x, r, ro, out = (t[start:start + rows] for t in srcs)
-            for post, collapse in passes:
-                _stream_kernel[(triton.cdiv(h, block_h), rows)](x, r, ro, out, h, BLOCK_H=block_h, POST=post,
+            for post, collapse in passes:  # no carried gates: x stands in for the unread pre pointer
+                _stream_kernel[(triton.cdiv(h, block_h), rows)](x, r, x, ro, out, h, BLOCK_H=block_h, POST=post,
                                                                 COLLAPSE=collapse, num_warps=4)
     return call
 
