@@ -396,6 +396,17 @@ def test_cluster_probe_host_model():
     assert 0.3 < gate < 0.7 and abs(gate - own_only) > 1e-2
 
 
+@pytest.mark.parametrize("block_h, group, stages", [(32, 1, 8), (32, 4, 8), (128, 1, 2)])
+def test_box_copy_probe_compiles(block_h, group, stages):
+    """bench/probes/probe_box_copy.py (kernel 1's traffic as a copy: stage width, and with ``group`` the stores of
+    several stages written together) compiles for sm_90a."""
+    probe = _bench_module("probe_box_copy")
+    hidden = 7168
+    sets = [{"x_prev": torch.empty(8, hidden, dtype=torch.bfloat16),
+             "residual_prev": torch.empty(8, 4, hidden, dtype=torch.bfloat16)}]
+    assert callable(probe.compiled(hidden, 64, block_h, 2, stages, sets, group))
+
+
 @pytest.mark.parametrize("mode", ["one", "signal", "warps"])
 def test_publish_probe_compiles(mode):
     """bench/probes/probe_publish.py (does one release arrival publish every warp's stores to other CTAs?) keeps

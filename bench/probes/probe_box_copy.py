@@ -3,10 +3,13 @@ with kernel 1's structure and no arithmetic: per CTA one tile of ``tile_m`` toke
 (``H / split`` positions), walked in stages of ``block_h`` positions through a TMA + mbarrier pipeline
 (``residual_prev`` as a ``[tile_m, 4, block_h]`` box and ``x_prev`` as ``[tile_m, block_h]``, as kernel 1 loads
 them at ``block_h = 32``); four warps per 64 rows copy the residual tile to ``residual_cur`` with 16-byte stores.
+``--group G``: the consumers wait for G stages and store them together, so that each row piece they write is
+``G * block_h`` wide while the loads stay ``block_h`` wide (which of the two widths the rate follows).
 Bytes moved per token: 18H, kernel 1's share of SPEC's floor. CUDA-graph replay over rotated inputs, median µs and
 the achieved rate against the measured copy bandwidth.
 
     python bench/probes/probe_box_copy.py --hidden 7168 --m 8192 --block-h 32 64 128
+    python bench/probes/probe_box_copy.py --hidden 7168 --m 2048 8192 --block-h 32 --group 1 2 4
 """
 
 import argparse
@@ -31,8 +34,10 @@ VEC = 8  # bf16 per 16-byte vector
 
 
 class BoxCopyKernel:
-    def __init__(self, hidden: int, tile_m: int, block_h: int, split: int, stages: int):
+    def __init__(self, hidden: int, tile_m: int, block_h: int, split: int, stages: int, group: int = 1):
+        assert stages % group == 0 and (hidden // block_h // split) % group == 0
         self.hidden, self.tile_m, self.block_h, self.split, self.stages = hidden, tile_m, block_h, split, stages
+        self.group = group
         self.n_hblk = hidden // block_h
         self.consumers = tile_m // 64 * 128
         self.threads = self.consumers + 32
@@ -95,25 +100,33 @@ class BoxCopyKernel:
         else:
             m_total = mResOut.shape[0]
             vecs = bh // VEC
+            group = self.group
             out = cute.make_rmem_tensor((VEC,), BFloat16)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            for i in cutlass.range(n_blk, unroll=1):
-                pipe.consumer_wait(state)
-                for k in cutlass.range_constexpr(tile_m * 4 * vecs // self.consumers):
+            for i in cutlass.range(n_blk // group, unroll=1):
+                # a group's stages are adjacent in the ring (stages % group == 0): indices state.index + g
+                waiting = state.clone()
+                for _ in cutlass.range_constexpr(group):
+                    pipe.consumer_wait(waiting)
+                    waiting.advance()
+                for k in cutlass.range_constexpr(tile_m * 4 * vecs * group // self.consumers):
                     v = tidx + k * self.consumers
-                    vec, row, j = v % vecs, (v // vecs) % tile_m, v // (vecs * tile_m)
-                    cute.autovec_copy(cute.local_tile(sRes[(row, j, None, state.index)], (VEC,), (vec,)), out)
+                    vec, row, j = v % (vecs * group), (v // (vecs * group)) % tile_m, v // (vecs * group * tile_m)
+                    src = sRes[(row, j, None, state.index + vec // vecs)]
+                    cute.autovec_copy(cute.local_tile(src, (VEC,), (vec % vecs,)), out)
                     mrow = m_tile * tile_m + row
                     if mrow < m_total:
-                        dst = cute.local_tile(mResOut[(mrow, j, None)], (VEC,), ((blk_begin + i) * vecs + vec,))
+                        first = (blk_begin + i * group) * vecs
+                        dst = cute.local_tile(mResOut[(mrow, j, None)], (VEC,), (first + vec,))
                         cute.autovec_copy(out, dst)
-                pipe.consumer_release(state)
-                state.advance()
+                for _ in cutlass.range_constexpr(group):
+                    pipe.consumer_release(state)
+                    state.advance()
 
 
-def compiled(hidden, tile_m, block_h, split, stages, sets):
+def compiled(hidden, tile_m, block_h, split, stages, sets, group=1):
     s = sets[0]
-    kernel = BoxCopyKernel(hidden, tile_m, block_h, split, stages)
+    kernel = BoxCopyKernel(hidden, tile_m, block_h, split, stages, group)
     m = cute.sym_int()
     x, res, out = fake_tensors(s["x_prev"], s["residual_prev"], s["residual_prev"], tokens=m)
     return compile_kernel(kernel, x, res, out)
@@ -126,6 +139,8 @@ def main() -> int:
     ap.add_argument("--block-h", type=int, nargs="+", default=[32, 64, 128])
     ap.add_argument("--tile-m", type=int, default=64)
     ap.add_argument("--split", type=int, default=2)
+    ap.add_argument("--group", type=int, nargs="+", default=[1],
+                    help="stages stored together (row pieces of group * block_h written at once)")
     ap.add_argument("--in-flight", type=int, default=120 * 1024,
                     help="pipeline depth: as many stages as fit in this many bytes per CTA (at least 2)")
     args = ap.parse_args()
@@ -137,17 +152,20 @@ def main() -> int:
             sets = mb.rotated_sets(m, h, dev)
             outs = [torch.empty_like(s["residual_prev"]) for s in sets]
             for bh in args.block_h:
-                stages = max(2, args.in_flight // (args.tile_m * 5 * bh * 2))
-                fn = compiled(h, args.tile_m, bh, args.split, stages, sets)
-                by_id = {id(s): o for s, o in zip(sets, outs)}
+                for group in args.group:
+                    stages = max(2, args.in_flight // (args.tile_m * 5 * bh * 2)) // group * group
+                    stages = max(stages, 2 * group)
+                    fn = compiled(h, args.tile_m, bh, args.split, stages, sets, group)
+                    by_id = {id(s): o for s, o in zip(sets, outs)}
 
-                def call(s):
-                    fn(s["x_prev"], s["residual_prev"], by_id[id(s)])
-                us = mb.time_graph(call, sets)
-                ok = torch.equal(outs[0], sets[0]["residual_prev"])
-                rate = 18 * h * m / (us * 1e-6)
-                print(f"H={h} M={m} tile_m={args.tile_m} split={args.split} block_h={bh:4d} stages={stages} "
-                      f"{us:8.2f} us  {rate / 1e12:.2f} TB/s = {rate / bw:6.1%} of copy  copy ok={ok}", flush=True)
+                    def call(s):
+                        fn(s["x_prev"], s["residual_prev"], by_id[id(s)])
+                    us = mb.time_graph(call, sets)
+                    ok = torch.equal(outs[0], sets[0]["residual_prev"])
+                    rate = 18 * h * m / (us * 1e-6)
+                    print(f"H={h} M={m} tile_m={args.tile_m} split={args.split} block_h={bh:4d} group={group} "
+                          f"stages={stages} {us:8.2f} us  {rate / 1e12:.2f} TB/s = {rate / bw:6.1%} of copy  "
+                          f"copy ok={ok}", flush=True)
             del sets, outs
             torch.cuda.empty_cache()
     return 0
