@@ -322,9 +322,9 @@ def test_reread_bound_probe_moves_the_delayed_seams_bytes(chunk):
          "residual_prev": torch.randn(m, 4, h, generator=g).bfloat16(),
          "pre_mix_prev": torch.rand(m, 4, generator=g)}
     with bench_script("probes/probe_reread_bound.py") as probe:
-        one_pass = probe.delayed_stream_call("delayed one-pass", m, h, 32, chunk, torch.device("cpu"))
+        one_pass = probe.stream_call("delayed one-pass", m, h, 32, chunk, torch.device("cpu"))
         one_pass(s)
-        with_norm = probe.delayed_stream_call("delayed one-pass + norm", m, h, 32, chunk, torch.device("cpu"))
+        with_norm = probe.stream_call("delayed one-pass + norm", m, h, 32, chunk, torch.device("cpu"))
         with_norm(s)
     rc = (s["x_prev"].float()[:, None] + s["residual_prev"].float()).bfloat16()
     for out in (one_pass, with_norm):  # the interpreter's bf16 rounding may differ by an ulp: bytes are the point

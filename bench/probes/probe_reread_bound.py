@@ -87,54 +87,42 @@ def _scale_rows_kernel(li_ptr, scale_ptr, H, BLOCK_H: tl.constexpr):
     tl.store(li_ptr + row * H + h, (v * tl.load(scale_ptr + row)).to(tl.bfloat16), mask=mask)
 
 
-def delayed_stream_call(kind: str, m: int, h: int, block_h: int, chunk: int, dev):
-    """A call moving the delayed seam's bytes of ``kind`` ("delayed one-pass", "norm pass", "delayed one-pass +
-    norm") for all M tokens, ``chunk`` tokens per launch (pair); its outputs stay in ``call.residual_cur`` and
-    ``call.layer_input``."""
+# each kind's launches per chunk of tokens: (POST, COLLAPSE, CARRIED) of _stream_kernel, or "scale" (the norm pass)
+PASSES = {"post": [(True, False, False)], "collapse": [(False, True, False)],
+          "two-pass": [(True, False, False), (False, True, False)], "one-pass": [(True, True, False)],
+          "delayed one-pass": [(True, True, True)], "norm pass": ["scale"],
+          "delayed one-pass + norm": [(True, True, True), "scale"]}
+
+
+def stream_call(kind: str, m: int, h: int, block_h: int, chunk: int, dev):
+    """A call moving the bytes of ``kind`` (``PASSES``) for all M tokens, ``chunk`` tokens per launch (group); its
+    outputs stay in ``call.residual_cur`` and ``call.layer_input``."""
     res_out = torch.empty(m, 4, h, dtype=torch.bfloat16, device=dev)
     li = torch.zeros(m, h, dtype=torch.bfloat16, device=dev)
     scale = torch.full((m,), 0.5, device=dev)
-    one_pass, norm = kind != "norm pass", kind != "delayed one-pass"
 
     def call(s):
+        # "collapse" reads what the sets' residual_prev holds, as a residual_cur of the same size; without carried
+        # gates x stands in for the unread pre pointer
+        srcs = (s["x_prev"], s["residual_prev"], s.get("pre_mix_prev", s["x_prev"]),
+                s["residual_prev"] if kind == "collapse" else res_out, li, scale)
         for start in range(0, m, chunk):
             rows = min(chunk, m - start)
-            x, r, pre, ro, out, sc = (t[start:start + rows] for t in (s["x_prev"], s["residual_prev"],
-                                                                       s["pre_mix_prev"], res_out, li, scale))
+            x, r, pre, ro, out, sc = (t[start:start + rows] for t in srcs)
             grid = (triton.cdiv(h, block_h), rows)
-            if one_pass:
-                _stream_kernel[grid](x, r, pre, ro, out, h, BLOCK_H=block_h, POST=True, COLLAPSE=True, CARRIED=True,
-                                     num_warps=4)
-            if norm:
-                _scale_rows_kernel[grid](out, sc, h, BLOCK_H=block_h, num_warps=4)
+            for launch in PASSES[kind]:
+                if launch == "scale":
+                    _scale_rows_kernel[grid](out, sc, h, BLOCK_H=block_h, num_warps=4)
+                else:
+                    post, collapse, carried = launch
+                    _stream_kernel[grid](x, r, pre, ro, out, h, BLOCK_H=block_h, POST=post, COLLAPSE=collapse,
+                                         CARRIED=carried, num_warps=4)
     call.residual_cur, call.layer_input = res_out, li
     return call
 
 
-def stream_call(kind: str, m: int, h: int, block_h: int, chunk: int, dev):
-    """A call moving the bytes of ``kind`` for all M tokens; ``chunk`` tokens per launch (pair) for two-pass."""
-    res_out = torch.empty(m, 4, h, dtype=torch.bfloat16, device=dev)
-    li = torch.empty(m, h, dtype=torch.bfloat16, device=dev)
-    passes = {"post": [(True, False)], "collapse": [(False, True)], "two-pass": [(True, False), (False, True)],
-              "one-pass": [(True, True)]}[kind]
-
-    def call(s):
-        if kind == "collapse":  # reads what the sets' residual_prev holds, as a residual_cur of the same size
-            srcs = (s["x_prev"], s["residual_prev"], s["residual_prev"], li)
-        else:
-            srcs = (s["x_prev"], s["residual_prev"], res_out, li)
-        for start in range(0, m, chunk):
-            rows = min(chunk, m - start)
-            x, r, ro, out = (t[start:start + rows] for t in srcs)
-            for post, collapse in passes:  # no carried gates: x stands in for the unread pre pointer
-                _stream_kernel[(triton.cdiv(h, block_h), rows)](x, r, x, ro, out, h, BLOCK_H=block_h, POST=post,
-                                                                COLLAPSE=collapse, num_warps=4)
-    return call
-
-
 def best_us(kind, chunk, m, h, sets, dev):
-    make = delayed_stream_call if kind.startswith(("delayed", "norm")) else stream_call
-    return min(mb.time_graph(make(kind, m, h, bh, chunk, dev), sets) for bh in BLOCKS_H if bh <= h)
+    return min(mb.time_graph(stream_call(kind, m, h, bh, chunk, dev), sets) for bh in BLOCKS_H if bh <= h)
 
 
 def delayed_rows(m: int, chunks) -> dict:
