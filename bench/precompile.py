@@ -6,7 +6,8 @@ same checkout (the file names carry a digest of the kernel sources and the CuTe 
 
     MHC_CUTE_KERNEL_CACHE=.kcache python bench/precompile.py --m 1 17 1000 --hidden 4096 7168 --norm both
 
-``--tune`` compiles the candidates ``mhc-cute tune`` times at those M and H instead of the default tactics.
+``--tune`` compiles the candidates ``mhc-cute tune`` times at those M and H instead of the default tactics (with
+``--delayed``: those of ``mhc-cute tune --delayed``).
 
 ``--gpu-suite`` compiles every variant a GPU run of the tests and the bench reaches (``bench/gpu_run.sh``'s warm stage
 runs it): the GPU tests' default tactics over their grid (fp32 and tf32) and their explicit tactics (the big-fuse
@@ -83,14 +84,15 @@ def delayed_gpu_suite_specs(sm_count):
     return fma + no_post[0] + broadcast[0], mma + no_post[1] + broadcast[1]
 
 
-def tune_specs(backends, ms, hiddens, norms, precisions, sm_count):
-    """Every candidate ``mhc-cute tune`` times for these backends, M and H."""
+def tune_specs(backends, ms, hiddens, norms, precisions, sm_count, seams=(None,)):
+    """Every candidate ``mhc-cute tune`` times for these backends, M and H (``seams=("carried",)``: as
+    ``mhc-cute tune --delayed`` times them)."""
     from mhc_cute import autotune, selector
 
     buckets = sorted({selector.bucket_of(m) for m in ms})
     pairs = [(h, t) for h in hiddens for bucket in buckets for b in backends
              for t in autotune.candidate_tactics(b, bucket, h, sm_count) if t is not None]
-    return split_specs(pairs, norms, precisions)
+    return split_specs(pairs, norms, precisions, seams)
 
 
 def gpu_suite_specs(sm_count):
@@ -160,12 +162,15 @@ def main() -> int:
             fma_specs, mma_specs = v4[0] + fma_specs, v4[1] + mma_specs
     elif args.m and args.hidden:
         norms = {"off": [None], "on": ["bfloat16"], "both": [None, "bfloat16"]}[args.norm]
-        if args.delayed:
+        if args.tune:
+            fma_specs, mma_specs = tune_specs(args.backends, args.m, args.hidden, norms, args.precision,
+                                              args.sm_count, ("carried",) if args.delayed else (None,))
+        elif args.delayed:
             fma_specs, mma_specs = specs_for(args.backends, args.m, args.hidden, norms, args.precision,
                                              args.sm_count, ("carried", "identity"))
         else:
-            specs = tune_specs if args.tune else specs_for
-            fma_specs, mma_specs = specs(args.backends, args.m, args.hidden, norms, args.precision, args.sm_count)
+            fma_specs, mma_specs = specs_for(args.backends, args.m, args.hidden, norms, args.precision,
+                                             args.sm_count)
     else:
         ap.error("give --gpu-suite, --delayed, or --m and --hidden")
     from mhc_cute.kernels import fma, mma

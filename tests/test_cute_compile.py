@@ -973,3 +973,23 @@ def test_gpu_suite_specs_cover_the_forms_of_every_kernel_path():
                 + [(spec_problem(hidden, precision, norm, *seam), seam) for _, hidden, precision, norm, *seam in mma])
     for problem, seam in problems:
         assert problem.form == (seam[-1] if seam and seam[-1] in ("no_post", "broadcast") else "regular")
+
+
+def test_tune_specs_of_the_delayed_seam_are_what_its_tuner_compiles():
+    """``bench/precompile.py --tune --delayed`` lists the kernels ``mhc-cute tune --delayed`` compiles before timing
+    (``autotune.precompile_candidates`` with carried gates): every candidate, each in the carried-gates form."""
+    from conftest import bench_script
+
+    from mhc_cute import autotune
+    from mhc_cute.selector import bucket_of
+
+    with bench_script("precompile.py") as precompile:
+        fma, mma = precompile.tune_specs(["half_fma", "half_mma"], [32, 2048], [7168], [None], ["fp32"], 132,
+                                         ("carried",))
+    want_fma = [(t.name, 7168, None, "carried") for m in (32, 2048)
+                for t in autotune.candidate_tactics("half_fma", bucket_of(m), 7168, 132)]
+    want_mma = [(t.name, 7168, "fp32", None, "carried") for m in (32, 2048)
+                for t in autotune.candidate_tactics("half_mma", bucket_of(m), 7168, 132)]
+    assert fma and mma
+    assert sorted(set(fma)) == sorted(set(want_fma))
+    assert sorted(set(mma)) == sorted(set(want_mma))
