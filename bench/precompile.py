@@ -87,11 +87,10 @@ def delayed_gpu_suite_specs(sm_count):
 def tune_specs(backends, ms, hiddens, norms, precisions, sm_count, seams=(None,)):
     """Every candidate ``mhc-cute tune`` times for these backends, M and H (``seams=("carried",)``: as
     ``mhc-cute tune --delayed`` times them)."""
-    from mhc_cute import autotune, selector
+    from mhc_cute import autotune
 
-    buckets = sorted({selector.bucket_of(m) for m in ms})
-    pairs = [(h, t) for h in hiddens for bucket in buckets for b in backends
-             for t in autotune.candidate_tactics(b, bucket, h, sm_count) if t is not None]
+    pairs = [(h, t) for h, _, cands in autotune.candidate_groups(hiddens, ms, backends, sm_count)
+             for _, t, _ in cands if t is not None]
     return split_specs(pairs, norms, precisions, seams)
 
 
@@ -162,15 +161,11 @@ def main() -> int:
             fma_specs, mma_specs = v4[0] + fma_specs, v4[1] + mma_specs
     elif args.m and args.hidden:
         norms = {"off": [None], "on": ["bfloat16"], "both": [None, "bfloat16"]}[args.norm]
-        if args.tune:
-            fma_specs, mma_specs = tune_specs(args.backends, args.m, args.hidden, norms, args.precision,
-                                              args.sm_count, ("carried",) if args.delayed else (None,))
-        elif args.delayed:
-            fma_specs, mma_specs = specs_for(args.backends, args.m, args.hidden, norms, args.precision,
-                                             args.sm_count, ("carried", "identity"))
+        if args.tune:  # mhc-cute tune --delayed times the carried gates only
+            specs, seams = tune_specs, ("carried",) if args.delayed else (None,)
         else:
-            fma_specs, mma_specs = specs_for(args.backends, args.m, args.hidden, norms, args.precision,
-                                             args.sm_count)
+            specs, seams = specs_for, ("carried", "identity") if args.delayed else (None,)
+        fma_specs, mma_specs = specs(args.backends, args.m, args.hidden, norms, args.precision, args.sm_count, seams)
     else:
         ap.error("give --gpu-suite, --delayed, or --m and --hidden")
     from mhc_cute.kernels import fma, mma

@@ -64,6 +64,14 @@ def candidate_tactics(backend: str, m: int, hidden: int, sm_count: int) -> list:
     return list(dict.fromkeys(v for v in variants if v.invalid_reason(hidden) is None))
 
 
+def candidate_groups(hiddens, ms, names, sm_count: int) -> list:
+    """What ``tune`` times: per (H, M bucket of ``ms``), ``(H, bucket, [(backend, tactic, is its default)])``
+    over ``names`` (``candidate_tactics``; the tactic None for a backend without tactics of its own)."""
+    buckets = sorted({bucket_of(m) for m in ms})
+    return [(h, b, [(name, t, i == 0) for name in names for i, t in enumerate(candidate_tactics(name, b, h, sm_count))])
+            for h in hiddens for b in buckets]
+
+
 def auto_candidates(hidden: int, max_m: int, precision: str, sm_count: int) -> list:
     """(H, tactic) of every CuTe kernel ``auto`` may run for 1 to ``max_m`` tokens on an NVIDIA GPU with
     ``sm_count`` SMs, with or without the fused norm: each bucket's pick in every table (user cache and shipped)
@@ -187,10 +195,7 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
     delayed = seam == "delayed"
     with_seam = bm.with_carried_gates if delayed else (lambda sets: sets)
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    buckets = sorted({bucket_of(m) for m in ms})
-    groups = [(h, b, [(name, t, i == 0) for name in names
-                      for i, t in enumerate(candidate_tactics(name, b, h, sm_count))])
-              for h in hiddens for b in buckets]
+    groups = candidate_groups(hiddens, ms, names, sm_count)
     variants = (("carried", "regular"),) if delayed else ((None, "regular"),)
     precompile_candidates([(h, t) for h, _, cands in groups for _, t, _ in cands if t is not None], precision,
                           bm.NORM_DTYPE if norm else None, variants)
