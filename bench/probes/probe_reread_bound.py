@@ -21,6 +21,9 @@ is collapsed, so every design that does not hold whole rows on chip re-reads and
 - ``norm pass``: ``layer_input *= scale`` per token, in place (reads 2 H, writes 2 H);
 - ``delayed one-pass + norm``: both over all M tokens; ``/chunk C``: both per chunk of C tokens (the re-read may
   come from L2, a bound for a design that normalises each row soon after writing it);
+- ``..., li last``: ``layer_input`` stored with the L2 evict-last hint and re-read with evict-first, so that it may
+  stay in L2 while the inputs stream past (``loads plain``: the inputs loaded without the evict-first hint, as kernel
+  1's TMA loads are);
 - the op's ``auto`` without and with the norm.
 
 Fractions are then of the delayed seam's floor (``benchmark.delayed_floor_bytes``, without the norm's re-read).
@@ -53,20 +56,25 @@ BLOCKS_H = (512, 1024, 2048)  # H positions per program (one token per program; 
 
 @triton.jit
 def _stream_kernel(x_ptr, res_ptr, pre_ptr, res_out_ptr, li_ptr, H, BLOCK_H: tl.constexpr,
-                   POST: tl.constexpr, COLLAPSE: tl.constexpr, CARRIED: tl.constexpr = False):
-    """``CARRIED``: the collapse weighs stream j with ``pre[row, j]`` (the delayed seam's carried gates)."""
+                   POST: tl.constexpr, COLLAPSE: tl.constexpr, CARRIED: tl.constexpr = False,
+                   LI_LAST: tl.constexpr = False, LOAD_FIRST: tl.constexpr = True):
+    """``CARRIED``: the collapse weighs stream j with ``pre[row, j]`` (the delayed seam's carried gates). ``LI_LAST``:
+    ``layer_input`` stored with the L2 evict-last hint; ``LOAD_FIRST``: the inputs loaded with evict-first (else
+    with no hint, as kernel 1's TMA loads)."""
+    LOAD_POLICY: tl.constexpr = "evict_first" if LOAD_FIRST else ""
+    LI_POLICY: tl.constexpr = "evict_last" if LI_LAST else ""
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
     if POST:
-        x = tl.load(x_ptr + row * H + h, mask=mask, eviction_policy="evict_first").to(tl.float32)
+        x = tl.load(x_ptr + row * H + h, mask=mask, eviction_policy=LOAD_POLICY).to(tl.float32)
     if POST:
         src = res_ptr
     else:
         src = res_out_ptr
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(4):
-        r = tl.load(src + row * 4 * H + j * H + h, mask=mask, eviction_policy="evict_first")
+        r = tl.load(src + row * 4 * H + j * H + h, mask=mask, eviction_policy=LOAD_POLICY)
         if POST:
             r = (x + r.to(tl.float32)).to(tl.bfloat16)
             tl.store(res_out_ptr + row * 4 * H + j * H + h, r, mask=mask)
@@ -75,23 +83,29 @@ def _stream_kernel(x_ptr, res_ptr, pre_ptr, res_out_ptr, li_ptr, H, BLOCK_H: tl.
         else:
             acc += r.to(tl.float32)
     if COLLAPSE:
-        tl.store(li_ptr + row * H + h, acc.to(tl.bfloat16), mask=mask)
+        tl.store(li_ptr + row * H + h, acc.to(tl.bfloat16), mask=mask, eviction_policy=LI_POLICY)
 
 
 @triton.jit
-def _scale_rows_kernel(li_ptr, scale_ptr, H, BLOCK_H: tl.constexpr):
+def _scale_rows_kernel(li_ptr, scale_ptr, H, BLOCK_H: tl.constexpr, LOAD_FIRST: tl.constexpr = False):
+    LOAD_POLICY: tl.constexpr = "evict_first" if LOAD_FIRST else ""
     row = tl.program_id(1).to(tl.int64)
     h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
-    v = tl.load(li_ptr + row * H + h, mask=mask).to(tl.float32)
+    v = tl.load(li_ptr + row * H + h, mask=mask, eviction_policy=LOAD_POLICY).to(tl.float32)
     tl.store(li_ptr + row * H + h, (v * tl.load(scale_ptr + row)).to(tl.bfloat16), mask=mask)
 
 
-# each kind's launches per chunk of tokens: (POST, COLLAPSE, CARRIED) of _stream_kernel, or "scale" (the norm pass)
+# each kind's launches per chunk of tokens: (POST, COLLAPSE, CARRIED[, LI_LAST, LOAD_FIRST]) of _stream_kernel, or
+# "scale" (the norm pass; "scale first": its loads evict-first)
 PASSES = {"post": [(True, False, False)], "collapse": [(False, True, False)],
           "two-pass": [(True, False, False), (False, True, False)], "one-pass": [(True, True, False)],
           "delayed one-pass": [(True, True, True)], "norm pass": ["scale"],
-          "delayed one-pass + norm": [(True, True, True), "scale"]}
+          "delayed one-pass + norm": [(True, True, True), "scale"],
+          # the re-read from L2: layer_input stored evict-last, the inputs evict-first (or without a hint)
+          "delayed one-pass + norm, li last": [(True, True, True, True, True), "scale first"],
+          "delayed one-pass + norm, li last, loads plain": [(True, True, True, True, False), "scale first"],
+          "delayed one-pass + norm, loads plain": [(True, True, True, False, False), "scale"]}
 
 
 def stream_call(kind: str, m: int, h: int, block_h: int, chunk: int, dev):
@@ -111,12 +125,13 @@ def stream_call(kind: str, m: int, h: int, block_h: int, chunk: int, dev):
             x, r, pre, ro, out, sc = (t[start:start + rows] for t in srcs)
             grid = (triton.cdiv(h, block_h), rows)
             for launch in PASSES[kind]:
-                if launch == "scale":
-                    _scale_rows_kernel[grid](out, sc, h, BLOCK_H=block_h, num_warps=4)
+                if launch in ("scale", "scale first"):
+                    _scale_rows_kernel[grid](out, sc, h, BLOCK_H=block_h, LOAD_FIRST=launch == "scale first",
+                                             num_warps=4)
                 else:
-                    post, collapse, carried = launch
+                    post, collapse, carried, li_last, load_first = launch + (False, True)[len(launch) - 3:]
                     _stream_kernel[grid](x, r, pre, ro, out, h, BLOCK_H=block_h, POST=post, COLLAPSE=collapse,
-                                         CARRIED=carried, num_warps=4)
+                                         CARRIED=carried, LI_LAST=li_last, LOAD_FIRST=load_first, num_warps=4)
     call.residual_cur, call.layer_input = res_out, li
     return call
 
@@ -126,7 +141,10 @@ def best_us(kind, chunk, m, h, sets, dev):
 
 
 def delayed_rows(m: int, chunks) -> dict:
-    rows = {f"stream {k}": (k, m) for k in ("delayed one-pass", "norm pass", "delayed one-pass + norm")}
+    rows = {f"stream {k}": (k, m) for k in ("delayed one-pass", "norm pass", "delayed one-pass + norm",
+                                             "delayed one-pass + norm, li last",
+                                             "delayed one-pass + norm, li last, loads plain",
+                                             "delayed one-pass + norm, loads plain")}
     rows.update({f"stream delayed one-pass + norm/chunk {c}": ("delayed one-pass + norm", c) for c in chunks if c < m})
     return rows
 
