@@ -44,6 +44,7 @@ from .version import dist_version
 BENCH_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # the default grid of M
 L2_FLUSH_BYTES = 256 << 20  # rotate through at least this much data (several times a Hopper L2)
 MAX_SETS = 64
+REPLAY_BATCH = 4  # graph replays enqueued together: the host's launch of each (~10 µs) hidden behind the one before
 CONTEXT_MAX_M = 128  # up to here a call's time depends on the kernel before it (PDL): timed in context too
 CONTEXTS = ("after-kernel", "after-gemm")  # the keys of ``context_predecessors``, in table order
 NORM_DTYPE = "bfloat16"  # the fused-norm weight of the timed input sets (the dtype name the kernels compile for)
@@ -113,17 +114,9 @@ def measure_copy_bandwidth(device, nbytes: int = 2 << 30, reps: int = 20) -> flo
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
     src.random_(0, 255)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+    times = launch_us(lambda: dst.copy_(src), reps, REPLAY_BATCH)  # batched, as the replays it is compared with
     del src, dst
-    return nbytes / statistics.median(times)
+    return nbytes / (statistics.median(times) * 1e-6)
 
 
 def n_rotation_sets(m: int, hidden: int) -> int:
@@ -295,24 +288,32 @@ def context_predecessors(sets: list[dict]) -> dict[str, Callable[[dict], None]]:
     return dict(zip(CONTEXTS, (separator(), gemm_predecessor(sets))))
 
 
-def launch_us(launch: Callable[[], object], reps: int = 20) -> list[float]:
-    """µs of each of ``reps`` timed calls of ``launch`` (CUDA events around each; one untimed call first), sorted."""
-    launch()
+def launch_us(launch: Callable[[], object], reps: int = 20, batch: int = 1) -> list[float]:
+    """µs per call of ``launch``, sorted: ``reps // batch`` timed batches of ``batch`` calls enqueued between two CUDA
+    events (one untimed batch first). With ``batch`` 1 each call starts on an idle device, so its host launch is in
+    its time; in a batch the host enqueues each call while the device runs the one before."""
+    if reps < batch:
+        raise ValueError(f"launch_us: reps ({reps}) below batch ({batch})")
+    for _ in range(batch):
+        launch()
     torch.cuda.synchronize()
     times = []
-    for _ in range(reps):
+    for _ in range(reps // batch):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        launch()
+        for _ in range(batch):
+            launch()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+        times.append(a.elapsed_time(b) * 1e3 / batch)
     return sorted(times)
 
 
 def replay_us(graph, calls_per_replay: int, reps: int = 20) -> list[float]:
-    """µs per call of ``reps`` timed replays of ``graph`` (which makes ``calls_per_replay`` calls), sorted."""
-    return [t / calls_per_replay for t in launch_us(graph.replay, reps)]
+    """µs per call of ``reps`` replays of ``graph`` (which makes ``calls_per_replay`` calls), timed in batches of
+    ``REPLAY_BATCH`` replays so that no replay waits for its host launch, as the calls of a model's graph do not;
+    sorted per batch."""
+    return [t / calls_per_replay for t in launch_us(graph.replay, reps, REPLAY_BATCH)]
 
 
 def time_eager(call: Callable[[dict], object], sets: list[dict], reps: int = 7) -> float:

@@ -173,3 +173,39 @@ def test_bench_refuses_form_with_op(capsys):
 
     assert cli.main(["bench", "--form", "no_post", "--op", "mhc_post"]) == 2
     assert "--form" in capsys.readouterr().err
+
+
+def test_replays_are_timed_in_batches_enqueued_between_two_events(monkeypatch):
+    """``replay_us`` times ``REPLAY_BATCH`` replays between two events (the host's launch of each overlaps the one
+    before) and reports µs per call of each batch; ``launch_us`` refuses fewer calls than one batch."""
+    import torch
+
+    log = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = len(log)
+            log.append("event")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):  # ms: 1 ms per replay enqueued between the two events
+            return float(log[self.at:end.at].count("replay"))
+
+    class FakeGraph:
+        def replay(self):
+            log.append("replay")
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    times = bm.replay_us(FakeGraph(), calls_per_replay=8, reps=20)
+    assert len(times) == 20 // bm.REPLAY_BATCH
+    assert times == [1e3 / 8] * len(times)  # 1 ms per replay of 8 calls
+    timed = log[bm.REPLAY_BATCH:]  # after the untimed warm batch
+    assert timed == (["event"] + ["replay"] * bm.REPLAY_BATCH + ["event"]) * (20 // bm.REPLAY_BATCH)
+    with pytest.raises(ValueError, match="reps"):
+        bm.launch_us(FakeGraph().replay, reps=2, batch=4)
