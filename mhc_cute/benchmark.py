@@ -860,7 +860,7 @@ def bench_model(model: str, ms, device, bandwidth: float, names=None, log=None) 
             if (name not in names) if names else (name == "torch" and m > TORCH_MODEL_MAX_M):
                 continue
             try:
-                t_us = time_graph(call, [inputs], reps=10)
+                t_us = time_graph(call, [inputs], reps=12)  # three batches of replays
                 results.append(ModelResult(model, name, m, t_us / 1e3, floor_s * 1e6 / t_us))
             except Exception as e:  # a failing forward is reported in the table, not fatal to the run
                 results.append(ModelResult(model, name, m, None, None,
