@@ -53,6 +53,7 @@ def main(argv=None):
             for seam in args.seams:
                 for norm in args.norm:
                     fit = []
+                    floor = mb.delayed_floor_bytes if seam == "delayed" else mb.floor_bytes
                     for m in args.m:
                         sets = mb.rotated_sets(m, h, dev, norm=bool(norm))
                         if seam == "delayed":
@@ -65,7 +66,7 @@ def main(argv=None):
                             print(f"TL {seam:<7} H={h} M={m:<6} norm={norm} ERROR {str(e)[:160]}", flush=True)
                             continue
                         # kernel 1 moves all of the floor's bytes but the 192 a token of partials and gates
-                        k1_bytes = (mb.delayed_floor_bytes if seam == "delayed" else mb.floor_bytes)(m, h)
+                        k1_bytes = floor(m, h)
                         print(f"TL {seam:<7} H={h} M={m:<6} norm={norm} {graph_us:9.1f} {k1:9.1f} {fuse:7.1f} "
                               f"{period:9.1f} {gap:6.1f} {100 * k1_bytes / (k1 * 1e-6) / bw:5.1f}%", flush=True)
                         fit.append((m, k1))
@@ -75,8 +76,7 @@ def main(argv=None):
                         mean_t = statistics.fmean(t for _, t in fit)
                         slope = (sum((m - mean_m) * (t - mean_t) for m, t in fit)
                                  / sum((m - mean_m) ** 2 for m, _ in fit))
-                        per_token = (mb.delayed_floor_bytes if seam == "delayed" else mb.floor_bytes)(2, h) \
-                            - (mb.delayed_floor_bytes if seam == "delayed" else mb.floor_bytes)(1, h)
+                        per_token = floor(2, h) - floor(1, h)
                         print(f"FIT {seam} H={h} norm={norm}: kernel 1 = {mean_t - slope * mean_m:.1f} us + "
                               f"{slope * 1000:.2f} us per 1000 tokens ({100 * per_token / (slope * 1e-6) / bw:.1f}% "
                               "of the copy bandwidth at the margin)", flush=True)
