@@ -89,8 +89,7 @@ def tune_specs(backends, ms, hiddens, norms, precisions, sm_count, seams=(None,)
     ``mhc-cute tune --delayed`` times them)."""
     from mhc_cute import autotune
 
-    pairs = [(h, t) for h, _, cands in autotune.candidate_groups(hiddens, ms, backends, sm_count)
-             for _, t, _ in cands if t is not None]
+    pairs = autotune.candidate_kernels(autotune.candidate_groups(hiddens, ms, backends, sm_count))
     return split_specs(pairs, norms, precisions, seams)
 
 

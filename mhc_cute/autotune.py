@@ -72,6 +72,11 @@ def candidate_groups(hiddens, ms, names, sm_count: int) -> list:
             for h in hiddens for b in buckets]
 
 
+def candidate_kernels(groups) -> list:
+    """(H, tactic) of every CuTe kernel among ``candidate_groups``' candidates (the ones ``tune`` compiles)."""
+    return [(h, t) for h, _, cands in groups for _, t, _ in cands if t is not None]
+
+
 def auto_candidates(hidden: int, max_m: int, precision: str, sm_count: int) -> list:
     """(H, tactic) of every CuTe kernel ``auto`` may run for 1 to ``max_m`` tokens on an NVIDIA GPU with
     ``sm_count`` SMs, with or without the fused norm: each bucket's pick in every table (user cache and shipped)
@@ -197,8 +202,7 @@ def tune(device: torch.device, hiddens, ms, precision: str, norm: bool, names, l
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
     groups = candidate_groups(hiddens, ms, names, sm_count)
     variants = (("carried", "regular"),) if delayed else ((None, "regular"),)
-    precompile_candidates([(h, t) for h, _, cands in groups for _, t, _ in cands if t is not None], precision,
-                          bm.NORM_DTYPE if norm else None, variants)
+    precompile_candidates(candidate_kernels(groups), precision, bm.NORM_DTYPE if norm else None, variants)
     total = sum(len(cands) for _, _, cands in groups)
     done = 0
     scored = []

@@ -42,6 +42,7 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -96,16 +97,25 @@ def _scale_rows_kernel(li_ptr, scale_ptr, H, BLOCK_H: tl.constexpr, LOAD_FIRST: 
     tl.store(li_ptr + row * H + h, (v * tl.load(scale_ptr + row)).to(tl.bfloat16), mask=mask)
 
 
-# each kind's launches per chunk of tokens: (POST, COLLAPSE, CARRIED[, LI_LAST, LOAD_FIRST]) of _stream_kernel, or
-# "scale" (the norm pass; "scale first": its loads evict-first)
-PASSES = {"post": [(True, False, False)], "collapse": [(False, True, False)],
-          "two-pass": [(True, False, False), (False, True, False)], "one-pass": [(True, True, False)],
-          "delayed one-pass": [(True, True, True)], "norm pass": ["scale"],
-          "delayed one-pass + norm": [(True, True, True), "scale"],
+class Stream(NamedTuple):
+    """One launch of ``_stream_kernel``: its constexpr flags."""
+    POST: bool
+    COLLAPSE: bool
+    CARRIED: bool = False
+    LI_LAST: bool = False
+    LOAD_FIRST: bool = True
+
+
+# each kind's launches per chunk of tokens: a ``Stream``, or "scale" (the norm pass; "scale first": its loads
+# evict-first)
+PASSES = {"post": [Stream(True, False)], "collapse": [Stream(False, True)],
+          "two-pass": [Stream(True, False), Stream(False, True)], "one-pass": [Stream(True, True)],
+          "delayed one-pass": [Stream(True, True, True)], "norm pass": ["scale"],
+          "delayed one-pass + norm": [Stream(True, True, True), "scale"],
           # the re-read from L2: layer_input stored evict-last, the inputs evict-first (or without a hint)
-          "delayed one-pass + norm, li last": [(True, True, True, True, True), "scale first"],
-          "delayed one-pass + norm, li last, loads plain": [(True, True, True, True, False), "scale first"],
-          "delayed one-pass + norm, loads plain": [(True, True, True, False, False), "scale"]}
+          "delayed one-pass + norm, li last": [Stream(True, True, True, LI_LAST=True), "scale first"],
+          "delayed one-pass + norm, li last, loads plain": [Stream(True, True, True, True, False), "scale first"],
+          "delayed one-pass + norm, loads plain": [Stream(True, True, True, LOAD_FIRST=False), "scale"]}
 
 
 def stream_call(kind: str, m: int, h: int, block_h: int, chunk: int, dev):
@@ -129,9 +139,7 @@ def stream_call(kind: str, m: int, h: int, block_h: int, chunk: int, dev):
                     _scale_rows_kernel[grid](out, sc, h, BLOCK_H=block_h, LOAD_FIRST=launch == "scale first",
                                              num_warps=4)
                 else:
-                    post, collapse, carried, li_last, load_first = launch + (False, True)[len(launch) - 3:]
-                    _stream_kernel[grid](x, r, pre, ro, out, h, BLOCK_H=block_h, POST=post, COLLAPSE=collapse,
-                                         CARRIED=carried, LI_LAST=li_last, LOAD_FIRST=load_first, num_warps=4)
+                    _stream_kernel[grid](x, r, pre, ro, out, h, BLOCK_H=block_h, **launch._asdict(), num_warps=4)
     call.residual_cur, call.layer_input = res_out, li
     return call
 
