@@ -22,6 +22,14 @@ LARGE_M = 4096  # GPU tests from this many tokens hold the most memory (inputs, 
 LARGE_M_SLOTS = 3  # at most this many of them at once across pytest-xdist's workers (the GPU's memory)
 
 
+MAX_AUTO_WORKERS = 8  # `-n auto` on a many-core machine: each worker imports torch, CuTe DSL and Triton
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0))))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

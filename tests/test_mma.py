@@ -159,6 +159,7 @@ def compile_report(tmp_path_factory, dump_env):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("mma_compile_report")  # one xdist worker builds the module's report, not each of them
 @pytest.mark.parametrize("i", range(len(VARIANTS)), ids=["-".join(map(str, v)) for v in VARIANTS])
 def test_compile_report(compile_report, cuobjdump, i):
     path, precision, norm, tile_m = VARIANTS[i]
