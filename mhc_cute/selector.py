@@ -10,8 +10,8 @@ Tables are keyed by ``TuneKey`` (GPU name, SM count, H, precision, norm on/off, 
 seam's tables, or ``mhc_fused_hc_delayed``'s own, whose kernel 1 does more and whose big fuse less). Lookup order:
 the user's cache (``$MHC_CUTE_CACHE_DIR`` or ``$XDG_CACHE_HOME/mhc_cute`` or ``~/.cache/mhc_cute``,
 ``tuned.json``), then the tables shipped in ``mhc_cute/tuned/``, then a shipped table measured on another GPU of the
-same architecture (compute capability) and SM count (an H100 SXM or H800 takes the H200's: the same SMs and L2,
-and at the sizes where the picks differ most from the heuristic the call is bound by latency, not bandwidth), then
+same architecture (compute capability) and SM count, the first file's by name (an H800 takes the H100's: the same
+SMs and L2, and at the sizes where the picks differ most from the heuristic the call is bound by latency), then
 the heuristic of ``backends.pick_auto``. A table for this GPU, of the call's norm flag or the other, wins over a
 stand-in. The delayed seam takes a table of its own (this GPU's, then a stand-in) from that table's smallest tuned
 bucket up, else the V4 seam's. A corrupt or stale cache file is ignored with a warning. ``MHC_CUTE_BACKEND`` forces a

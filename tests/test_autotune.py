@@ -149,20 +149,30 @@ def _fake_gpu(monkeypatch, tmp_path, name, sm_count, capability):
     return torch.device("cuda", 0)
 
 
-def _h200_row(hidden, norm, m):
+def _shipped_row(gpu, hidden, norm, m):
     from mhc_cute import __version__
 
-    key = selector.TuneKey("NVIDIA H200", 132, hidden, "fp32", norm, __version__).as_str()
+    key = selector.TuneKey(gpu, 132, hidden, "fp32", norm, __version__).as_str()
     return selector.nearest(selector.load_shipped_tables()[key], bucket_of(m))
 
 
 @pytest.mark.parametrize("m,hidden,norm", [(1, 7168, False), (32, 7168, True), (100, 4096, False), (9000, 4096, True)])
+@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_a_shipped_gpu_takes_its_own_table(monkeypatch, tmp_path, gpu, m, hidden, norm):
+    device = _fake_gpu(monkeypatch, tmp_path, gpu, 132, (9, 0))
+    sel = selector.Selector()
+    assert sel.choose(device, m, hidden, "fp32", norm) == _shipped_row(gpu, hidden, norm, m)
+    assert selector.TuneKey.parse(sel.table_key(device, hidden, "fp32", norm)).gpu == gpu
+
+
+@pytest.mark.parametrize("m,hidden,norm", [(1, 7168, False), (32, 7168, True), (100, 4096, False), (9000, 4096, True)])
 def test_a_gpu_of_the_shipped_architecture_and_sm_count_takes_its_table(monkeypatch, tmp_path, m, hidden, norm):
-    device = _fake_gpu(monkeypatch, tmp_path, "NVIDIA H100 80GB HBM3", 132, (9, 0))
+    """Another sm_90 GPU of 132 SMs (an H800) takes the first shipped file's table by name: the H100's."""
+    device = _fake_gpu(monkeypatch, tmp_path, "NVIDIA H800", 132, (9, 0))
     sel = selector.Selector()
     choice = sel.choose(device, m, hidden, "fp32", norm)
-    assert choice is not None and choice == _h200_row(hidden, norm, m)
-    assert selector.TuneKey.parse(sel.table_key(device, hidden, "fp32", norm)).gpu == "NVIDIA H200"
+    assert choice is not None and choice == _shipped_row("NVIDIA H100 80GB HBM3", hidden, norm, m)
+    assert selector.TuneKey.parse(sel.table_key(device, hidden, "fp32", norm)).gpu == "NVIDIA H100 80GB HBM3"
 
 
 @pytest.mark.parametrize("sm_count,capability,hidden", [(114, (9, 0), 7168), (132, (8, 0), 7168),
@@ -176,10 +186,10 @@ def test_no_stand_in_for_another_architecture_sm_count_or_h(monkeypatch, tmp_pat
 def test_a_gpu_s_own_table_wins_over_the_stand_in(monkeypatch, tmp_path):
     from mhc_cute import __version__
 
-    device = _fake_gpu(monkeypatch, tmp_path, "NVIDIA H100 80GB HBM3", 132, (9, 0))
-    own = selector.TuneKey("NVIDIA H100 80GB HBM3", 132, 7168, "fp32", True, __version__).as_str()
+    device = _fake_gpu(monkeypatch, tmp_path, "NVIDIA H800", 132, (9, 0))
+    own = selector.TuneKey("NVIDIA H800", 132, 7168, "fp32", True, __version__).as_str()
     selector.save_user_tables({own: {32: Choice("triton", None, 9.0)}})
-    # the GPU's own table with the norm serves a call without it before the H200's table without it
+    # the GPU's own table with the norm serves a call without it before the H100's table without it
     assert selector.Selector().choose(device, 32, 7168, "fp32", False) == Choice("triton", None, 9.0)
 
 
@@ -221,8 +231,9 @@ def test_the_delayed_seam_takes_its_own_table_from_its_smallest_bucket_up(monkey
     assert sel.resolve(device, 9000, 7168, "fp32", False)[0] == "half_fma"  # memoised apart from the delayed seam
     assert sel.resolve(device, 9000, 7168, "fp32", False, "delayed") == ("half_mma",
                                                                          selector.tactic_or_none(delayed_pick))
-    # no delayed table at this H: the V4 seam's (here the shipped H200 table, a stand-in)
-    assert sel.choose(device, 9000, 4096, "fp32", False, "delayed") == _h200_row(4096, False, 9000)
+    # no delayed table at this H: the V4 seam's (here the H100's shipped one)
+    assert sel.choose(device, 9000, 4096, "fp32", False, "delayed") == _shipped_row("NVIDIA H100 80GB HBM3", 4096,
+                                                                                   False, 9000)
     # a shipped delayed table of another GPU of this architecture stands in for this GPU's
     h200 = replace(own, gpu="NVIDIA H200", hidden=5120, seam="delayed").as_str()
     files = [selector.ShippedFile("nvidia_h200.json", "9.0", {h200: {2048: delayed_pick}})]
@@ -555,7 +566,7 @@ def test_info_names_the_table_auto_uses(monkeypatch, tmp_path, capsys):
     from mhc_cute import backends, cli
 
     monkeypatch.setenv("MHC_CUTE_CACHE_DIR", str(tmp_path))
-    props = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3", multi_processor_count=132, major=9, minor=0,
+    props = types.SimpleNamespace(name="NVIDIA H800", multi_processor_count=132, major=9, minor=0,
                                   total_memory=80 * 2**30)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
@@ -564,8 +575,8 @@ def test_info_names_the_table_auto_uses(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(selector, "SELECTOR", selector.Selector())
     assert cli.cmd_info(None) == 0
     out = capsys.readouterr().out
-    assert "H=7168 fp32 norm=0: NVIDIA H200|132|H7168|fp32|norm0" in out and "a stand-in" in out
-    assert "H=5120 fp32 norm=1: NVIDIA H200|132|H5120|fp32|norm1" in out
+    assert "H=7168 fp32 norm=0: NVIDIA H100 80GB HBM3|132|H7168|fp32|norm0" in out and "a stand-in" in out
+    assert "H=5120 fp32 norm=1: NVIDIA H100 80GB HBM3|132|H5120|fp32|norm1" in out
 
 
 # --- mhc-cute precompile: every kernel auto may run, compiled ahead -------------------------------------------
