@@ -467,6 +467,29 @@ def _contract_passes(monkeypatch, wrong=()):
                         lambda problem, name, tactic: "wrong" if (name, tactic) in wrong else None)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("seam", ["v4", "delayed"])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("h", [4096, 5120, 7168])
+@pytest.mark.parametrize("m", [1, 5, 32, 100, 300, 2048, 8192])
+def test_gpu_auto_where_the_seams_tables_serve(m, h, norm, seam):
+    """``auto`` of each seam where the shipped tables serve an H100 or an H200 (its own, or the other's as a
+    stand-in), from the latency buckets to prefill: it runs the table's pick, which meets the contract (its backend's
+    tolerances) twice bit for bit."""
+    import torch
+
+    from mhc_cute.accuracy import check_backend, make_inputs, problem_of
+
+    dev = torch.device("cuda")
+    backend, tactic = selector.SELECTOR.resolve(dev, m, h, "fp32", norm, seam)
+    key = selector.SELECTOR.table_key(dev, h, "fp32", norm, seam)
+    if key is not None:  # a GPU with a table of its own or a stand-in
+        want = selector.nearest(selector.SELECTOR.tables()[key], selector.bucket_of(m))
+        assert (backend, tactic) == (want.backend, selector.tactic_or_none(want))
+    inputs = make_inputs(m, h, seed=m + h, device="cuda", norm=norm, pre="carried" if seam == "delayed" else None)
+    check_backend(problem_of(inputs), backend, tactic)
+
+
 @pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
 def test_the_shipped_delayed_tables_serve_every_size(monkeypatch, tmp_path, gpu):
     """The shipped tables of the delayed seam (tuned from M = 1 to 16384, with and without the fused norm) serve its

@@ -486,27 +486,6 @@ def test_gpu_residual_bitwise_equal_to_the_v4_seam(backend, m, norm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seam", ["v4", "delayed"])
-@pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("h", [4096, 5120, 7168])
-@pytest.mark.parametrize("m", [1, 5, 32, 100, 300, 2048, 8192])
-def test_gpu_auto_where_the_seams_tables_serve(m, h, norm, seam):
-    """``auto`` of each seam where the shipped tables serve an H100 or an H200 (its own, or the other's as a
-    stand-in), from the latency buckets to prefill: it runs the table's pick, which meets the contract (its backend's
-    tolerances) twice bit for bit."""
-    from mhc_cute import selector
-
-    dev = torch.device("cuda")
-    backend, tactic = selector.SELECTOR.resolve(dev, m, h, "fp32", norm, seam)
-    key = selector.SELECTOR.table_key(dev, h, "fp32", norm, seam)
-    if key is not None:  # a GPU with a table of its own or a stand-in
-        want = selector.nearest(selector.SELECTOR.tables()[key], selector.bucket_of(m))
-        assert (backend, tactic) == (want.backend, selector.tactic_or_none(want))
-    inputs = make_inputs(m, h, seed=m + h, device="cuda", norm=norm, pre="carried" if seam == "delayed" else None)
-    check_backend(problem_of(inputs), backend, tactic)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("backend", SEAM_BACKENDS + ["auto"])
 @pytest.mark.parametrize("op,form,pre", VARIANTS, ids=VARIANT_IDS)
 def test_gpu_graph_capture_and_side_stream(backend, op, form, pre):
