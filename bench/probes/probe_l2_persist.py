@@ -194,24 +194,19 @@ def main(argv=None):
                     timers = {}
                     for name, (make, norm, persisting, aside) in rows.items():
                         call = make(norm, window if persisting else None)
-                        timers[name] = (lambda call=call, aside=aside: timed(call, sets, args.reps, window, aside))
+                        timers[name] = (lambda call=call, aside=aside, sets=sets:
+                                        timed(call, sets, args.reps, window, aside))
                     for name, make in (("auto", op_call), ("stream", stream_call)):
                         for norm in (False, True):
                             call = make(norm, None)
                             timers[f"{name}{' norm' if norm else ''}, graph"] = (
-                                lambda call=call: mb.time_graph(call, sets))
+                                lambda call=call, sets=sets: mb.time_graph(call, sets))
                     same = same_bits(sets[0], window)
                     times = mb.alternating_rounds(timers, args.rounds)
                     floor_us = mb.delayed_floor_bytes(m, h) / bw * 1e6
                     print(f"PL H={h} M={m} {len(sets)} sets; outputs with the window as without it: {same}",
                           flush=True)
-                    for name, ts in times.items():
-                        if isinstance(ts, Exception):
-                            print(f"PL H={h} M={m} {name:<36} ERROR {type(ts).__name__} {str(ts)[:160]}", flush=True)
-                            continue
-                        us = statistics.median(ts)
-                        print(f"PL H={h} M={m} {name:<36} {us:9.1f} us  {100 * floor_us / us:5.1f}% of the floor"
-                              f"  (rounds {' '.join(f'{t:.1f}' for t in ts)})", flush=True)
+                    rb.print_rounds(f"PL H={h} M={m}", times, floor_us, 36)
                     del sets
     finally:
         window.reset()

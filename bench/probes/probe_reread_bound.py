@@ -167,6 +167,18 @@ def delayed_op_calls(backends) -> dict:
     return calls
 
 
+def print_rounds(prefix: str, times: dict, floor_us: float, width: int):
+    """One line per ``alternating_rounds`` row: its median µs and fraction of the floor, and each round's µs (or
+    the row's error)."""
+    for name, ts in times.items():
+        if isinstance(ts, Exception):
+            print(f"{prefix} {name:<{width}} ERROR {type(ts).__name__} {str(ts)[:160]}", flush=True)
+            continue
+        us = statistics.median(ts)
+        print(f"{prefix} {name:<{width}} {us:9.1f} us  {100 * floor_us / us:5.1f}% of the floor"
+              f"  (rounds {' '.join(f'{t:.1f}' for t in ts)})", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[2048, 8192])
@@ -196,13 +208,7 @@ def main(argv=None):
                 timers.update({name: (lambda c=c, sets=sets: mb.time_graph(c, sets)) for name, c in calls.items()})
                 times = mb.alternating_rounds(timers, args.rounds)
                 floor_us = (mb.delayed_floor_bytes if args.delayed else mb.floor_bytes)(m, h) / bw * 1e6
-                for name, ts in times.items():
-                    if isinstance(ts, Exception):
-                        print(f"RB H={h} M={m} {name:<28} ERROR {type(ts).__name__} {str(ts)[:160]}", flush=True)
-                        continue
-                    us = statistics.median(ts)
-                    print(f"RB H={h} M={m} {name:<28} {us:9.1f} us  {100 * floor_us / us:5.1f}% of the floor"
-                          f"  (rounds {' '.join(f'{t:.1f}' for t in ts)})", flush=True)
+                print_rounds(f"RB H={h} M={m}", times, floor_us, 28)
                 del sets
 
 
