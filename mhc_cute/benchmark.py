@@ -672,9 +672,10 @@ def fastest(graph_us: dict, hidden: int, m: int, names) -> str | None:
 
 
 def auto_summary(results: list[Result], backends: list[str]) -> str:
-    """Per shape: ``auto``'s time over the fastest kernel backend's in the same run (1.00 = it picked the best)."""
+    """Per shape: ``auto``'s time over that of the fastest of ``backends`` in the same run (1.00: it ran as fast as
+    the best of them; below 1: faster than each, as when only Triton is timed beside it)."""
     by = {(r.hidden, r.m, r.name): r.graph_us for r in results if r.graph_us is not None}
-    lines = ["auto / fastest backend (graph replay):"]
+    lines = [f"auto / the fastest of {', '.join(backends)} (graph replay; below 1: auto is faster than each):"]
     for h, m in dict.fromkeys((r.hidden, r.m) for r in results):
         best = fastest(by, h, m, backends)
         if (h, m, "auto") in by and best is not None:

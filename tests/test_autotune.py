@@ -380,7 +380,12 @@ def test_bench_summary_compares_auto_with_the_fastest_backend_of_the_same_run():
 
     rows = [bm.Result("auto", 1, 512, graph_us=10.5), bm.Result("half_fma", 1, 512, graph_us=10.0),
             bm.Result("half_mma", 1, 512, graph_us=12.0), bm.Result("tilekernels", 1, 512, graph_us=5.0)]
-    assert "H=512 M=1: 1.050 (fastest: half_fma)" in bm.auto_summary(rows, ["half_fma", "half_mma"])
+    summary = bm.auto_summary(rows, ["half_fma", "half_mma"])
+    assert "auto / the fastest of half_fma, half_mma" in summary
+    assert "H=512 M=1: 1.050 (fastest: half_fma)" in summary
+    # auto faster than every backend timed beside it (a run timing Triton alone): below 1, and the header says so
+    summary = bm.auto_summary(rows[:1] + [bm.Result("triton", 1, 512, graph_us=21.0)], ["triton"])
+    assert "H=512 M=1: 0.500 (fastest: triton)" in summary and "below 1: auto is faster than each" in summary
 
 
 def test_alternating_rounds_reverse_the_order_and_keep_a_failing_timer_out():
