@@ -32,10 +32,11 @@ GRIDS = {
 }
 
 
-def picks_of(grid, delayed: bool = False):
+def picks_of(grid, delayed: bool = False, gpu: str = "NVIDIA H200"):
     """(H, M, norm, tactic, explicit) per point: a point's own tactic (explicit), else the one ``auto`` runs there on
-    an H200: the user's tuning cache, then the shipped tables, a table with the point's norm flag first (as
-    ``selector.Selector.choose``); ``delayed``: the delayed seam's tables first, from their smallest bucket up."""
+    ``gpu`` (a GPU with tables of its own): the user's tuning cache, then the shipped tables, a table with the point's
+    norm flag first (as ``selector.Selector.choose``); ``delayed``: the delayed seam's tables first, from their
+    smallest bucket up."""
     from mhc_cute import tactics
     try:
         from mhc_cute import selector
@@ -50,7 +51,8 @@ def picks_of(grid, delayed: bool = False):
             out.append((h, m, norm, tactics.parse_tactic(named[0]), True))
             continue
         bucket = selector.bucket_of(m)
-        keys = [k for n in (norm, not norm) for k in tables if f"|H{h}|" in k and f"|norm{int(n)}|" in k]
+        keys = [k for n in (norm, not norm) for k in tables
+                if k.startswith(f"{gpu}|") and f"|H{h}|" in k and f"|norm{int(n)}|" in k]
         own = [k for k in keys if k.endswith("|delayed") and bucket >= min(tables[k])] if delayed else []
         key = (own + [k for k in keys if not k.endswith("|delayed")])[0]
         choice = selector.nearest(tables[key], bucket)
@@ -120,6 +122,7 @@ def main() -> int:
                     help="what to time, in turn (default mhc_fused_hc)")
     ap.add_argument("--tag", default="run", help="label of this version in the output lines")
     ap.add_argument("--precompile", action="store_true", help="compile the grid's kernels (no GPU needed) and exit")
+    ap.add_argument("--gpu", default="NVIDIA H200", help="with --precompile: whose tables' picks (else this GPU's)")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--separated", action="store_true",
@@ -131,7 +134,7 @@ def main() -> int:
                 (p.split(":", 3) + [""] * (3 - p.count(":")) for p in args.points)]
     if args.precompile:
         for op in args.op:
-            precompile(picks_of(grid, op == "delayed"), op)
+            precompile(picks_of(grid, op == "delayed", args.gpu), op)
         return 0
 
     import torch
@@ -140,7 +143,7 @@ def main() -> int:
 
     dev = torch.device("cuda")
     for op in args.op:
-        for h, m, norm, tactic, explicit in picks_of(grid, op == "delayed"):
+        for h, m, norm, tactic, explicit in picks_of(grid, op == "delayed", torch.cuda.get_device_name(dev)):
             sets = sets_of(op, m, h, norm, dev)
             call = call_of(op, dict(backend=tactic.path, tactic=tactic) if explicit else {})
             us = mb.time_graph(call, sets, reps=args.reps)
