@@ -479,8 +479,8 @@ def _contract_passes(monkeypatch, wrong=()):
 @pytest.mark.parametrize("m", [1, 5, 32, 100, 300, 2048, 8192])
 def test_gpu_auto_where_the_seams_tables_serve(m, h, norm, seam):
     """``auto`` of each seam where the shipped tables serve an H100 or an H200 (its own; another sm_90 GPU of 132 SMs
-    the H100's as a stand-in), from the latency buckets to prefill: it runs the table's pick, which meets the contract (its backend's
-    tolerances) twice bit for bit."""
+    the H100's as a stand-in), from the latency buckets to prefill: it runs the table's pick, which meets the contract
+    (its backend's tolerances) twice bit for bit."""
     import torch
 
     from mhc_cute.accuracy import check_backend, make_inputs, problem_of

@@ -60,6 +60,17 @@ def picks_of(grid, delayed: bool = False, gpu: str = "NVIDIA H200"):
     return out
 
 
+def resolved(dev, h: int, m: int, norm: bool, delayed: bool):
+    """The tactic ``auto`` runs at a point on this GPU, from the tree's own lookup (``selector.SELECTOR.resolve``;
+    a backend's default where it names none)."""
+    import torch
+
+    from mhc_cute import selector, tactics
+
+    backend, tactic = selector.SELECTOR.resolve(dev, m, h, "fp32", norm, "delayed" if delayed else "v4")
+    return tactic or tactics.default_tactic(backend, m, h, torch.cuda.get_device_properties(dev).multi_processor_count)
+
+
 def precompile(picks, op: str) -> None:
     from mhc_cute import autotune, benchmark as mb
 
@@ -122,7 +133,7 @@ def main() -> int:
                     help="what to time, in turn (default mhc_fused_hc)")
     ap.add_argument("--tag", default="run", help="label of this version in the output lines")
     ap.add_argument("--precompile", action="store_true", help="compile the grid's kernels (no GPU needed) and exit")
-    ap.add_argument("--gpu", default="NVIDIA H200", help="with --precompile: whose tables' picks (else this GPU's)")
+    ap.add_argument("--gpu", default="NVIDIA H200", help="with --precompile: whose shipped tables' picks to compile")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--separated", action="store_true",
@@ -139,11 +150,14 @@ def main() -> int:
 
     import torch
 
-    from mhc_cute import benchmark as mb
+    from mhc_cute import benchmark as mb, tactics
 
     dev = torch.device("cuda")
     for op in args.op:
-        for h, m, norm, tactic, explicit in picks_of(grid, op == "delayed", torch.cuda.get_device_name(dev)):
+        for h, m, norm, *named in grid:
+            explicit = bool(named)
+            # a standalone op's column names the V4 seam's pick, as before
+            tactic = (tactics.parse_tactic(named[0]) if explicit else resolved(dev, h, m, norm, op == "delayed"))
             sets = sets_of(op, m, h, norm, dev)
             call = call_of(op, dict(backend=tactic.path, tactic=tactic) if explicit else {})
             us = mb.time_graph(call, sets, reps=args.reps)
