@@ -5,6 +5,7 @@ failure, each with a command that reproduces it.
     python bench/soak.py --seconds 540 --seed 1
     python bench/soak.py --seconds 40          # no GPU: the torch backend and Triton's interpreter, small shapes
     python bench/soak.py --replay '{"op": "mhc_fused_hc", ...}'   # one call again, as a failure printed it
+    MHC_CUTE_KERNEL_CACHE=/tmp/kc python bench/soak.py --precompile-only --seed 1   # its kernels first (no GPU needed)
 
 Each call of ``mhc_fused_hc`` draws: its form (regular half the time, no post, broadcast entry), M (0, 1, powers of
 two, odd sizes, any size; up to tens of thousands on a GPU,
@@ -18,17 +19,19 @@ replayed on two new sets of activations. Now and then a regular call is made aga
 value of one token, against the non-finite policy (``accuracy.check_poisoned_token``). On a GPU most draws reuse the
 kernel configuration of an earlier one (its backend, H, norm, precision and resolved tactic) with new sizes and
 data, so that compiling new kernel variants takes a bounded share of the run (``$MHC_CUTE_KERNEL_CACHE``, default
-/tmp/mhc-kcache, keeps them for later runs).
-``mhc_fused_hc_delayed`` (every form too; carried gates or the identity ``pre_mix_prev=None``) and the standalone ops ``mhc_post``, ``mhc_collapse``, ``mhc_head`` draw the same way (no
-poisoned tokens), each on the backends that implement it, checked with ``accuracy.check_outputs`` and
-``accuracy.check_op_output``; ``--ops`` picks some, by default all (weighted towards the two seams).
-A call's draw is a JSON object; the i-th draw depends only on ``--seed`` and i. A new op is one entry of ``OPS``
-(its draw and its run).
+/tmp/mhc-kcache, keeps them for later runs; ``--precompile-only`` fills it on any machine with the CuTe seam kernels
+that a seed's calls will launch on a Hopper GPU).
+``mhc_fused_hc_delayed`` (every form too; carried gates or the identity ``pre_mix_prev=None``) and the standalone
+ops ``mhc_post``, ``mhc_collapse``, ``mhc_head`` draw the same way (no poisoned tokens), each on the backends that
+implement it, checked with ``accuracy.check_outputs`` and ``accuracy.check_op_output``; ``--ops`` picks some, by
+default all (weighted towards the two seams). A call's draw is a JSON object; the i-th draw depends only on
+``--seed`` and i. A new op is one entry of ``OPS`` (its draw and its run).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -517,18 +520,10 @@ def make_env(device: str | None, backends: list | None, new_config: float | None
         # saturated gates and non-finite inputs: the interpreter's numpy warns where IEEE arithmetic gives an infinity
         # or NaN, as intended
         warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton|numpy")
-    from mhc_cute import available
+    from mhc_cute import available, ops
 
-    here = available(torch.device(device)) + (["auto"] if device == "cuda" else [])
-    names = [b for b in here if not backends or b in backends]
-    if not names:
-        raise SystemExit(f"no backend to soak on {device} (available: {here})")
-    from mhc_cute import ops
-
-    auto = ["auto"] if device == "cuda" else []
-    op_backends = {op: [b for b in ops.available(op, torch.device(device)) + auto if not backends or b in backends]
-                   for op in ops.OP_BACKENDS}
-    env = Env(device, names, op_backends)
+    env = _backend_env(device, available(torch.device(device)),
+                       {op: ops.available(op, torch.device(device)) for op in ops.OP_BACKENDS}, backends)
     if device == "cuda":
         env.new_config = NEW_CONFIG_GPU if new_config is None else new_config
         env.sm_count = torch.cuda.get_device_properties(0).multi_processor_count
@@ -536,6 +531,28 @@ def make_env(device: str | None, backends: list | None, new_config: float | None
     elif new_config is not None:
         env.new_config = new_config
     return env
+
+
+def hopper_env(backends: list | None, new_config: float | None, sm_count: int) -> Env:
+    """The ``Env`` that ``make_env`` builds on a Hopper GPU with ``sm_count`` SMs, where every backend runs, made
+    without one: its draws are the soak's there (``--precompile-only``)."""
+    from mhc_cute import BACKENDS, ops
+
+    env = _backend_env("cuda", list(BACKENDS), {op: list(ops.OP_BACKENDS[op]) for op in ops.OP_BACKENDS}, backends)
+    env.new_config = NEW_CONFIG_GPU if new_config is None else new_config
+    env.sm_count = sm_count
+    return env
+
+
+def _backend_env(device: str, seam_backends: list, op_backends: dict, backends: list | None) -> Env:
+    """An ``Env`` of the seam's and each op's backends that run on ``device`` (in the registries' order, which the
+    draws depend on; ``auto`` too on a GPU), kept to ``backends`` when given."""
+    auto = ["auto"] if device == "cuda" else []
+    names = [b for b in seam_backends + auto if not backends or b in backends]
+    if not names:
+        raise SystemExit(f"no backend to soak on {device} (available: {seam_backends + auto})")
+    return Env(device, names, {op: [b for b in here + auto if not backends or b in backends]
+                               for op, here in op_backends.items()})
 
 
 def call_rng(seed: int, i: int) -> random.Random:
@@ -608,17 +625,50 @@ class Watchdog:
                 print(_main_thread_stack(), flush=True)  # where it waits: compile, launch, synchronize
 
 
-def soak(seconds: float, seed: int, env: Env, ops: list[str], progress_s: float, hang_s: float = 600) -> int:
+def draw_sequence(seed: int, env: Env, ops: list[str]):
+    """The soak's calls in order, ``(i, op, draw)``: the i-th depends only on the seed, i and the draws before it
+    (the kernel configurations they drew, in ``env.history``)."""
     weights = [OPS[o].weight for o in ops]
+    for i in itertools.count():
+        rng = call_rng(seed, i)
+        op = rng.choices(ops, weights)[0]
+        yield i, op, OPS[op].draw(rng, env)
+
+
+SEAM_OPS = ("mhc_fused_hc", "mhc_fused_hc_delayed")
+
+
+def kernel_specs(seed: int, env: Env, ops: list[str], calls: int) -> tuple[list, list]:
+    """(FMA specs, MMA specs), in ``bench/precompile.py``'s form, of the CuTe seam kernels that the first ``calls``
+    calls of the soak launch: a draw's tactic, or its backend's default at the draw's M on ``env.sm_count`` SMs, as
+    the API resolves it. ``auto`` draws (resolved by the GPU's tables) and the standalone ops' kernels are left to
+    compile on first use."""
+    from mhc_cute import tactics as tac
+
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    from precompile import split_specs
+
+    fma, mma = [], []
+    for _, op, d in itertools.islice(draw_sequence(seed, env, ops), calls):
+        if op not in SEAM_OPS or d["backend"] not in tac.FMA_PATHS + tac.MMA_PATHS or d["m"] == 0:
+            continue
+        t = tac.parse_tactic(d["tactic"]) if d["tactic"] else tac.default_tactic(d["backend"], d["m"], d["h"],
+                                                                                  env.sm_count)
+        f, m = split_specs([(d["h"], t)], [d["norm"]], [d["precision"]], [d.get("pre")], d.get("form", "regular"))
+        fma += f
+        mma += m
+    return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
+
+
+def soak(seconds: float, seed: int, env: Env, ops: list[str], progress_s: float, hang_s: float = 600) -> int:
     start = last = time.monotonic()
     calls, failures, counts = 0, [], {}
-    i = 0
     watchdog = Watchdog(min(60.0, hang_s), hang_s, env.device)
+    draws = draw_sequence(seed, env, ops)
     try:
         while time.monotonic() - start < seconds:
-            rng = call_rng(seed, i)
-            op = rng.choices(ops, weights)[0]
-            d = OPS[op].draw(rng, env)
+            i, op, d = next(draws)
             watchdog.start(i, d, calls, len(failures))
             try:
                 OPS[op].run(d, env)
@@ -630,7 +680,6 @@ def soak(seconds: float, seed: int, env: Env, ops: list[str], progress_s: float,
                     calls += 1
                     break
             calls += 1
-            i += 1
             key = f"{op}:{OPS[op].label(d)}"
             counts[key] = counts.get(key, 0) + 1
             if time.monotonic() - last >= progress_s:
@@ -647,6 +696,19 @@ def soak(seconds: float, seed: int, env: Env, ops: list[str], progress_s: float,
     return 1 if failures else 0
 
 
+def precompile(seed: int, env: Env, ops: list[str], calls: int, workers: int) -> int:
+    """Compile the kernels of ``kernel_specs`` (``--precompile-only``)."""
+    from mhc_cute.kernels import fma, mma
+
+    from precompile import compile_jobs  # on the path once kernel_specs ran
+
+    fma_specs, mma_specs = kernel_specs(seed, env, [o for o in ops if env.op_backends.get(o, True)], calls)
+    print(f"soak seed {seed}, {calls} calls on {env.sm_count} SMs: {len(fma_specs)} FMA and {len(mma_specs)} MMA "
+          f"variants", flush=True)
+    compile_jobs([("precompile: FMA", fma, fma_specs), ("precompile: MMA", mma, mma_specs)], workers)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=60)
@@ -661,11 +723,23 @@ def main(argv=None) -> int:
     ap.add_argument("--hang-after", type=float, default=600, help="seconds after which a call in flight counts as "
                     "hung: its reproducer is printed and the soak ends with status 1 (calls past a minute are "
                     "reported as slow)")
+    ap.add_argument("--precompile-only", action="store_true", help="no GPU needed: compile into "
+                    "$MHC_CUTE_KERNEL_CACHE the CuTe seam kernels of the first --calls calls that --seed draws on a "
+                    "Hopper GPU with --sm-count SMs, so that the soak there spends its time calling")
+    ap.add_argument("--calls", type=int, default=3000, help="with --precompile-only (a GPU makes 5-10 calls a second)")
+    ap.add_argument("--sm-count", type=int, default=132, help="with --precompile-only (H100/H200 SXM: 132)")
+    ap.add_argument("--workers", type=int, default=os.cpu_count(), help="with --precompile-only")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     os.environ.setdefault("MHC_CUTE_KERNEL_CACHE", DEFAULT_KERNEL_CACHE)
-    env = make_env(args.device, args.backends and args.backends.split(","), args.new_config)
+    backends = args.backends and args.backends.split(",")
+    if args.precompile_only:
+        if args.seed is None:
+            ap.error("--precompile-only needs the --seed of the soak it prepares")
+        return precompile(args.seed, hopper_env(backends, args.new_config, args.sm_count), args.ops.split(","),
+                          args.calls, args.workers)
+    env = make_env(args.device, backends, args.new_config)
     if args.replay:
         d = json.loads(args.replay)
         try:

@@ -1,6 +1,7 @@
 """bench/soak.py without a GPU: a short run on the torch backend and Triton's interpreter, and how a failure is
 reported (its reproducer replays the same call)."""
 
+import itertools
 import json
 
 import pytest
@@ -97,3 +98,40 @@ def test_a_stopped_watchdog_never_fires(soak, capsys):
     watchdog.stop()
     time.sleep(2.5)
     assert hung == [] and "hung" not in capsys.readouterr().out
+
+
+def test_the_soak_makes_the_draws_its_precompile_lists(soak, monkeypatch):
+    """``--precompile-only`` enumerates the draws a soak makes on a Hopper GPU: the soak's loop runs exactly
+    ``draw_sequence``'s draws, and ``kernel_specs`` names a kernel for each CuTe seam draw among them (the draw's own
+    tactic where it has one), nothing for the others. No GPU: the calls are recorded, not run."""
+    ops = ["mhc_fused_hc", "mhc_fused_hc_delayed"]
+    made = []
+    for op in ops:
+        monkeypatch.setitem(soak.OPS, op, soak.OPS[op]._replace(run=lambda d, env: made.append(d)))
+    assert soak.soak(0.3, 11, soak.hopper_env(["all_fma", "all_mma", "torch"], None, 132), ops, 60) == 0
+    assert len(made) > 100
+    listed = [d for _, _, d in itertools.islice(soak.draw_sequence(11, soak.hopper_env(
+        ["all_fma", "all_mma", "torch"], None, 132), ops), len(made))]
+    assert listed == made
+    fma, mma = soak.kernel_specs(11, soak.hopper_env(["all_fma", "all_mma", "torch"], None, 132), ops, len(made))
+    cute = [d for d in made if d["backend"] != "torch" and d["m"] > 0]
+    assert cute and len(cute) < len(made)
+    configs = {(d["backend"], d["h"], d["norm"], d.get("pre"), d["form"], d["tactic"]) for d in cute}
+    assert 0 < len(fma) + len(mma) <= len(configs)  # one kernel a configuration at most (defaults differ by M)
+    names = {s[0] for s in fma + mma}
+    assert {d["tactic"] for d in cute if d["tactic"]} <= names
+    assert {s[0].split(":")[0] for s in fma} == {"all_fma"} and {s[0].split(":")[0] for s in mma} == {"all_mma"}
+
+
+def test_precompile_only_compiles_the_listed_kernels(soak, monkeypatch, capsys):
+    import precompile
+
+    jobs = []
+    monkeypatch.setattr(precompile, "compile_jobs", lambda j, workers: jobs.extend(j))
+    assert soak.main(["--precompile-only", "--seed", "4", "--calls", "500", "--backends", "all_fma,all_mma"]) == 0
+    seams = ["mhc_fused_hc", "mhc_fused_hc_delayed"]  # the standalone ops have no backend among these two
+    fma, mma = soak.kernel_specs(4, soak.hopper_env(["all_fma", "all_mma"], None, 132), seams, 500)
+    assert [specs for _, _, specs in jobs] == [fma, mma] and fma and mma
+    assert f"{len(fma)} FMA and {len(mma)} MMA variants" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        soak.main(["--precompile-only", "--calls", "10"])  # which soak: the seed is needed
