@@ -68,6 +68,7 @@ class Env:
     op_backends: dict = field(default_factory=dict)
     new_config: float = 1.0  # share of draws with a new kernel configuration; the others reuse one of ``history``
     sm_count: int = 132
+    triton_device: tuple = ("interpreter", 4)  # (architecture, compute units) Triton's tactics are chosen for
     history: dict = field(default_factory=dict)
     stream: object = None
 
@@ -133,7 +134,7 @@ def _draw_tactic(rng: random.Random, backend: str, m: int, h: int, env: Env):
             return None
         from mhc_cute.triton import configs
 
-        table = configs.table_for("sm90" if env.device == "cuda" else "interpreter")
+        table = configs.table_for(env.triton_device[0])
         t = rng.choice(table.buckets)[1]
         fields = dict(t.__dict__, split_k=rng.choice([1, 2, 3, 7, t.split_k, 1 << 20]),
                       chunk_m=rng.choice([0, 0, 0, 64, 1000]))
@@ -152,11 +153,9 @@ def _resolved_tactic(backend: str, tactic, m: int, h: int, env: Env):
     if backend in tac.FMA_PATHS + tac.MMA_PATHS:
         return tac.default_tactic(backend, m, h, env.sm_count).name
     if backend == "triton":
-        import torch
+        from mhc_cute.triton.configs import select_tactic
 
-        from mhc_cute.triton import fused_hc
-
-        return dict(fused_hc._default_tactic(torch.device(env.device), m, h).__dict__)
+        return dict(select_tactic(*env.triton_device, m, h).__dict__)  # as the backend resolves None there
     return None
 
 
@@ -524,6 +523,10 @@ def make_env(device: str | None, backends: list | None, new_config: float | None
 
     env = _backend_env(device, available(torch.device(device)),
                        {op: ops.available(op, torch.device(device)) for op in ops.OP_BACKENDS}, backends)
+    if "triton" in env.backends:
+        from mhc_cute.triton import fused_hc
+
+        env.triton_device = fused_hc._device_key(torch.device(device))
     if device == "cuda":
         env.new_config = NEW_CONFIG_GPU if new_config is None else new_config
         env.sm_count = torch.cuda.get_device_properties(0).multi_processor_count
@@ -541,6 +544,7 @@ def hopper_env(backends: list | None, new_config: float | None, sm_count: int) -
     env = _backend_env("cuda", list(BACKENDS), {op: list(ops.OP_BACKENDS[op]) for op in ops.OP_BACKENDS}, backends)
     env.new_config = NEW_CONFIG_GPU if new_config is None else new_config
     env.sm_count = sm_count
+    env.triton_device = ("sm90", sm_count)
     return env
 
 

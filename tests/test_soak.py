@@ -133,5 +133,9 @@ def test_precompile_only_compiles_the_listed_kernels(soak, monkeypatch, capsys):
     fma, mma = soak.kernel_specs(4, soak.hopper_env(["all_fma", "all_mma"], None, 132), seams, 500)
     assert [specs for _, _, specs in jobs] == [fma, mma] and fma and mma
     assert f"{len(fma)} FMA and {len(mma)} MMA variants" in capsys.readouterr().out
+    jobs.clear()  # every backend, as a soak draws by default: Triton's and auto's draws need no GPU either
+    assert soak.main(["--precompile-only", "--seed", "4", "--calls", "500"]) == 0
+    assert [len(specs) for _, _, specs in jobs] == [len(s) for s in soak.kernel_specs(
+        4, soak.hopper_env(None, None, 132), list(soak.OPS), 500)]
     with pytest.raises(SystemExit):
         soak.main(["--precompile-only", "--calls", "10"])  # which soak: the seed is needed
