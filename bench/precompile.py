@@ -49,6 +49,17 @@ def split_specs(pairs, norms, precisions, seams=(None,), form="regular"):
     return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
 
 
+def call_specs(backend, tactic, m, hidden, norm, precision, seam=None, form="regular", sm_count=132):
+    """(FMA specs, MMA specs) of the kernel one seam call launches: ``tactic`` (a name), or None for ``backend``'s
+    default at M on ``sm_count`` SMs, as the API resolves it; none for a backend that is not a CuTe path."""
+    from mhc_cute import tactics
+
+    if backend not in tactics.FMA_PATHS + tactics.MMA_PATHS:
+        return [], []
+    t = tactics.parse_tactic(tactic) if tactic else tactics.default_tactic(backend, m, hidden, sm_count)
+    return split_specs([(hidden, t)], [norm], [precision], [seam], form)
+
+
 def specs_for(backends, ms, hiddens, norms, precisions, sm_count, seams=(None,), form="regular"):
     """The default tactics of these backends at these M and H."""
     from mhc_cute import tactics

@@ -532,19 +532,15 @@ def _precompile_script():
 
 
 def cute_specs(cases: list[Case], sm_count: int):
-    """(FMA specs, MMA specs) in ``kernels.fma/mma.precompile``'s form (``precompile.split_specs``), for the CuTe
-    cases."""
-    from mhc_cute import tactics as tac
-
-    split_specs = _precompile_script().split_specs
+    """(FMA specs, MMA specs) of the CuTe cases, in ``kernels.fma/mma.precompile``'s form."""
+    call_specs = _precompile_script().call_specs
     fma, mma = [], []
     for c in cases:
-        if c.op not in ("mhc_fused_hc", "mhc_fused_hc_delayed") or c.backend not in tac.FMA_PATHS + tac.MMA_PATHS:
+        if c.op not in ("mhc_fused_hc", "mhc_fused_hc_delayed"):
             continue
-        t = tac.parse_tactic(c.tactic) if c.tactic else tac.default_tactic(c.backend, c.m, c.h, sm_count)
         seam = "carried" if c.op == "mhc_fused_hc_delayed" else None  # delayed_inputs carries gates
-        f, m = split_specs([(c.h, t)], ["bfloat16" if c.norm else None], [c.precision], [seam],
-                           case_form(c))
+        f, m = call_specs(c.backend, c.tactic, c.m, c.h, "bfloat16" if c.norm else None, c.precision, seam,
+                          case_form(c), sm_count)
         fma += f
         mma += m
     return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))

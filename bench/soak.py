@@ -644,25 +644,26 @@ SEAM_OPS = ("mhc_fused_hc", "mhc_fused_hc_delayed")
 
 def kernel_specs(seed: int, env: Env, ops: list[str], calls: int) -> tuple[list, list]:
     """(FMA specs, MMA specs), in ``bench/precompile.py``'s form, of the CuTe seam kernels that the first ``calls``
-    calls of the soak launch: a draw's tactic, or its backend's default at the draw's M on ``env.sm_count`` SMs, as
-    the API resolves it. ``auto`` draws (resolved by the GPU's tables) and the standalone ops' kernels are left to
-    compile on first use."""
-    from mhc_cute import tactics as tac
-
-    if str(ROOT / "bench") not in sys.path:
-        sys.path.insert(0, str(ROOT / "bench"))
-    from precompile import split_specs
-
+    calls of the soak launch (a draw's tactic, or its backend's default at the draw's M on ``env.sm_count`` SMs).
+    ``auto`` draws (resolved by the GPU's tables) and the standalone ops' kernels are left to compile on first use."""
+    call_specs = _precompile_module().call_specs
     fma, mma = [], []
     for _, op, d in itertools.islice(draw_sequence(seed, env, ops), calls):
-        if op not in SEAM_OPS or d["backend"] not in tac.FMA_PATHS + tac.MMA_PATHS or d["m"] == 0:
-            continue
-        t = tac.parse_tactic(d["tactic"]) if d["tactic"] else tac.default_tactic(d["backend"], d["m"], d["h"],
-                                                                                  env.sm_count)
-        f, m = split_specs([(d["h"], t)], [d["norm"]], [d["precision"]], [d.get("pre")], d.get("form", "regular"))
-        fma += f
-        mma += m
+        if op in SEAM_OPS and d["m"]:
+            f, m = call_specs(d["backend"], d["tactic"], d["m"], d["h"], d["norm"], d["precision"], d.get("pre"),
+                              d.get("form", "regular"), env.sm_count)
+            fma += f
+            mma += m
     return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
+
+
+def _precompile_module():
+    """``bench/precompile.py`` (its spec format and compile loop), however this script was loaded."""
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    import precompile
+
+    return precompile
 
 
 def soak(seconds: float, seed: int, env: Env, ops: list[str], progress_s: float, hang_s: float = 600) -> int:
@@ -704,12 +705,11 @@ def precompile(seed: int, env: Env, ops: list[str], calls: int, workers: int) ->
     """Compile the kernels of ``kernel_specs`` (``--precompile-only``)."""
     from mhc_cute.kernels import fma, mma
 
-    from precompile import compile_jobs  # on the path once kernel_specs ran
-
     fma_specs, mma_specs = kernel_specs(seed, env, [o for o in ops if env.op_backends.get(o, True)], calls)
     print(f"soak seed {seed}, {calls} calls on {env.sm_count} SMs: {len(fma_specs)} FMA and {len(mma_specs)} MMA "
           f"variants", flush=True)
-    compile_jobs([("precompile: FMA", fma, fma_specs), ("precompile: MMA", mma, mma_specs)], workers)
+    _precompile_module().compile_jobs([("precompile: FMA", fma, fma_specs), ("precompile: MMA", mma, mma_specs)],
+                                      workers)
     return 0
 
 
