@@ -249,6 +249,23 @@ def test_delayed_big_fuse_loads_a_block_of_tokens_at_once(tmp_path, cuobjdump, d
     assert loads[-1] < first_sum_store, (loads, first_sum_store)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tactic, kernel, rows", [
+    ("all_fma:k28:t8:n6:w256:s1:b1:fbw", "FmaFusedHc", 8 * 4),  # 8 tokens x 4 splits a warp (28 over 8 warps)
+    ("all_mma:k4:m64:s3:fbw", "MmaFusedHcKernel", 16),  # 16 of the tile's 64 tokens x 1 split a warp
+])
+def test_last_cta_loads_a_block_of_partial_rows_at_once(tmp_path, cuobjdump, dump_env, tactic, kernel, rows):
+    """Paths F and D: the CTA that completes a tile (after the election's fence) issues the partial-row loads of a
+    block of tokens (``big_fuse.TOKEN_LOADS``) before it adds any, as the standalone big fuse does; one token at a
+    time put a memory round trip per token in series (path D 0.71-0.97, path F 0.86-1.00 of the time,
+    docs/experiments.md 2026-12-06). ``rows``: those loads, besides hc_base and hc_scale."""
+    sass, _ = compiled_variant(tmp_path, dump_env, cuobjdump, tactic, "7168", "none", "carried")
+    (ops,) = [ops for name, ops in sass_functions(sass).items() if kernel in name]
+    phase = ops[ops.index("MEMBAR.ALL.GPU"):]
+    loads = phase[:phase.index("FADD")].count("LDG.E")
+    assert loads >= 2 + rows, loads
+
+
 def _bench_module(name: str):
     """Import a script of bench/probes/ (not a package) as a module."""
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "probes")

@@ -42,6 +42,9 @@ SCALE_AT = N_MIXES  # hc_scale's place in the constants (after hc_base)
 SOFTMAX_LANES = HC_MULT * HC_MULT  # lanes per token of the Sinkhorn warp's lane-parallel softmax
 COLLAPSE_BARRIER = 1  # named barrier of the collapse warps when the Sinkhorn has a warp of its own
 DELAYED_BLOCK_TOKENS = 16  # tokens per CTA of the delayed seam's standalone big fuse without the norm (shape "bw")
+# tokens whose partial rows a warp loads together before summing any (one memory round trip for all of them: one
+# per token serialised path D's and path F's tiles), at most 32 loads a lane
+TOKEN_LOADS = 16
 MIXES_READY = 2  # named barrier: the collapse warps' summed rows are in shared memory (the Sinkhorn warp waits)
 
 
@@ -77,7 +80,7 @@ class BigFusePhase:
 
     def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4,
                  sinkhorn_last: bool = False, sinkhorn_warp: bool = False, pair_sinkhorn: bool = False,
-                 delayed: bool = False, token_loads: int = 1):
+                 delayed: bool = False):
         assert hidden % du.VEC_BF16 == 0 and threads % du.WARP == 0 and tokens <= threads
         self.hidden = hidden
         self.split_k = split_k
@@ -97,9 +100,7 @@ class BigFusePhase:
         self.pair_sinkhorn = pair_sinkhorn
         self.collapse_warps = collapse_warps = self.warps - (1 if sinkhorn_warp else 0)
         self.groups = max(g for g in range(1, min(tokens, collapse_warps) + 1) if collapse_warps % g == 0)
-        # ``token_loads``: tokens whose partial rows a warp loads together before summing any (one memory round trip
-        # for all of them, where one per token serialises a block of many tokens), at most 32 loads a lane
-        self.token_loads = max(1, min(token_loads, 32 // -(-split_k // self.collapse_warps)))
+        self.token_loads = max(1, min(TOKEN_LOADS, 32 // -(-split_k // self.collapse_warps)))
         self.group_warps = collapse_warps // self.groups
         self.group_threads = self.group_warps * du.WARP
         self.rounds = -(-tokens // self.groups)
@@ -589,9 +590,9 @@ class BigFuseKernel:
     """Standalone big fuse: one CTA of ``threads`` threads per block of ``tokens`` tokens."""
 
     def __init__(self, hidden: int, split_k: int, tokens: int, threads: int, norm_dtype, batch: int = 4,
-                 sinkhorn_warp: bool = False, pair_sinkhorn: bool = False, delayed: bool = False, token_loads: int = 1):
+                 sinkhorn_warp: bool = False, pair_sinkhorn: bool = False, delayed: bool = False):
         self.phase = BigFusePhase(hidden, split_k, tokens, threads, norm_dtype, batch, sinkhorn_warp=sinkhorn_warp,
-                                  pair_sinkhorn=pair_sinkhorn, delayed=delayed, token_loads=token_loads)
+                                  pair_sinkhorn=pair_sinkhorn, delayed=delayed)
 
     @cute.jit
     def launch(self, mPartials, mScale, mBase, mNormW, mResCur, mPostOut, mCombOut, mLayerIn, scalars, stream,
@@ -631,8 +632,7 @@ def standalone_big_fuse(hidden: int, split_k: int, norm_dtype, fuse: str, delaye
         # the delayed seam without the norm has no row work left: a block of tokens per CTA, their Sinkhorns two
         # lanes each in one warp, their partial rows loaded at once (one token per CTA left every CTA's Sinkhorn
         # chain in series with its loads: ~1.3 waves of them at M = 2048)
-        return BigFuseKernel(hidden, split_k, DELAYED_BLOCK_TOKENS, 128, None, 2, pair_sinkhorn=True, delayed=True,
-                             token_loads=DELAYED_BLOCK_TOKENS)
+        return BigFuseKernel(hidden, split_k, DELAYED_BLOCK_TOKENS, 128, None, 2, pair_sinkhorn=True, delayed=True)
     if fuse.removesuffix("p") == "lat":
         batch = 4
         threads = du.batch_threads(hidden, batch, 1024 - du.WARP) + du.WARP
