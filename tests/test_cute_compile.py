@@ -239,7 +239,7 @@ def test_mma_kernel1_mma_in_flight(tmp_path, cuobjdump, dump_env, tactic, norm, 
 def test_delayed_big_fuse_loads_a_block_of_tokens_at_once(tmp_path, cuobjdump, dump_env):
     """The delayed seam's standalone big fuse without the norm (fuse shape "bw") takes 16 tokens a CTA and issues the
     partial-row loads of all of them (2 splits a warp at split_k = 8) before it stores the first sum: one memory round
-    trip for the block, where a round trip per token would put 16 in series (``BigFusePhase.token_loads``)."""
+    trip for the block, where a round trip per token would put 16 in series (``BigFusePhase.token_chunks``)."""
     args = ["half_mma:k8:m64:s3:fbw", "7168", "none", "carried"]
     sass, _ = compiled_variant(tmp_path, dump_env, cuobjdump, *args)
     (ops,) = [ops for name, ops in sass_functions(sass).items() if "BigFuseKernel" in name]

@@ -100,7 +100,10 @@ class BigFusePhase:
         self.pair_sinkhorn = pair_sinkhorn
         self.collapse_warps = collapse_warps = self.warps - (1 if sinkhorn_warp else 0)
         self.groups = max(g for g in range(1, min(tokens, collapse_warps) + 1) if collapse_warps % g == 0)
-        self.token_loads = max(1, min(TOKEN_LOADS, 32 // -(-split_k // self.collapse_warps)))
+        token_loads = max(1, min(TOKEN_LOADS, 32 // -(-split_k // self.collapse_warps)))
+        # the blocks of tokens whose partial rows are loaded together (a list: a static loop over up to 64 blocks
+        # would make the DSL warn of its length)
+        self.token_chunks = [range(t0, min(t0 + token_loads, tokens)) for t0 in range(0, tokens, token_loads)]
         self.group_warps = collapse_warps // self.groups
         self.group_threads = self.group_warps * du.WARP
         self.rounds = -(-tokens // self.groups)
@@ -241,8 +244,7 @@ class BigFusePhase:
         rounds = -(-self.split_k // self.collapse_warps)
         exact = self.split_k % self.collapse_warps == 0
         splits = [warp + r * self.collapse_warps for r in range(rounds)]
-        for t0 in cutlass.range_constexpr(0, self.tokens, self.token_loads):
-            chunk = range(t0, min(t0 + self.token_loads, self.tokens))
+        for chunk in self.token_chunks:
             # clamped indices keep every load in bounds and unconditional; the out-of-range terms are replaced
             # by an exact zero. Issued last split first, summed first split first: the sum's first add needs the
             # last load issued, so ptxas cannot start the sum between the loads (in the delayed seam with the norm it
