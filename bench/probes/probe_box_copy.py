@@ -5,14 +5,19 @@ with kernel 1's structure and no arithmetic: per CTA one tile of ``tile_m`` toke
 them at ``block_h = 32``); four warps per 64 rows copy the residual tile to ``residual_cur`` with 16-byte stores.
 ``--group G``: the consumers wait for G stages and store them together, so that each row piece they write is
 ``G * block_h`` wide while the loads stay ``block_h`` wide (which of the two widths the rate follows).
+``--l2-promotion P``: the loads through descriptors of ``tma_cache`` encoded with that L2 promotion (0 none, 1 64 B,
+2 128 B, 3 256 B: how much L2 fetches from DRAM around each piece a TMA load asks for), where ``inline`` is
+CuTe's own descriptor.
 Bytes moved per token: 18H, kernel 1's share of SPEC's floor. CUDA-graph replay over rotated inputs, median µs and
 the achieved rate against the measured copy bandwidth.
 
     python bench/probes/probe_box_copy.py --hidden 7168 --m 8192 --block-h 32 64 128
     python bench/probes/probe_box_copy.py --hidden 7168 --m 2048 8192 --block-h 32 --group 1 2 4
+    python bench/probes/probe_box_copy.py --hidden 7168 --m 2048 8192 --block-h 32 64 --l2-promotion inline 0 2 3
 """
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -28,22 +33,27 @@ import cutlass.pipeline as pipeline  # noqa: E402
 from cutlass import BFloat16  # noqa: E402
 from cutlass.cute.nvgpu import cpasync  # noqa: E402
 
+import tma_cache  # noqa: E402
 from mhc_cute import benchmark as mb  # noqa: E402
+from tma_cache.cute_support import fake_desc_pointer, tma_desc_from_address  # noqa: E402
 
 VEC = 8  # bf16 per 16-byte vector
 
 
 class BoxCopyKernel:
-    def __init__(self, hidden: int, tile_m: int, block_h: int, split: int, stages: int, group: int = 1):
+    def __init__(self, hidden: int, tile_m: int, block_h: int, split: int, stages: int, group: int = 1,
+                 cached_descriptors: bool = False):
         assert stages % group == 0 and (hidden // block_h // split) % group == 0
         self.hidden, self.tile_m, self.block_h, self.split, self.stages = hidden, tile_m, block_h, split, stages
         self.group = group
+        self.cached_descriptors = cached_descriptors
         self.n_hblk = hidden // block_h
         self.consumers = tile_m // 64 * 128
         self.threads = self.consumers + 32
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mResOut: cute.Tensor, stream):
+    def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mResOut: cute.Tensor, desc_res: cute.Pointer,
+                 desc_x: cute.Pointer, stream):
         tile_m, bh, stages = self.tile_m, self.block_h, self.stages
         res_layout = cute.make_layout((tile_m, 4, bh, stages), stride=(bh, tile_m * bh, 1, tile_m * bh * 4))
         x_layout = cute.make_layout((tile_m, bh, stages), stride=(bh, 1, tile_m * bh))
@@ -60,11 +70,12 @@ class BoxCopyKernel:
 
         self.storage = Storage
         m = mX.shape[0]
-        self.kernel(tma_res, tma_mRes, tma_x, tma_mX, mResOut, res_layout, x_layout).launch(
+        self.kernel(tma_res, tma_mRes, tma_x, tma_mX, mResOut, desc_res, desc_x, res_layout, x_layout).launch(
             grid=[cute.ceil_div(m, tile_m) * self.split, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, tma_res, tma_mRes, tma_x, tma_mX, mResOut, res_layout: cute.Layout, x_layout: cute.Layout):
+    def kernel(self, tma_res, tma_mRes, tma_x, tma_mX, mResOut, desc_res: cute.Pointer, desc_x: cute.Pointer,
+               res_layout: cute.Layout, x_layout: cute.Layout):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -88,12 +99,17 @@ class BoxCopyKernel:
             tRs, tRg = cpasync.tma_partition(tma_res, 0, one, cute.group_modes(sRes, 0, 3),
                                              cute.group_modes(gRes, 0, 3))
             tXs, tXg = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+            res_desc, x_desc = None, None
+            if cutlass.const_expr(self.cached_descriptors):
+                res_desc, x_desc = tma_desc_from_address(desc_res), tma_desc_from_address(desc_x)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             for i in cutlass.range(n_blk, unroll=1):
                 pipe.producer_acquire(state)
                 bar = pipe.producer_get_barrier(state)
-                cute.copy(tma_res, tRg[(None, blk_begin + i)], tRs[(None, state.index)], tma_bar_ptr=bar)
-                cute.copy(tma_x, tXg[(None, blk_begin + i)], tXs[(None, state.index)], tma_bar_ptr=bar)
+                cute.copy(tma_res, tRg[(None, blk_begin + i)], tRs[(None, state.index)], tma_bar_ptr=bar,
+                          tma_desc_ptr=res_desc)
+                cute.copy(tma_x, tXg[(None, blk_begin + i)], tXs[(None, state.index)], tma_bar_ptr=bar,
+                          tma_desc_ptr=x_desc)
                 pipe.producer_commit(state)
                 state.advance()
             pipe.producer_tail(state)
@@ -124,12 +140,12 @@ class BoxCopyKernel:
                     state.advance()
 
 
-def compiled(hidden, tile_m, block_h, split, stages, sets, group=1):
+def compiled(hidden, tile_m, block_h, split, stages, sets, group=1, cached_descriptors=False):
     s = sets[0]
-    kernel = BoxCopyKernel(hidden, tile_m, block_h, split, stages, group)
+    kernel = BoxCopyKernel(hidden, tile_m, block_h, split, stages, group, cached_descriptors)
     m = cute.sym_int()
     x, res, out = fake_tensors(s["x_prev"], s["residual_prev"], s["residual_prev"], tokens=m)
-    return compile_kernel(kernel, x, res, out)
+    return compile_kernel(kernel, x, res, out, fake_desc_pointer(), fake_desc_pointer())
 
 
 def main() -> int:
@@ -141,31 +157,47 @@ def main() -> int:
     ap.add_argument("--split", type=int, default=2)
     ap.add_argument("--group", type=int, nargs="+", default=[1],
                     help="stages stored together (row pieces of group * block_h written at once)")
+    ap.add_argument("--l2-promotion", nargs="+", default=["inline"], choices=["inline", "0", "1", "2", "3"],
+                    help="CuTe's inline descriptors, or tma_cache's with this L2 promotion")
     ap.add_argument("--in-flight", type=int, default=120 * 1024,
                     help="pipeline depth: as many stages as fit in this many bytes per CTA (at least 2)")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    tma_cache.set_capacity(1024)  # every set's two descriptors of every variant stay cached
     bw = mb.measure_copy_bandwidth(dev)
     print(f"GPU: {torch.cuda.get_device_name(dev)}, copy bandwidth {bw / 1e12:.2f} TB/s")
+    kernels = {}
     for h in args.hidden:
         for m in args.m:
             sets = mb.rotated_sets(m, h, dev)
             outs = [torch.empty_like(s["residual_prev"]) for s in sets]
-            for bh in args.block_h:
-                for group in args.group:
-                    stages = max(2, args.in_flight // (args.tile_m * 5 * bh * 2)) // group * group
-                    stages = max(stages, 2 * group)
-                    fn = compiled(h, args.tile_m, bh, args.split, stages, sets, group)
-                    by_id = {id(s): o for s, o in zip(sets, outs)}
+            by_id = {id(s): o for s, o in zip(sets, outs)}
+            for bh, group, promotion in itertools.product(args.block_h, args.group, args.l2_promotion):
+                stages = max(2, args.in_flight // (args.tile_m * 5 * bh * 2)) // group * group
+                stages = max(stages, 2 * group)
+                cached = promotion != "inline"
+                key = (h, bh, group, stages, cached)
+                if key not in kernels:  # compiled for any M
+                    kernels[key] = compiled(h, args.tile_m, bh, args.split, stages, sets, group, cached)
+                fn = kernels[key]
+                descriptors = {}
+                for s in sets:  # encoded before the capture, looked up (hits) inside it
+                    descriptors[id(s)] = ((tma_cache.descriptor_for(s["residual_prev"], (args.tile_m, 4, bh),
+                                                                    l2_promotion=int(promotion)).device_address,
+                                           tma_cache.descriptor_for(s["x_prev"], (args.tile_m, bh),
+                                                                    l2_promotion=int(promotion)).device_address)
+                                          if cached else (0, 0))
 
-                    def call(s):
-                        fn(s["x_prev"], s["residual_prev"], by_id[id(s)])
-                    us = mb.time_graph(call, sets)
-                    ok = torch.equal(outs[0], sets[0]["residual_prev"])
-                    rate = 18 * h * m / (us * 1e-6)
-                    print(f"H={h} M={m} tile_m={args.tile_m} split={args.split} block_h={bh:4d} group={group} "
-                          f"stages={stages} {us:8.2f} us  {rate / 1e12:.2f} TB/s = {rate / bw:6.1%} of copy  "
-                          f"copy ok={ok}", flush=True)
+                def call(s):
+                    fn(s["x_prev"], s["residual_prev"], by_id[id(s)], *descriptors[id(s)])
+                for o in outs:
+                    o.zero_()
+                us = mb.time_graph(call, sets)
+                ok = all(torch.equal(o, s["residual_prev"]) for s, o in zip(sets, outs))
+                rate = 18 * h * m / (us * 1e-6)
+                print(f"H={h} M={m} tile_m={args.tile_m} split={args.split} block_h={bh:4d} group={group} "
+                      f"descriptors={promotion if cached else 'inline'} stages={stages} {us:8.2f} us  "
+                      f"{rate / 1e12:.2f} TB/s = {rate / bw:6.1%} of copy  copy ok={ok}", flush=True)
             del sets, outs
             torch.cuda.empty_cache()
     return 0
