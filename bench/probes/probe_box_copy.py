@@ -148,6 +148,19 @@ def compiled(hidden, tile_m, block_h, split, stages, sets, group=1, cached_descr
     return compile_kernel(kernel, x, res, out, fake_desc_pointer(), fake_desc_pointer())
 
 
+def box_descriptors(s: dict, tile_m: int, block_h: int, promotion: int) -> tuple[int, int]:
+    """tma_cache descriptors of one set's ``residual_prev`` and ``x_prev`` boxes, in the dimension order of CuTe's own
+    (the shared-memory box's: H, then tokens, then streams), with L2 promotion ``promotion``."""
+    res, x = s["residual_prev"], s["x_prev"]
+    m, hidden = x.shape
+    elem = res.element_size()
+    res_desc = tma_cache.get_descriptor(res, res.dtype, (hidden, m, 4), (4 * hidden * elem, hidden * elem),
+                                        (block_h, tile_m, 4), l2_promotion=promotion)
+    x_desc = tma_cache.get_descriptor(x, x.dtype, (hidden, m), (hidden * elem,), (block_h, tile_m),
+                                      l2_promotion=promotion)
+    return res_desc.device_address, x_desc.device_address
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, nargs="+", default=[7168])
@@ -181,12 +194,8 @@ def main() -> int:
                     kernels[key] = compiled(h, args.tile_m, bh, args.split, stages, sets, group, cached)
                 fn = kernels[key]
                 descriptors = {}
-                for s in sets:  # encoded before the capture, looked up (hits) inside it
-                    descriptors[id(s)] = ((tma_cache.descriptor_for(s["residual_prev"], (args.tile_m, 4, bh),
-                                                                    l2_promotion=int(promotion)).device_address,
-                                           tma_cache.descriptor_for(s["x_prev"], (args.tile_m, bh),
-                                                                    l2_promotion=int(promotion)).device_address)
-                                          if cached else (0, 0))
+                for s in sets:  # encoded before the capture, passed as addresses
+                    descriptors[id(s)] = box_descriptors(s, args.tile_m, bh, int(promotion)) if cached else (0, 0)
 
                 def call(s):
                     fn(s["x_prev"], s["residual_prev"], by_id[id(s)], *descriptors[id(s)])
