@@ -6,14 +6,15 @@ them at ``block_h = 32``); four warps per 64 rows copy the residual tile to ``re
 ``--group G``: the consumers wait for G stages and store them together, so that each row piece they write is
 ``G * block_h`` wide while the loads stay ``block_h`` wide (which of the two widths the rate follows).
 ``--l2-promotion P``: the loads through descriptors of ``tma_cache`` encoded with that L2 promotion (0 none, 1 64 B,
-2 128 B, 3 256 B: how much L2 fetches from DRAM around each piece a TMA load asks for), where ``inline`` is
-CuTe's own descriptor.
+2 128 B, 3 256 B: how much L2 fetches from DRAM around each piece a TMA load asks for), ``jitP`` through
+descriptors built with promotion P by the compiled host code (``cutlass.experimental.cuda``, passed by value as
+CuTe's are), where ``inline`` is CuTe's own descriptor.
 Bytes moved per token: 18H, kernel 1's share of SPEC's floor. CUDA-graph replay over rotated inputs, median µs and
 the achieved rate against the measured copy bandwidth.
 
     python bench/probes/probe_box_copy.py --hidden 7168 --m 8192 --block-h 32 64 128
     python bench/probes/probe_box_copy.py --hidden 7168 --m 2048 8192 --block-h 32 --group 1 2 4
-    python bench/probes/probe_box_copy.py --hidden 7168 --m 2048 8192 --block-h 32 64 --l2-promotion inline 0 2 3
+    python bench/probes/probe_box_copy.py --hidden 7168 --m 2048 8192 --block-h 32 64 --l2-promotion inline 0 2 3 jit3
 """
 
 import argparse
@@ -32,21 +33,32 @@ import cutlass.cute as cute  # noqa: E402
 import cutlass.pipeline as pipeline  # noqa: E402
 from cutlass import BFloat16  # noqa: E402
 from cutlass.cute.nvgpu import cpasync  # noqa: E402
+from cutlass.tensor_utils import TensorMapManager, TensorMapUpdateMode  # noqa: E402
+from cutlass.experimental.cuda import (TensorMap, TensorMapL2Promotion,  # noqa: E402
+                                       create_tensor_map_tiled_from_view)
 
 import tma_cache  # noqa: E402
 from mhc_cute import benchmark as mb  # noqa: E402
 from tma_cache.cute_support import fake_desc_pointer, tma_desc_from_address  # noqa: E402
 
 VEC = 8  # bf16 per 16-byte vector
+_TENSORMAPS = TensorMapManager(TensorMapUpdateMode.GMEM, 128)
+
+
+@cute.jit
+def param_tensormap(tensor_map: TensorMap):
+    """The generic address of a by-value descriptor (in the kernel's parameters) as ``cute.copy``'s ``tma_desc_ptr``."""
+    return _TENSORMAPS.get_tensormap_ptr(cute.make_ptr(cutlass.Int64, tensor_map.get_ptr()), cute.AddressSpace.generic)
 
 
 class BoxCopyKernel:
     def __init__(self, hidden: int, tile_m: int, block_h: int, split: int, stages: int, group: int = 1,
-                 cached_descriptors: bool = False):
+                 cached_descriptors: bool = False, jit_promotion: int | None = None):
         assert stages % group == 0 and (hidden // block_h // split) % group == 0
         self.hidden, self.tile_m, self.block_h, self.split, self.stages = hidden, tile_m, block_h, split, stages
         self.group = group
         self.cached_descriptors = cached_descriptors
+        self.jit_promotion = jit_promotion
         self.n_hblk = hidden // block_h
         self.consumers = tile_m // 64 * 128
         self.threads = self.consumers + 32
@@ -61,6 +73,13 @@ class BoxCopyKernel:
         tma_res, tma_mRes = cpasync.make_tiled_tma_atom(g2s, mRes, cute.slice_(res_layout, (None, None, None, 0)),
                                                         (tile_m, 4, bh))
         tma_x, tma_mX = cpasync.make_tiled_tma_atom(g2s, mX, cute.slice_(x_layout, (None, None, 0)), (tile_m, bh))
+        res_map, x_map = None, None
+        if cutlass.const_expr(self.jit_promotion is not None):
+            # TMA dimensions in the order of CuTe's own descriptors (the shared box's): H, tokens, streams
+            promotion = TensorMapL2Promotion(self.jit_promotion)
+            res_map = create_tensor_map_tiled_from_view(mRes, (tile_m, 4, bh), stride_order=(2, 0, 1),
+                                                        l2_promotion=promotion)
+            x_map = create_tensor_map_tiled_from_view(mX, (tile_m, bh), stride_order=(1, 0), l2_promotion=promotion)
 
         @cute.struct
         class Storage:
@@ -70,11 +89,13 @@ class BoxCopyKernel:
 
         self.storage = Storage
         m = mX.shape[0]
-        self.kernel(tma_res, tma_mRes, tma_x, tma_mX, mResOut, desc_res, desc_x, res_layout, x_layout).launch(
+        self.kernel(tma_res, tma_mRes, tma_x, tma_mX, mResOut, desc_res, desc_x, res_map, x_map, res_layout,
+                    x_layout).launch(
             grid=[cute.ceil_div(m, tile_m) * self.split, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, tma_res, tma_mRes, tma_x, tma_mX, mResOut, desc_res: cute.Pointer, desc_x: cute.Pointer,
+               res_map: cutlass.GridConstant[TensorMap], x_map: cutlass.GridConstant[TensorMap],
                res_layout: cute.Layout, x_layout: cute.Layout):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -102,6 +123,9 @@ class BoxCopyKernel:
             res_desc, x_desc = None, None
             if cutlass.const_expr(self.cached_descriptors):
                 res_desc, x_desc = tma_desc_from_address(desc_res), tma_desc_from_address(desc_x)
+            if cutlass.const_expr(self.jit_promotion is not None):
+                # as tensormap pointers: cute.copy ignores a plain pointer (and the IR refuses a cute one)
+                res_desc, x_desc = param_tensormap(res_map), param_tensormap(x_map)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
             for i in cutlass.range(n_blk, unroll=1):
                 pipe.producer_acquire(state)
@@ -140,9 +164,9 @@ class BoxCopyKernel:
                     state.advance()
 
 
-def compiled(hidden, tile_m, block_h, split, stages, sets, group=1, cached_descriptors=False):
+def compiled(hidden, tile_m, block_h, split, stages, sets, group=1, cached_descriptors=False, jit_promotion=None):
     s = sets[0]
-    kernel = BoxCopyKernel(hidden, tile_m, block_h, split, stages, group, cached_descriptors)
+    kernel = BoxCopyKernel(hidden, tile_m, block_h, split, stages, group, cached_descriptors, jit_promotion)
     m = cute.sym_int()
     x, res, out = fake_tensors(s["x_prev"], s["residual_prev"], s["residual_prev"], tokens=m)
     return compile_kernel(kernel, x, res, out, fake_desc_pointer(), fake_desc_pointer())
@@ -170,8 +194,9 @@ def main() -> int:
     ap.add_argument("--split", type=int, default=2)
     ap.add_argument("--group", type=int, nargs="+", default=[1],
                     help="stages stored together (row pieces of group * block_h written at once)")
-    ap.add_argument("--l2-promotion", nargs="+", default=["inline"], choices=["inline", "0", "1", "2", "3"],
-                    help="CuTe's inline descriptors, or tma_cache's with this L2 promotion")
+    ap.add_argument("--l2-promotion", nargs="+", default=["inline"], choices=["inline", "0", "1", "2", "3", "jit0", "jit1", "jit2", "jit3"],
+                    help="CuTe's inline descriptors, tma_cache's with this L2 promotion, or jitP: built by the "
+                         "compiled host code with it")
     ap.add_argument("--in-flight", type=int, default=120 * 1024,
                     help="pipeline depth: as many stages as fit in this many bytes per CTA (at least 2)")
     args = ap.parse_args()
@@ -188,10 +213,11 @@ def main() -> int:
             for bh, group, promotion in itertools.product(args.block_h, args.group, args.l2_promotion):
                 stages = max(2, args.in_flight // (args.tile_m * 5 * bh * 2)) // group * group
                 stages = max(stages, 2 * group)
-                cached = promotion != "inline"
-                key = (h, bh, group, stages, cached)
+                cached = promotion.isdigit()
+                jit_promotion = int(promotion[3:]) if promotion.startswith("jit") else None
+                key = (h, bh, group, stages, promotion)
                 if key not in kernels:  # compiled for any M
-                    kernels[key] = compiled(h, args.tile_m, bh, args.split, stages, sets, group, cached)
+                    kernels[key] = compiled(h, args.tile_m, bh, args.split, stages, sets, group, cached, jit_promotion)
                 fn = kernels[key]
                 descriptors = {}
                 for s in sets:  # encoded before the capture, passed as addresses
@@ -205,7 +231,7 @@ def main() -> int:
                 ok = all(torch.equal(o, s["residual_prev"]) for s, o in zip(sets, outs))
                 rate = 18 * h * m / (us * 1e-6)
                 print(f"H={h} M={m} tile_m={args.tile_m} split={args.split} block_h={bh:4d} group={group} "
-                      f"descriptors={promotion if cached else 'inline'} stages={stages} {us:8.2f} us  "
+                      f"descriptors={promotion} stages={stages} {us:8.2f} us  "
                       f"{rate / 1e12:.2f} TB/s = {rate / bw:6.1%} of copy  copy ok={ok}", flush=True)
             del sets, outs
             torch.cuda.empty_cache()
