@@ -5,16 +5,15 @@ with kernel 1's structure and no arithmetic: per CTA one tile of ``tile_m`` toke
 them at ``block_h = 32``); four warps per 64 rows copy the residual tile to ``residual_cur`` with 16-byte stores.
 ``--group G``: the consumers wait for G stages and store them together, so that each row piece they write is
 ``G * block_h`` wide while the loads stay ``block_h`` wide (which of the two widths the rate follows).
-``--l2-promotion P``: the loads through descriptors of ``tma_cache`` encoded with that L2 promotion (0 none, 1 64 B,
-2 128 B, 3 256 B: how much L2 fetches from DRAM around each piece a TMA load asks for), ``jitP`` through
-descriptors built with promotion P by the compiled host code (``cutlass.experimental.cuda``, passed by value as
-CuTe's are), where ``inline`` is CuTe's own descriptor.
+``--l2-promotion P``: the loads through descriptors built by the compiled host code (``cutlass.experimental.cuda``,
+passed by value as CuTe's are) with that L2 promotion (0 none, 1 64 B, 2 128 B, 3 256 B: how much L2 fetches from
+DRAM around each piece a TMA load asks for); ``inline``: CuTe's own descriptors (128 B, as measured).
 Bytes moved per token: 18H, kernel 1's share of SPEC's floor. CUDA-graph replay over rotated inputs, median µs and
 the achieved rate against the measured copy bandwidth.
 
     python bench/probes/probe_box_copy.py --hidden 7168 --m 8192 --block-h 32 64 128
     python bench/probes/probe_box_copy.py --hidden 7168 --m 2048 8192 --block-h 32 --group 1 2 4
-    python bench/probes/probe_box_copy.py --hidden 7168 --m 2048 8192 --block-h 32 64 --l2-promotion inline 0 2 3 jit3
+    python bench/probes/probe_box_copy.py --hidden 7168 --m 2048 8192 --block-h 32 --l2-promotion inline 2 3
 """
 
 import argparse
@@ -37,9 +36,7 @@ from cutlass.tensor_utils import TensorMapManager, TensorMapUpdateMode  # noqa: 
 from cutlass.experimental.cuda import (TensorMap, TensorMapL2Promotion,  # noqa: E402
                                        create_tensor_map_tiled_from_view)
 
-import tma_cache  # noqa: E402
 from mhc_cute import benchmark as mb  # noqa: E402
-from tma_cache.cute_support import fake_desc_pointer, tma_desc_from_address  # noqa: E402
 
 VEC = 8  # bf16 per 16-byte vector
 _TENSORMAPS = TensorMapManager(TensorMapUpdateMode.GMEM, 128)
@@ -53,19 +50,17 @@ def param_tensormap(tensor_map: TensorMap):
 
 class BoxCopyKernel:
     def __init__(self, hidden: int, tile_m: int, block_h: int, split: int, stages: int, group: int = 1,
-                 cached_descriptors: bool = False, jit_promotion: int | None = None):
+                 l2_promotion: int | None = None):
         assert stages % group == 0 and (hidden // block_h // split) % group == 0
         self.hidden, self.tile_m, self.block_h, self.split, self.stages = hidden, tile_m, block_h, split, stages
         self.group = group
-        self.cached_descriptors = cached_descriptors
-        self.jit_promotion = jit_promotion
+        self.l2_promotion = l2_promotion
         self.n_hblk = hidden // block_h
         self.consumers = tile_m // 64 * 128
         self.threads = self.consumers + 32
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mResOut: cute.Tensor, desc_res: cute.Pointer,
-                 desc_x: cute.Pointer, stream):
+    def __call__(self, mX: cute.Tensor, mRes: cute.Tensor, mResOut: cute.Tensor, stream):
         tile_m, bh, stages = self.tile_m, self.block_h, self.stages
         res_layout = cute.make_layout((tile_m, 4, bh, stages), stride=(bh, tile_m * bh, 1, tile_m * bh * 4))
         x_layout = cute.make_layout((tile_m, bh, stages), stride=(bh, 1, tile_m * bh))
@@ -74,9 +69,9 @@ class BoxCopyKernel:
                                                         (tile_m, 4, bh))
         tma_x, tma_mX = cpasync.make_tiled_tma_atom(g2s, mX, cute.slice_(x_layout, (None, None, 0)), (tile_m, bh))
         res_map, x_map = None, None
-        if cutlass.const_expr(self.jit_promotion is not None):
+        if cutlass.const_expr(self.l2_promotion is not None):
             # TMA dimensions in the order of CuTe's own descriptors (the shared box's): H, tokens, streams
-            promotion = TensorMapL2Promotion(self.jit_promotion)
+            promotion = TensorMapL2Promotion(self.l2_promotion)
             res_map = create_tensor_map_tiled_from_view(mRes, (tile_m, 4, bh), stride_order=(2, 0, 1),
                                                         l2_promotion=promotion)
             x_map = create_tensor_map_tiled_from_view(mX, (tile_m, bh), stride_order=(1, 0), l2_promotion=promotion)
@@ -89,13 +84,11 @@ class BoxCopyKernel:
 
         self.storage = Storage
         m = mX.shape[0]
-        self.kernel(tma_res, tma_mRes, tma_x, tma_mX, mResOut, desc_res, desc_x, res_map, x_map, res_layout,
-                    x_layout).launch(
+        self.kernel(tma_res, tma_mRes, tma_x, tma_mX, mResOut, res_map, x_map, res_layout, x_layout).launch(
             grid=[cute.ceil_div(m, tile_m) * self.split, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, tma_res, tma_mRes, tma_x, tma_mX, mResOut, desc_res: cute.Pointer, desc_x: cute.Pointer,
-               res_map: cutlass.GridConstant[TensorMap], x_map: cutlass.GridConstant[TensorMap],
+    def kernel(self, tma_res, tma_mRes, tma_x, tma_mX, mResOut, res_map: cutlass.GridConstant[TensorMap], x_map: cutlass.GridConstant[TensorMap],
                res_layout: cute.Layout, x_layout: cute.Layout):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -121,9 +114,7 @@ class BoxCopyKernel:
                                              cute.group_modes(gRes, 0, 3))
             tXs, tXg = cpasync.tma_partition(tma_x, 0, one, cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
             res_desc, x_desc = None, None
-            if cutlass.const_expr(self.cached_descriptors):
-                res_desc, x_desc = tma_desc_from_address(desc_res), tma_desc_from_address(desc_x)
-            if cutlass.const_expr(self.jit_promotion is not None):
+            if cutlass.const_expr(self.l2_promotion is not None):
                 # as tensormap pointers: cute.copy ignores a plain pointer (and the IR refuses a cute one)
                 res_desc, x_desc = param_tensormap(res_map), param_tensormap(x_map)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -164,25 +155,12 @@ class BoxCopyKernel:
                     state.advance()
 
 
-def compiled(hidden, tile_m, block_h, split, stages, sets, group=1, cached_descriptors=False, jit_promotion=None):
+def compiled(hidden, tile_m, block_h, split, stages, sets, group=1, l2_promotion=None):
     s = sets[0]
-    kernel = BoxCopyKernel(hidden, tile_m, block_h, split, stages, group, cached_descriptors, jit_promotion)
+    kernel = BoxCopyKernel(hidden, tile_m, block_h, split, stages, group, l2_promotion)
     m = cute.sym_int()
     x, res, out = fake_tensors(s["x_prev"], s["residual_prev"], s["residual_prev"], tokens=m)
-    return compile_kernel(kernel, x, res, out, fake_desc_pointer(), fake_desc_pointer())
-
-
-def box_descriptors(s: dict, tile_m: int, block_h: int, promotion: int) -> tuple[int, int]:
-    """tma_cache descriptors of one set's ``residual_prev`` and ``x_prev`` boxes, in the dimension order of CuTe's own
-    (the shared-memory box's: H, then tokens, then streams), with L2 promotion ``promotion``."""
-    res, x = s["residual_prev"], s["x_prev"]
-    m, hidden = x.shape
-    elem = res.element_size()
-    res_desc = tma_cache.get_descriptor(res, res.dtype, (hidden, m, 4), (4 * hidden * elem, hidden * elem),
-                                        (block_h, tile_m, 4), l2_promotion=promotion)
-    x_desc = tma_cache.get_descriptor(x, x.dtype, (hidden, m), (hidden * elem,), (block_h, tile_m),
-                                      l2_promotion=promotion)
-    return res_desc.device_address, x_desc.device_address
+    return compile_kernel(kernel, x, res, out)
 
 
 def main() -> int:
@@ -194,14 +172,13 @@ def main() -> int:
     ap.add_argument("--split", type=int, default=2)
     ap.add_argument("--group", type=int, nargs="+", default=[1],
                     help="stages stored together (row pieces of group * block_h written at once)")
-    ap.add_argument("--l2-promotion", nargs="+", default=["inline"], choices=["inline", "0", "1", "2", "3", "jit0", "jit1", "jit2", "jit3"],
-                    help="CuTe's inline descriptors, tma_cache's with this L2 promotion, or jitP: built by the "
-                         "compiled host code with it")
+    ap.add_argument("--l2-promotion", nargs="+", default=["inline"], choices=["inline", "0", "1", "2", "3"],
+                    help="CuTe's inline descriptors, or descriptors built by the compiled host code with this L2 "
+                         "promotion")
     ap.add_argument("--in-flight", type=int, default=120 * 1024,
                     help="pipeline depth: as many stages as fit in this many bytes per CTA (at least 2)")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    tma_cache.set_capacity(1024)  # every set's two descriptors of every variant stay cached
     bw = mb.measure_copy_bandwidth(dev)
     print(f"GPU: {torch.cuda.get_device_name(dev)}, copy bandwidth {bw / 1e12:.2f} TB/s")
     kernels = {}
@@ -213,18 +190,14 @@ def main() -> int:
             for bh, group, promotion in itertools.product(args.block_h, args.group, args.l2_promotion):
                 stages = max(2, args.in_flight // (args.tile_m * 5 * bh * 2)) // group * group
                 stages = max(stages, 2 * group)
-                cached = promotion.isdigit()
-                jit_promotion = int(promotion[3:]) if promotion.startswith("jit") else None
                 key = (h, bh, group, stages, promotion)
                 if key not in kernels:  # compiled for any M
-                    kernels[key] = compiled(h, args.tile_m, bh, args.split, stages, sets, group, cached, jit_promotion)
+                    l2_promotion = None if promotion == "inline" else int(promotion)
+                    kernels[key] = compiled(h, args.tile_m, bh, args.split, stages, sets, group, l2_promotion)
                 fn = kernels[key]
-                descriptors = {}
-                for s in sets:  # encoded before the capture, passed as addresses
-                    descriptors[id(s)] = box_descriptors(s, args.tile_m, bh, int(promotion)) if cached else (0, 0)
 
                 def call(s):
-                    fn(s["x_prev"], s["residual_prev"], by_id[id(s)], *descriptors[id(s)])
+                    fn(s["x_prev"], s["residual_prev"], by_id[id(s)])
                 for o in outs:
                     o.zero_()
                 us = mb.time_graph(call, sets)
