@@ -146,6 +146,13 @@ def compile_jobs(jobs, workers: int) -> None:
             print(f"{name}: {len(specs)} variants in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
+def compile_seam_kernels(fma_specs, mma_specs, workers: int) -> None:
+    """Compile the seam kernels of ``split_specs``'s two lists (the sanitizer's and the soak's precompile)."""
+    from mhc_cute.kernels import fma, mma
+
+    compile_jobs([("precompile: FMA", fma, fma_specs), ("precompile: MMA", mma, mma_specs)], workers)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpu-suite", action="store_true",

@@ -46,6 +46,9 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "bench") not in sys.path:  # bench/precompile.py, however this script was loaded
+    sys.path.insert(0, str(ROOT / "bench"))
+import precompile as precompile_script  # noqa: E402
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 MS = (1, 3, 17, 130, 1031)
 HS = (512, 4096, 5120, 7168)
@@ -522,18 +525,9 @@ def tool_options(sanitizer: str, tool: str) -> list[str]:
     return opts
 
 
-def _precompile_script():
-    """``bench/precompile.py`` (its spec format and compile loop), importable however this script was loaded."""
-    if str(ROOT / "bench") not in sys.path:
-        sys.path.insert(0, str(ROOT / "bench"))
-    import precompile
-
-    return precompile
-
-
 def cute_specs(cases: list[Case], sm_count: int):
     """(FMA specs, MMA specs) of the CuTe cases, in ``kernels.fma/mma.precompile``'s form."""
-    call_specs = _precompile_script().call_specs
+    call_specs = precompile_script.call_specs
     fma, mma = [], []
     for c in cases:
         if c.op not in ("mhc_fused_hc", "mhc_fused_hc_delayed"):
@@ -547,11 +541,8 @@ def cute_specs(cases: list[Case], sm_count: int):
 
 
 def precompile(cases: list[Case], sm_count: int, workers: int) -> None:
-    from mhc_cute.kernels import fma, mma
-
     fma_specs, mma_specs = cute_specs(cases, sm_count)
-    _precompile_script().compile_jobs([("precompile: FMA", fma, fma_specs), ("precompile: MMA", mma, mma_specs)],
-                                      workers)
+    precompile_script.compile_seam_kernels(fma_specs, mma_specs, workers)
 
 
 def run_bounded(cmd: list[str], env: dict, timeout: float) -> tuple[str, int | None, bool]:

@@ -46,6 +46,9 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "bench") not in sys.path:  # bench/precompile.py, however this script was loaded
+    sys.path.insert(0, str(ROOT / "bench"))
+import precompile as precompile_script  # noqa: E402
 MAX_ELEMENTS_GPU = 300_000_000  # M * 4H on a GPU: the float64 check's temporaries stay within tens of GB
 MAX_M_GPU = 65536
 CPU_LIMITS = {"torch": (32, 768), "triton": (6, 256)}  # (largest M, largest H) without a GPU: seconds per call
@@ -526,7 +529,7 @@ def make_env(device: str | None, backends: list | None, new_config: float | None
     if "triton" in env.backends:
         from mhc_cute.triton import fused_hc
 
-        env.triton_device = fused_hc._device_key(torch.device(device))
+        env.triton_device = fused_hc.device_key(torch.device(device))
     if device == "cuda":
         env.new_config = NEW_CONFIG_GPU if new_config is None else new_config
         env.sm_count = torch.cuda.get_device_properties(0).multi_processor_count
@@ -646,7 +649,7 @@ def kernel_specs(seed: int, env: Env, ops: list[str], calls: int) -> tuple[list,
     """(FMA specs, MMA specs), in ``bench/precompile.py``'s form, of the CuTe seam kernels that the first ``calls``
     calls of the soak launch (a draw's tactic, or its backend's default at the draw's M on ``env.sm_count`` SMs).
     ``auto`` draws (resolved by the GPU's tables) and the standalone ops' kernels are left to compile on first use."""
-    call_specs = _precompile_module().call_specs
+    call_specs = precompile_script.call_specs
     fma, mma = [], []
     for _, op, d in itertools.islice(draw_sequence(seed, env, ops), calls):
         if op in SEAM_OPS and d["m"]:
@@ -655,15 +658,6 @@ def kernel_specs(seed: int, env: Env, ops: list[str], calls: int) -> tuple[list,
             fma += f
             mma += m
     return list(dict.fromkeys(fma)), list(dict.fromkeys(mma))
-
-
-def _precompile_module():
-    """``bench/precompile.py`` (its spec format and compile loop), however this script was loaded."""
-    if str(ROOT / "bench") not in sys.path:
-        sys.path.insert(0, str(ROOT / "bench"))
-    import precompile
-
-    return precompile
 
 
 def soak(seconds: float, seed: int, env: Env, ops: list[str], progress_s: float, hang_s: float = 600) -> int:
@@ -703,13 +697,10 @@ def soak(seconds: float, seed: int, env: Env, ops: list[str], progress_s: float,
 
 def precompile(seed: int, env: Env, ops: list[str], calls: int, workers: int) -> int:
     """Compile the kernels of ``kernel_specs`` (``--precompile-only``)."""
-    from mhc_cute.kernels import fma, mma
-
     fma_specs, mma_specs = kernel_specs(seed, env, [o for o in ops if env.op_backends.get(o, True)], calls)
     print(f"soak seed {seed}, {calls} calls on {env.sm_count} SMs: {len(fma_specs)} FMA and {len(mma_specs)} MMA "
           f"variants", flush=True)
-    _precompile_module().compile_jobs([("precompile: FMA", fma, fma_specs), ("precompile: MMA", mma, mma_specs)],
-                                      workers)
+    precompile_script.compile_seam_kernels(fma_specs, mma_specs, workers)
     return 0
 
 

@@ -104,14 +104,14 @@ def test_default_tactic_from_mocked_device(monkeypatch):
     from mhc_cute.triton import fused_hc
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: _props("gfx950", 256))
-    fused_hc._device_key.cache_clear()
+    fused_hc.device_key.cache_clear()
     fused_hc._default_tactic.cache_clear()
     try:
         dev = torch.device("cuda", 0)
-        assert fused_hc._device_key(dev) == ("gfx950", 256)
+        assert fused_hc.device_key(dev) == ("gfx950", 256)
         assert fused_hc._default_tactic(dev, 32, 7168) == configs.select_tactic("gfx950", 256, 32, 7168)
     finally:
-        fused_hc._device_key.cache_clear()
+        fused_hc.device_key.cache_clear()
         fused_hc._default_tactic.cache_clear()
 
 

@@ -472,7 +472,7 @@ def _rms_norm(li, sumsq, norm_ptr, h, mask, H, norm_eps):
 
 
 @functools.lru_cache(maxsize=None)
-def _device_key(device: torch.device) -> tuple[str, int]:
+def device_key(device: torch.device) -> tuple[str, int]:
     """(architecture, compute units) of ``device``; the CPU interpreter counts as an unknown 4-CU device."""
     if device.type != "cuda":
         return "interpreter", 4
@@ -482,7 +482,7 @@ def _device_key(device: torch.device) -> tuple[str, int]:
 
 @functools.lru_cache(maxsize=4096)
 def _default_tactic(device: torch.device, m: int, hidden: int) -> TritonTactic:
-    arch, cus = _device_key(device)
+    arch, cus = device_key(device)
     return select_tactic(arch, cus, m, hidden)
 
 
