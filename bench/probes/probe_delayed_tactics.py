@@ -16,6 +16,7 @@ time).
     python bench/probes/probe_delayed_tactics.py --paths half_mma all_mma --m 2048 8192
     python bench/probes/probe_delayed_tactics.py --m 2048 --tactics half_mma:k8:m128:s3:fbw half_mma:k8:m64:s2:fbw
     python bench/probes/probe_delayed_tactics.py --streaming --check --hidden 7168 --m 2048 8192
+    python bench/probes/probe_delayed_tactics.py --m 2048 --precision fp32 tf32 --tactics half_mma:k4:m64:s4:fbw
     python bench/probes/probe_delayed_tactics.py --precompile [same selection]   # on the CPU, with
                                                                                  # $MHC_CUTE_KERNEL_CACHE set
 
@@ -80,6 +81,8 @@ def main() -> int:
     ap.add_argument("--tactics", nargs="+", metavar="NAME", help="time these tactics (those valid at each H) instead")
     ap.add_argument("--precompile", action="store_true", help="compile the candidates (no GPU) and exit")
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--precision", nargs="+", default=["fp32"], choices=["fp32", "tf32"],
+                    help="time every tactic at each of these (tf32: the MMA paths' one-part weight)")
     args = ap.parse_args()
     norm = "bfloat16" if args.norm else None
     if args.precompile:
@@ -89,7 +92,8 @@ def main() -> int:
         tried = [(t, h) for h in args.hidden for m in args.m
                  for t in candidates(args.paths, m, h, args.streaming, args.tactics)]
         fma_specs = [(t.name, h, norm, "carried") for t, h in tried if t.path in tactics.FMA_PATHS]
-        mma_specs = [(t.name, h, "fp32", norm, "carried") for t, h in tried if t.path in tactics.MMA_PATHS]
+        mma_specs = [(t.name, h, p, norm, "carried") for t, h in tried if t.path in tactics.MMA_PATHS
+                     for p in args.precision]
         for module, specs in ((fma, fma_specs), (mma, mma_specs)):
             if specs:
                 module.precompile(list(dict.fromkeys(specs)))
@@ -109,15 +113,17 @@ def main() -> int:
         for m in args.m:
             sets = mb.with_carried_gates(mb.rotated_sets(m, h, dev, norm=args.norm))
             times, checks = {}, {}
-            for t in candidates(args.paths, m, h, args.streaming, args.tactics) + ["auto"]:
+            runs = [(t, p) for t in candidates(args.paths, m, h, args.streaming, args.tactics) for p in args.precision]
+            for t, precision in runs + [("auto", "fp32")]:
                 backend, tactic = ("auto", None) if t == "auto" else (t.path, t)
-                name = getattr(t, "name", t)
-                if check_set is not None and tactic is not None:
+                name = getattr(t, "name", t) + ("" if precision == "fp32" else f" {precision}")
+                if check_set is not None and tactic is not None and precision == "fp32":  # (the fp32 contract)
                     checks[name] = accuracy.failure_of(accuracy.problem_of(check_set), tactic.path, tactic) or "ok"
                     if checks[name] != "ok":
                         print(f"{h:6d} {m:5d} {name:48s} {'-':>8} {checks[name]}", flush=True)
                         continue
-                times[name] = mb.time_graph(lambda s: mhc_fused_hc_delayed(**s, backend=backend, tactic=tactic), sets)
+                times[name] = mb.time_graph(lambda s: mhc_fused_hc_delayed(**s, backend=backend, tactic=tactic,
+                                                                           precision=precision), sets)
             if args.streaming or args.tactics:
                 times["mhc_fused_hc auto"] = mb.time_graph(mb.v4_auto, sets)
             ranked = sorted((us, name) for name, us in times.items() if name not in ("auto", "mhc_fused_hc auto"))
