@@ -54,8 +54,9 @@ def test_corrupt_cache_is_ignored_with_a_warning(tmp_path, content):
     path.write_text(content)
     with pytest.warns(UserWarning, match="ignoring the tuning cache"):
         assert selector.load_user_tables(str(path)) == {}
-    # and tuning again replaces it
-    selector.save_user_tables({"k": {1: Choice("torch", None)}}, str(path))
+    # and tuning again replaces it (saying again that the old file is ignored)
+    with pytest.warns(UserWarning, match="ignoring the tuning cache"):
+        selector.save_user_tables({"k": {1: Choice("torch", None)}}, str(path))
     assert selector.load_user_tables(str(path))["k"][1].backend == "torch"
 
 

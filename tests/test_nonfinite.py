@@ -24,6 +24,10 @@ from mhc_cute.accuracy import (
     bits, call_seam, check_poisoned_token, flat_outputs, gpu_nan, make_inputs, problem_of,
 )
 
+# NaN and infinities are these tests' inputs: numpy (under Triton's interpreter) warning of them is expected
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")]
+
 # where in a token each per-token input is poisoned (the broadcast entry's residual_prev: the embedding, [M, H])
 AT = {"x_prev": (37,), "residual_prev": (2, 37), "post_mix_prev": (1, 0), "comb_mix_prev": (3, 1),
       "pre_mix_prev": (1,)}
