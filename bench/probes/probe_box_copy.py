@@ -44,7 +44,9 @@ _TENSORMAPS = TensorMapManager(TensorMapUpdateMode.GMEM, 128)
 
 @cute.jit
 def param_tensormap(tensor_map: TensorMap):
-    """The generic address of a by-value descriptor (in the kernel's parameters) as ``cute.copy``'s ``tma_desc_ptr``."""
+    """The generic address of a by-value descriptor (in the kernel's parameters) as ``cute.copy``'s ``tma_desc_ptr``.
+    Not ``tma_cache.cute_support.tma_desc_from_address``: that one also fences for a descriptor rewritten in global
+    memory, which a kernel parameter never is."""
     return _TENSORMAPS.get_tensormap_ptr(cute.make_ptr(cutlass.Int64, tensor_map.get_ptr()), cute.AddressSpace.generic)
 
 

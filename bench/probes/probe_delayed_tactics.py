@@ -101,7 +101,7 @@ def main() -> int:
         return 0
     import torch
 
-    from mhc_cute import accuracy, benchmark as mb, mhc_fused_hc_delayed
+    from mhc_cute import accuracy, benchmark as mb, mhc_fused_hc_delayed, tactics
 
     dev = torch.device("cuda")
     bandwidth = mb.measure_copy_bandwidth(dev) if args.streaming or args.tactics else None
@@ -113,7 +113,9 @@ def main() -> int:
         for m in args.m:
             sets = mb.with_carried_gates(mb.rotated_sets(m, h, dev, norm=args.norm))
             times, checks = {}, {}
-            runs = [(t, p) for t in candidates(args.paths, m, h, args.streaming, args.tactics) for p in args.precision]
+            # tf32 only where it changes the kernel (the MMA paths); the FMA paths run fp32 whatever is asked
+            runs = [(t, p) for t in candidates(args.paths, m, h, args.streaming, args.tactics) for p in args.precision
+                    if p == "fp32" or t.path in tactics.MMA_PATHS]
             for t, precision in runs + [("auto", "fp32")]:
                 backend, tactic = ("auto", None) if t == "auto" else (t.path, t)
                 name = getattr(t, "name", t) + ("" if precision == "fp32" else f" {precision}")
