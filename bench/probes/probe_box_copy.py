@@ -90,8 +90,8 @@ class BoxCopyKernel:
             grid=[cute.ceil_div(m, tile_m) * self.split, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, tma_res, tma_mRes, tma_x, tma_mX, mResOut, res_map: cutlass.GridConstant[TensorMap], x_map: cutlass.GridConstant[TensorMap],
-               res_layout: cute.Layout, x_layout: cute.Layout):
+    def kernel(self, tma_res, tma_mRes, tma_x, tma_mX, mResOut, res_map: cutlass.GridConstant[TensorMap],
+               x_map: cutlass.GridConstant[TensorMap], res_layout: cute.Layout, x_layout: cute.Layout):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())

@@ -85,8 +85,9 @@ def main() -> int:
                     help="time every tactic at each of these (tf32: the MMA paths' one-part weight)")
     args = ap.parse_args()
     norm = "bfloat16" if args.norm else None
+    from mhc_cute import tactics
+
     if args.precompile:
-        from mhc_cute import tactics
         from mhc_cute.kernels import fma, mma
 
         tried = [(t, h) for h in args.hidden for m in args.m
@@ -101,7 +102,7 @@ def main() -> int:
         return 0
     import torch
 
-    from mhc_cute import accuracy, benchmark as mb, mhc_fused_hc_delayed, tactics
+    from mhc_cute import accuracy, benchmark as mb, mhc_fused_hc_delayed
 
     dev = torch.device("cuda")
     bandwidth = mb.measure_copy_bandwidth(dev) if args.streaming or args.tactics else None
