@@ -15,8 +15,8 @@ The script's directory comes first on ``sys.path`` (it holds no ``mhc_cute``), t
 the tree. ``--check`` runs each point once against the float64 contract (``ok`` or the first failure), after its
 timing. ``HOST``
 lines: host µs to issue one eager call (``benchmark.host_us_per_call``). ``--op`` times V4.1's delayed seam (carried
-gates; ``auto`` runs the V4 seam's pick with the delayed flag) or a standalone op (``mhc_post``, ``mhc_collapse``
-with a bf16 norm weight) on ``auto`` instead of ``mhc_fused_hc``; the tactic column then names the V4 seam's pick.
+gates; ``auto`` on the delayed seam's own tables) or a standalone op (``mhc_post``, ``mhc_collapse`` with a bf16
+norm weight) on ``auto`` instead of ``mhc_fused_hc``; a standalone op's tactic column names the V4 seam's pick.
 """
 
 import argparse
