@@ -136,6 +136,10 @@ def main() -> int:
     ap.add_argument("--gpu", default="NVIDIA H200", help="with --precompile: whose shipped tables' picks to compile")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--interleave", action="store_true",
+                    help="time the ops point by point (each point's ops in turn) instead of op by op: a delayed "
+                    "seam's time can depend on how many points its process timed before (docs/experiments.md, "
+                    "2026-12-07), so that both ops of a point are timed at nearly the same place in the process")
     ap.add_argument("--separated", action="store_true",
                     help="also SEP lines: the calls separated by a non-PDL kernel (benchmark.time_graph_separated)")
     args = ap.parse_args()
@@ -153,24 +157,25 @@ def main() -> int:
     from mhc_cute import benchmark as mb, tactics
 
     dev = torch.device("cuda")
-    for op in args.op:
-        for h, m, norm, *named in grid:
-            explicit = bool(named)
-            # a standalone op's column names the V4 seam's pick, as before
-            tactic = (tactics.parse_tactic(named[0]) if explicit else resolved(dev, h, m, norm, op == "delayed"))
-            sets = sets_of(op, m, h, norm, dev)
-            call = call_of(op, dict(backend=tactic.path, tactic=tactic) if explicit else {})
-            us = mb.time_graph(call, sets, reps=args.reps)
-            check = (check_of(op, sets[0], call, tactic) or "ok") if args.check else ""
-            point = f"{args.tag} {op} H={h} M={m} norm={int(norm)} {tactic.name}"
-            if args.separated:
-                sep = mb.time_graph_separated(call, sets, mb.time_graph(mb.separator(), sets), reps=args.reps)
-                print(f"SEP {point} {sep:.2f}", flush=True)
-            host = mb.host_us_per_call(call, sets[0])
-            print(f"AB {point} {us:.2f} {check}", flush=True)
-            print(f"HOST {point} {host:.2f}", flush=True)
-            del sets
-            torch.cuda.empty_cache()
+    order = ([(op, p) for p in grid for op in args.op] if args.interleave
+             else [(op, p) for op in args.op for p in grid])
+    for op, (h, m, norm, *named) in order:
+        explicit = bool(named)
+        # a standalone op's column names the V4 seam's pick, as before
+        tactic = (tactics.parse_tactic(named[0]) if explicit else resolved(dev, h, m, norm, op == "delayed"))
+        sets = sets_of(op, m, h, norm, dev)
+        call = call_of(op, dict(backend=tactic.path, tactic=tactic) if explicit else {})
+        us = mb.time_graph(call, sets, reps=args.reps)
+        check = (check_of(op, sets[0], call, tactic) or "ok") if args.check else ""
+        point = f"{args.tag} {op} H={h} M={m} norm={int(norm)} {tactic.name}"
+        if args.separated:
+            sep = mb.time_graph_separated(call, sets, mb.time_graph(mb.separator(), sets), reps=args.reps)
+            print(f"SEP {point} {sep:.2f}", flush=True)
+        host = mb.host_us_per_call(call, sets[0])
+        print(f"AB {point} {us:.2f} {check}", flush=True)
+        print(f"HOST {point} {host:.2f}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
     return 0
 
 
