@@ -3,8 +3,8 @@ with the norm: 5.2 -> 5.35 µs, the V4 seam steady; `docs/experiments.md`, 2026-
 again in one process, each repetition on fresh input sets (as ``ab_versions.py`` does) or on the same ones
 (``--same-sets``), optionally after allocating a spacer that stays alive (``--spacer-mib``: shifts where later
 tensors land) or after dropping the package's caches of prepared weights and plans (``--clear``). Each line names
-the repetition, the time and where the first set's inputs and the graph's first output landed (offset within a 2 MiB
-page), so that a step can be matched to addresses, to the caches, or to neither:
+the repetition, the time and where the first set's inputs and an eager call's ``layer_input`` landed (offset within a
+2 MiB page), so that a step can be matched to addresses, to the caches, or to neither:
 
     python bench/probes/probe_place_in_process.py --op delayed seam --hidden 4096 --m 16 --norm --repeat 6
     python bench/probes/probe_place_in_process.py --op delayed --same-sets --repeat 6
